@@ -1,0 +1,32 @@
+"""MFSDP v2: fully sharded data parallelism with an explicit construction scope.
+
+Public API, source-compatible with upstream Megatron-LM's experimental MFSDP v2::
+
+    with fully_shard_context() as ctx:
+        for layer in model.decoder.layers:
+            fully_shard(layer, mesh=mesh, placements=Placements.zero3())
+        fully_shard(model, mesh=mesh, placements=Placements.zero3())
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters()))
+
+See docs/mfsdp_v2.md.
+"""
+
+from .context import FsdpContext, current_fully_shard_context, fully_shard_context, microbatch
+from .fully_shard import fully_shard
+from .mixed_precision import MixedPrecisionPolicy
+from .module import FsdpModule
+from .optimizer import clip_grad_norm_, fully_shard_optimizer
+from .placements import Placements
+
+__all__ = [
+    "FsdpContext",
+    "FsdpModule",
+    "MixedPrecisionPolicy",
+    "Placements",
+    "clip_grad_norm_",
+    "current_fully_shard_context",
+    "fully_shard",
+    "fully_shard_context",
+    "fully_shard_optimizer",
+    "microbatch",
+]

@@ -1,0 +1,124 @@
+"""Hooking a plain ``torch.optim`` optimizer to the engine, and grad-norm clipping over shards."""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from .context import FsdpContext
+
+
+def _find_groups(optimizer: torch.optim.Optimizer, context: Optional[FsdpContext]):
+    """The context owning the optimizer's parameters and their groups, or raise."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not params:
+        raise ValueError("The optimizer has no parameters; build it over model.parameters() after fully_shard.")
+    contexts = []
+    for p in params:
+        ctx = getattr(p, "_mfsdp_context", None)
+        if ctx is None:
+            raise ValueError(
+                "An optimizer parameter is not a sharded parameter of any FSDP unit (was the "
+                "optimizer built before fully_shard, or over another model?). Build it over "
+                "model.parameters() after the fully_shard_context scope exited."
+            )
+        if all(ctx is not c for c in contexts):
+            contexts.append(ctx)
+    if len(contexts) > 1:
+        raise ValueError(
+            "The optimizer holds parameters from two fully_shard_contexts; use one optimizer per context."
+        )
+    found = contexts[0]
+    if context is not None and context is not found:
+        raise ValueError(
+            "The given context does not own the optimizer's parameters; pass the context the "
+            "model was wrapped in (or omit context= to find it from the parameters)."
+        )
+    groups, seen = [], set()
+    for p in params:
+        group = found._param_group[id(p)]
+        if id(group) not in seen:
+            seen.add(id(group))
+            groups.append(group)
+    return found, groups
+
+
+def fully_shard_optimizer(
+    optimizer: torch.optim.Optimizer,
+    *,
+    context: Optional[FsdpContext] = None,
+    precision_aware: bool = False,
+) -> torch.optim.Optimizer:
+    """Hook ``optimizer`` (built over the sharded ``model.parameters()``) to the engine.
+
+    After every ``step()`` the compute weights are refreshed from the updated main weights,
+    once per parameter group. ``precision_aware=True`` leaves ``.grad`` in
+    ``main_grads_dtype`` for optimizers that handle mixed dtypes themselves.
+    """
+    if getattr(optimizer, "_mfsdp_context", None) is not None:
+        raise ValueError("fully_shard_optimizer was already applied to this optimizer.")
+    found, groups = _find_groups(optimizer, context)
+    found.check_finalized()
+    found.precision_aware_grads = bool(precision_aware)
+    original_step = optimizer.step
+
+    @functools.wraps(original_step)
+    def step(closure=None, **kwargs):
+        if closure is not None:
+            raise NotImplementedError(
+                "optimizer.step(closure) is not supported with MFSDP v2: run forward/backward "
+                "yourself, then call optimizer.step()."
+            )
+        result = original_step(**kwargs)
+        works = []
+        for group in groups:
+            works.extend(group.sync_model_weight())
+        for work in works:
+            work.wait()
+        return result
+
+    optimizer.step = step
+    optimizer._mfsdp_context = found
+    optimizer._mfsdp_groups = groups
+    return optimizer
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by their global norm, computed over the sharded ``.grad`` DTensors.
+
+    Equal to ``torch.nn.utils.clip_grad_norm_`` on an unsharded copy of the model: each
+    rank sums its local shard, and the sum is reduced over the mesh axes that shard it
+    (replicated axes are not counted twice). Returns the total norm (a float32 tensor)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if norm_type != 2.0:
+        raise NotImplementedError("clip_grad_norm_ supports the 2-norm only.")
+    if not grads:
+        return torch.tensor(0.0)
+    buckets = {}
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            local = grad.to_local()
+            dims = tuple(i for i, pl in enumerate(grad.placements) if isinstance(pl, Shard))
+            key = (id(grad.device_mesh), dims)
+            mesh = grad.device_mesh
+        else:
+            local, key, mesh, dims = grad, (None, ()), None, ()
+        if key not in buckets:
+            buckets[key] = [torch.zeros((), dtype=torch.float32, device=local.device), mesh, dims]
+        buckets[key][0] += local.float().pow(2).sum()
+    total = None
+    for square_sum, mesh, dims in buckets.values():
+        for dim in dims:
+            dist.all_reduce(square_sum, group=mesh.get_group(dim))
+        total = square_sum if total is None else total + square_sum
+    total_norm = total.sqrt()
+    coef = max_norm / (total_norm.item() + 1e-6)
+    if coef < 1.0:
+        for grad in grads:
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coef)
+    return total_norm

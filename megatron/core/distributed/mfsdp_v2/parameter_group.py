@@ -1,0 +1,456 @@
+"""One parameter group per (dtype, requires_grad) of an FSDP unit, and its buffers.
+
+| buffer          | lies as                       | dtype             | role                                   |
+|-----------------|-------------------------------|-------------------|----------------------------------------|
+| main_weight     | optimizer placement           | main_params_dtype | what the optimizer updates             |
+| model_weight    | parameter placement           | compute dtype     | all-gather input; aliases main_weight  |
+| unsharded       | Replicate (gathered layout)   | compute dtype     | exists only between unshard/reshard    |
+| main_grad       | gradient placement            | main_grads_dtype  | persistent, allocated eagerly          |
+| reduced_grad    | optimizer placement           | main_grads_dtype  | what ``.grad`` shows; aliases main_grad|
+|                 |                               |                   | unless a last-microbatch reduction     |
+|                 |                               |                   | changes its shape (ZeRO-1)             |
+
+All sharded buffers follow one ``FlatLayout`` over the inner (sharding) axis, so a rank's
+slice of every tensor is whole rows and a ``Shard(0)`` DTensor view.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from . import work as comm
+from .layout import FlatLayout
+from .mixed_precision import ResolvedPrecision
+from .placements import Strategy
+
+
+class FsdpParameter:
+    """One logical parameter: tied parameters are one entry with several names."""
+
+    def __init__(self, fqns: Tuple[str, ...], slots, original: nn.Parameter, index: int):
+        self.fqns = fqns
+        # (module, attribute) pairs that hold this parameter, one per name.
+        self.slots: List[Tuple[nn.Module, str]] = slots
+        self.shape = original.shape
+        self.stride = _contiguous_stride(original.shape)
+        self.requires_grad = original.requires_grad
+        self.index = index  # position in the group's layout
+        self.sharded_param: Optional[nn.Parameter] = None
+        self.unsharded_param: Optional[nn.Parameter] = None
+
+    def __repr__(self) -> str:
+        return f"FsdpParameter({', '.join(self.fqns)}, shape={tuple(self.shape)})"
+
+    def install(self, param: nn.Parameter) -> None:
+        for module, name in self.slots:
+            module._parameters[name] = param
+
+
+def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= size
+    return tuple(reversed(stride))
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def _alloc_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    needed = tensor.numel() * tensor.element_size() + tensor.storage_offset() * tensor.element_size()
+    if storage.size() < needed:
+        storage.resize_(needed)
+
+
+class ParameterGroup:
+    """Buffers and collectives for the parameters of one unit that share (dtype, requires_grad)."""
+
+    def __init__(
+        self,
+        unit_name_hint: str,
+        params: Sequence[FsdpParameter],
+        originals: Sequence[nn.Parameter],
+        mesh: DeviceMesh,
+        strategy: Strategy,
+        precision: ResolvedPrecision,
+        device,
+        context,
+        grad_divisor: float,
+    ):
+        self.fsdp_parameters: List[FsdpParameter] = list(params)
+        self.requires_grad = self.fsdp_parameters[0].requires_grad
+        self.precision = precision
+        self.dtype = precision.compute
+        self.mesh = mesh
+        self.strategy = strategy
+        self.context = context
+        self.device = context.device_handle
+        self.grad_divisor = grad_divisor
+        self.inner_group = mesh.get_group(strategy.inner_dim)
+        self.outer_group = mesh.get_group(strategy.outer_dim) if strategy.outer_dim is not None else None
+        self.inner_size = dist.get_world_size(self.inner_group)
+        self.inner_rank = dist.get_rank(self.inner_group)
+        self.outer_size = dist.get_world_size(self.outer_group) if self.outer_group is not None else 1
+        if strategy.outer_optim_sharded:
+            raise NotImplementedError(
+                "HFSDP (optimizer state sharded on the outer axis) is not available yet; use Placements.hsdp()."
+            )
+        sharded = strategy.param_sharded or strategy.grad_sharded or strategy.optim_sharded
+        self.layout = FlatLayout([p.shape for p in self.fsdp_parameters], self.inner_size if sharded else 1)
+        self.shard_index = self.inner_rank if sharded else 0
+        S, G = self.layout.shard_numel, self.layout.gathered_numel
+
+        # main_weight: optimizer placement on the inner axis.
+        self.main_weight = torch.zeros(S if strategy.optim_sharded else G, dtype=precision.main_params, device=device)
+        # model_weight: the compute copy in the parameter placement.
+        if strategy.param_sharded:
+            if precision.model_weight_aliases_main:
+                self.model_weight = self.main_weight
+            else:
+                self.model_weight = torch.zeros(S, dtype=precision.compute, device=device)
+        else:
+            self.model_weight = None  # the persistent unsharded buffer plays this role
+        # The unsharded (gathered) buffer; for ZeRO-3 its storage exists only while unsharded.
+        # For replicated parameters in one shard the main weight can serve directly.
+        if not strategy.param_sharded and not strategy.optim_sharded and precision.model_weight_aliases_main:
+            self.unsharded = self.main_weight
+        else:
+            self.unsharded = torch.zeros(G, dtype=precision.compute, device=device)
+        self._own_unsharded = {}  # index -> contiguous storage for tensors spanning shards
+        self._unshard_versions = None
+
+        self._fill_from_originals(originals)
+        self._build_parameters()
+        if strategy.param_sharded:
+            self._release_unsharded()
+        self.is_unsharded = not strategy.param_sharded
+
+        # Gradient buffers, allocated eagerly on the reduce-scatter stream.
+        self.main_grad: Optional[torch.Tensor] = None
+        self.reduced_grad: Optional[torch.Tensor] = None
+        if self.requires_grad:
+            with self.device.stream(context.reduce_scatter_stream):
+                self.main_grad = torch.zeros(S if strategy.grad_sharded else G, dtype=precision.main_grads, device=device)
+                if not strategy.grad_sharded and strategy.optim_sharded:
+                    self.reduced_grad = torch.zeros(S, dtype=precision.main_grads, device=device)
+                else:
+                    self.reduced_grad = self.main_grad
+        # Parameters whose next reduction overwrites instead of accumulating.
+        self._overwrite = [False] * len(self.fsdp_parameters)
+        self._fresh = [False] * len(self.fsdp_parameters)
+        self._received = set()
+        self._grads_reduced = False  # a reduction reached reduced_grad since .grad was last set
+        self.reduced_this_backward = False
+
+    # Construction ---------------------------------------------------------------------
+    def _fill_from_originals(self, originals: Sequence[nn.Parameter]) -> None:
+        """Copy each original parameter's rows into the main weight (and the compute copies)."""
+        with torch.no_grad():
+            for p, original in zip(self.fsdp_parameters, originals):
+                if original.is_meta:
+                    continue  # materialized later by the model's own init (reset_parameters)
+                data = original.detach().to(self.main_weight.device)
+                self._main_view(p).copy_(self._optimizer_rows(data, p))
+                if self.model_weight is not None and self.model_weight is not self.main_weight:
+                    self._model_view(p).copy_(self._optimizer_rows(data, p))
+                if not self.strategy.param_sharded and self.unsharded is not self.main_weight:
+                    self._unsharded_tensor(p).copy_(data)
+
+    def _optimizer_rows(self, full: torch.Tensor, p: FsdpParameter) -> torch.Tensor:
+        if not self.strategy.optim_sharded:
+            return full
+        start, end, _ = self.layout.local_piece(p.index, self.shard_index)
+        return full.reshape(self.layout.rows[p.index], -1)[start:end].reshape(self._main_view(p).shape)
+
+    def _main_view(self, p: FsdpParameter) -> torch.Tensor:
+        if self.strategy.optim_sharded:
+            return self.layout.local_view(self.main_weight, p.index, self.shard_index)
+        return self._gathered_tensor(self.main_weight, p)
+
+    def _model_view(self, p: FsdpParameter) -> torch.Tensor:
+        return self.layout.local_view(self.model_weight, p.index, self.shard_index)
+
+    def _gathered_tensor(self, gathered: torch.Tensor, p: FsdpParameter) -> torch.Tensor:
+        if self.layout.is_contiguous_in_gathered(p.index):
+            return self.layout.gathered_view(gathered, p.index)
+        if p.index not in self._own_unsharded:
+            self._own_unsharded[p.index] = torch.empty(p.shape, dtype=gathered.dtype, device=gathered.device)
+        return self._own_unsharded[p.index]
+
+    def _unsharded_tensor(self, p: FsdpParameter) -> torch.Tensor:
+        return self._gathered_tensor(self.unsharded, p)
+
+    def _dtensor(self, local: torch.Tensor, p: FsdpParameter, placements) -> DTensor:
+        return DTensor.from_local(
+            local, self.mesh, placements, run_check=False, shape=p.shape, stride=p.stride
+        )
+
+    def _optimizer_placements(self):
+        inner = Shard(0) if self.strategy.optim_sharded else Replicate()
+        return (Replicate(), inner) if self.outer_group is not None else (inner,)
+
+    def _build_parameters(self) -> None:
+        placements = self._optimizer_placements()
+        for p in self.fsdp_parameters:
+            p.sharded_param = nn.Parameter(self._dtensor(self._main_view(p), p, placements), requires_grad=p.requires_grad)
+            p.unsharded_param = nn.Parameter(self._unsharded_tensor(p), requires_grad=p.requires_grad)
+            if p.requires_grad:
+                p.unsharded_param.register_post_accumulate_grad_hook(self._make_grad_hook(p))
+
+    def _make_grad_hook(self, p: FsdpParameter):
+        def hook(param: torch.Tensor) -> None:
+            self._received.add(p.index)
+            self.context._on_grad_ready(self)
+
+        return hook
+
+    # Memory accounting ------------------------------------------------------------------
+    def persistent_bytes(self) -> dict:
+        """Bytes this rank keeps between steps, per buffer (unsharded storage excluded for ZeRO-3)."""
+        out = {"main_weight": _storage_bytes(self.main_weight)}
+        out["model_weight"] = 0
+        if self.model_weight is not None and self.model_weight is not self.main_weight:
+            out["model_weight"] = _storage_bytes(self.model_weight)
+        if not self.strategy.param_sharded and self.unsharded is not self.main_weight:
+            out["model_weight"] = _storage_bytes(self.unsharded) + sum(
+                _storage_bytes(t) for t in self._own_unsharded.values()
+            )
+        out["main_grad"] = _storage_bytes(self.main_grad) if self.main_grad is not None else 0
+        if self.reduced_grad is not None and self.reduced_grad is not self.main_grad:
+            out["main_grad"] += _storage_bytes(self.reduced_grad)
+        return out
+
+    # Unshard / reshard ------------------------------------------------------------------
+    def unshard(self) -> Optional[comm.CollectiveWork]:
+        """Issue the all-gather of the compute weights (ZeRO-3); None when nothing to do."""
+        if self.is_unsharded:
+            return None
+        ctx, device = self.context, self.device
+        stream = ctx.allgather_stream
+        if device.is_cuda:
+            # Reuse of freed unsharded memory must wait for the compute that last read it.
+            stream.wait_stream(device.current_stream())
+        # Refilling the unsharded storage is not a mutation autograd should see: the graph
+        # saved these tensors at forward and expects the same values at backward.
+        self._unshard_versions = self._unsharded_tensors_and_versions()
+        with device.stream(stream):
+            _alloc_storage(self.unsharded)
+            for t in self._own_unsharded.values():
+                _alloc_storage(t)
+        spanning = [p for p in self.fsdp_parameters if not self.layout.is_contiguous_in_gathered(p.index)]
+
+        def copy_out() -> None:
+            for p in spanning:
+                self.layout.copy_out(self.unsharded, p.index, self._own_unsharded[p.index])
+
+        self.is_unsharded = True
+        return comm.all_gather(
+            self.unsharded, self.model_weight, self.inner_group,
+            device=device, stream=stream, post_ops=[copy_out] if spanning else [], counter=ctx.counter,
+        )
+
+    def _unsharded_tensors_and_versions(self):
+        tensors = (self.unsharded,) + tuple(self._own_unsharded.values())
+        return tensors, tuple(t._version for t in tensors)
+
+    def use_unsharded(self) -> None:
+        if self._unshard_versions is not None:
+            tensors, versions = self._unshard_versions
+            torch._C._autograd._unsafe_set_version_counter(tensors, versions)
+            self._unshard_versions = None
+        for p in self.fsdp_parameters:
+            p.install(p.unsharded_param)
+
+    def use_sharded(self) -> None:
+        for p in self.fsdp_parameters:
+            p.install(p.sharded_param)
+
+    def reshard(self) -> None:
+        self.use_sharded()
+        if self.strategy.param_sharded and self.is_unsharded:
+            self._release_unsharded()
+            self.is_unsharded = False
+
+    def _release_unsharded(self) -> None:
+        _free_storage(self.unsharded)
+        for t in self._own_unsharded.values():
+            _free_storage(t)
+
+    # Gradients ----------------------------------------------------------------------------
+    def all_grads_received(self) -> bool:
+        return len(self._received) == sum(1 for p in self.fsdp_parameters if p.requires_grad)
+
+    def reduce_grads(self, is_last_microbatch: bool) -> List[comm.CollectiveWork]:
+        """Reduce this backward's gradients into main_grad (missing gradients count as zero)."""
+        if not self.requires_grad:
+            return []
+        ctx, device, strategy = self.context, self.device, self.strategy
+        self._received.clear()
+        self.reduced_this_backward = True
+        for p in self.fsdp_parameters:
+            # A parameter whose .grad was set to None starts a fresh accumulation, once:
+            # later microbatches of the same step see .grad None too but must accumulate.
+            if p.sharded_param.grad is None and not self._fresh[p.index]:
+                self._overwrite[p.index] = True
+                self._fresh[p.index] = True
+        divisor = self.inner_size * self.grad_divisor
+        works: List[comm.CollectiveWork] = []
+        if strategy.grad_sharded:
+            flat = torch.zeros(self.layout.gathered_numel, dtype=self.precision.grad_comm, device=self.main_grad.device)
+            self._take_grads_into(flat)
+            with device.stream(ctx.reduce_scatter_stream):
+                out = torch.empty(self.layout.shard_numel, dtype=self.precision.grad_comm, device=flat.device)
+            works.append(comm.reduce_scatter(
+                out, flat, self.inner_group, device=device, stream=ctx.reduce_scatter_stream,
+                divisor=divisor, post_ops=[self._accumulate_op(out, self.main_grad)], counter=ctx.counter,
+            ))
+            if self.outer_group is not None and is_last_microbatch:
+                works.append(self._outer_all_reduce(works[-1]))
+            self._grads_reduced = self.outer_group is None or is_last_microbatch
+            return works
+        # Replicated gradients (no_shard, ZeRO-1): accumulate locally, reduce on the last microbatch.
+        self._take_grads_into(self.main_grad, accumulate=True)
+        if not is_last_microbatch:
+            return works
+        if strategy.optim_sharded:  # ZeRO-1: reduce-scatter the local sum into the shard
+            with device.stream(ctx.reduce_scatter_stream):
+                out = torch.empty(self.layout.shard_numel, dtype=self.main_grad.dtype, device=self.main_grad.device)
+            local = self.main_grad
+
+            def clear_local() -> None:
+                local.zero_()
+
+            works.append(comm.reduce_scatter(
+                out, local, self.inner_group, device=device, stream=ctx.reduce_scatter_stream, divisor=divisor,
+                post_ops=[self._accumulate_op(out, self.reduced_grad), clear_local], counter=ctx.counter,
+            ))
+        else:  # no_shard: all-reduce in place. Content left from earlier steps is identical on
+            # every rank, so SUM / N returns it unchanged and new gradients are averaged onto it.
+            works.append(comm.all_reduce(
+                self.main_grad, self.inner_group, device=device, stream=ctx.reduce_scatter_stream,
+                divisor=divisor, counter=ctx.counter,
+            ))
+        if self.outer_group is not None:
+            works.append(self._outer_all_reduce(works[-1]))
+        self._grads_reduced = True
+        return works
+
+    def _outer_all_reduce(self, inner_work: comm.CollectiveWork) -> comm.CollectiveWork:
+        # The outer reduction reads what the inner one wrote: order them (stream-ordered
+        # on CUDA; on CPU this completes the inner reduction first).
+        with self.device.stream(self.context.reduce_scatter_stream):
+            inner_work.wait()
+        return comm.all_reduce(
+            self.reduced_grad, self.outer_group, device=self.device, stream=self.context.reduce_scatter_stream,
+            divisor=self.outer_size, counter=self.context.counter,
+        )
+
+    def _take_grads_into(self, flat: torch.Tensor, accumulate: bool = False) -> None:
+        """Move each unsharded gradient into its place in a gathered-layout buffer."""
+        with torch.no_grad():
+            for p in self.fsdp_parameters:
+                grad = p.unsharded_param.grad
+                if grad is None:
+                    continue
+                if accumulate:
+                    pieces = self.layout.gathered_slices(flat, p.index)
+                    if self._overwrite[p.index] and self.reduced_grad is self.main_grad:
+                        # no_shard: the reduced gradient *is* this buffer; restart it from zero.
+                        for piece in pieces:
+                            piece.zero_()
+                    for piece, src in zip(pieces, _row_chunks(grad, self.layout, p.index)):
+                        piece.add_(src)
+                else:
+                    self.layout.copy_in(grad, flat, p.index)
+                p.unsharded_param.grad = None
+        if accumulate and self.reduced_grad is self.main_grad:
+            self._overwrite = [False] * len(self.fsdp_parameters)
+
+    def _accumulate_op(self, reduced: torch.Tensor, target: torch.Tensor):
+        """Post-op: add a reduced shard into ``target`` (zeroing slices marked for overwrite)."""
+        overwrite = [p for p in self.fsdp_parameters if self._overwrite[p.index]]
+        self._overwrite = [False] * len(self.fsdp_parameters)
+
+        def op() -> None:
+            for p in overwrite:
+                self.layout.local_view(target, p.index, self.shard_index).zero_()
+            target.add_(reduced.to(target.dtype))
+
+        return op
+
+    def expose_grads(self) -> None:
+        """Point each parameter's ``.grad`` at its reduced gradient (end of backward)."""
+        if not self.requires_grad or not self._grads_reduced:
+            return
+        self._grads_reduced = False
+        self._fresh = [False] * len(self.fsdp_parameters)
+        placements = self._optimizer_placements()
+        main_dtype = self.precision.main_params
+        for p in self.fsdp_parameters:
+            if self.strategy.optim_sharded:
+                local = self.layout.local_view(self.reduced_grad, p.index, self.shard_index)
+            else:
+                local = self._gathered_grad_tensor(p)
+            if local.dtype != main_dtype and not self.context.precision_aware_grads:
+                local = local.to(main_dtype)
+            p.sharded_param.grad = self._dtensor(local, p, placements)
+
+    def _gathered_grad_tensor(self, p: FsdpParameter) -> torch.Tensor:
+        if self.layout.is_contiguous_in_gathered(p.index):
+            return self.layout.gathered_view(self.reduced_grad, p.index)
+        out = torch.empty(p.shape, dtype=self.reduced_grad.dtype, device=self.reduced_grad.device)
+        self.layout.copy_out(self.reduced_grad, p.index, out)
+        return out
+
+    # Optimizer step ---------------------------------------------------------------------
+    def sync_model_weight(self) -> List[comm.CollectiveWork]:
+        """After the optimizer updated main_weight: refresh the compute weights."""
+        works: List[comm.CollectiveWork] = []
+        with torch.no_grad():
+            if self.strategy.param_sharded:
+                if self.model_weight is not self.main_weight:
+                    self.model_weight.copy_(self.main_weight)
+                return works
+            if self.strategy.optim_sharded:  # ZeRO-1/2: gather the updated shards
+                source = self.main_weight.to(self.dtype)
+                spanning = [p for p in self.fsdp_parameters if not self.layout.is_contiguous_in_gathered(p.index)]
+
+                def copy_out() -> None:
+                    for p in spanning:
+                        self.layout.copy_out(self.unsharded, p.index, self._own_unsharded[p.index])
+
+                works.append(comm.all_gather(
+                    self.unsharded, source, self.inner_group, device=self.device,
+                    stream=self.context.allgather_stream, post_ops=[copy_out], counter=self.context.counter,
+                ))
+            elif self.unsharded is not self.main_weight:
+                self.unsharded.copy_(self.main_weight)
+                for p in self.fsdp_parameters:
+                    if not self.layout.is_contiguous_in_gathered(p.index):
+                        self.layout.copy_out(self.unsharded, p.index, self._own_unsharded[p.index])
+        return works
+
+
+def _row_chunks(grad: torch.Tensor, layout: FlatLayout, index: int):
+    """Split a full gradient into the flat chunks matching its pieces in the layout."""
+    flat = grad.reshape(-1)
+    position = 0
+    for piece in layout.pieces[index]:
+        yield flat.narrow(0, position, piece.numel)
+        position += piece.numel

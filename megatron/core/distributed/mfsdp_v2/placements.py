@@ -1,0 +1,173 @@
+"""Placements: how parameters, gradients and optimizer state lie on the data-parallel mesh.
+
+Every strategy (no_shard, ZeRO-1/2/3, HSDP, HFSDP) is one ``Placements`` value: one
+torch DTensor placement per data-parallel mesh axis for each of the three roles. On a
+2-D mesh the axes are (outer, inner): the inner axis shards, the outer axis replicates
+parameters and reduces gradients only on the last microbatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence, Tuple, Union
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+Axis = Union[int, str]
+
+
+def _is_shard0(p: Placement) -> bool:
+    return isinstance(p, Shard) and p.dim == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Placements:
+    """``Placements(dp_axes, parameter, gradient, optimizer)``.
+
+    ``dp_axes`` names the data-parallel mesh dimensions (indices or mesh dim names); each
+    of the other fields holds one placement per entry of ``dp_axes``.
+    """
+
+    dp_axes: Tuple[Axis, ...]
+    parameter: Tuple[Placement, ...]
+    gradient: Tuple[Placement, ...]
+    optimizer: Tuple[Placement, ...]
+
+    def __post_init__(self):
+        for field in ("dp_axes", "parameter", "gradient", "optimizer"):
+            value = getattr(self, field)
+            if isinstance(value, (str, int, Placement)):
+                value = (value,)
+            object.__setattr__(self, field, tuple(value))
+        if len(self.dp_axes) == 0:
+            raise ValueError("Placements.dp_axes must name at least one data-parallel mesh axis.")
+        if len(set(self.dp_axes)) != len(self.dp_axes):
+            raise ValueError(f"Placements.dp_axes {self.dp_axes} names an axis twice; list each axis once.")
+        for field in ("parameter", "gradient", "optimizer"):
+            value = getattr(self, field)
+            if len(value) != len(self.dp_axes):
+                raise ValueError(
+                    f"Placements.{field} has {len(value)} placements but dp_axes has "
+                    f"{len(self.dp_axes)}; give exactly one placement per data-parallel axis."
+                )
+            for p in value:
+                if not isinstance(p, (Shard, Replicate, Partial)):
+                    raise ValueError(f"Placements.{field} holds {p!r}; use Shard(0), Replicate() or Partial('avg').")
+
+    # Presets (the strategy table of docs/mfsdp_v2.md) ----------------------------------
+    @classmethod
+    def no_shard(cls, dp_axis: Axis = 0) -> "Placements":
+        return cls((dp_axis,), (Replicate(),), (Partial("avg"),), (Replicate(),))
+
+    @classmethod
+    def zero1(cls, dp_axis: Axis = 0) -> "Placements":
+        return cls((dp_axis,), (Replicate(),), (Partial("avg"),), (Shard(0),))
+
+    @classmethod
+    def zero2(cls, dp_axis: Axis = 0) -> "Placements":
+        return cls((dp_axis,), (Replicate(),), (Shard(0),), (Shard(0),))
+
+    @classmethod
+    def zero3(cls, dp_axis: Axis = 0) -> "Placements":
+        return cls((dp_axis,), (Shard(0),), (Shard(0),), (Shard(0),))
+
+    @classmethod
+    def hsdp(cls, outer_axis: Axis = 0, inner_axis: Axis = 1) -> "Placements":
+        return cls(
+            (outer_axis, inner_axis),
+            (Replicate(), Shard(0)),
+            (Partial("avg"), Shard(0)),
+            (Replicate(), Shard(0)),
+        )
+
+    @classmethod
+    def hfsdp(cls, outer_axis: Axis = 0, inner_axis: Axis = 1) -> "Placements":
+        return cls(
+            (outer_axis, inner_axis),
+            (Replicate(), Shard(0)),
+            (Partial("avg"), Shard(0)),
+            (Shard(0), Shard(0)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """What the engine does for one ``Placements`` on one mesh (decoded once per unit)."""
+
+    outer_dim: int | None  # mesh dim of the outer (replicate) axis, None on a 1-D layout
+    inner_dim: int  # mesh dim of the sharding axis
+    param_sharded: bool  # ZeRO-3: parameters live sharded at rest
+    grad_sharded: bool  # ZeRO-2/3: reduce-scatter every microbatch
+    optim_sharded: bool  # ZeRO-1/2/3: optimizer state sharded on the inner axis
+    outer_optim_sharded: bool  # HFSDP: optimizer state also sharded on the outer axis
+
+    @property
+    def name(self) -> str:
+        inner = {
+            (False, False, False): "no_shard",
+            (False, False, True): "zero1",
+            (False, True, True): "zero2",
+            (True, True, True): "zero3",
+        }[(self.param_sharded, self.grad_sharded, self.optim_sharded)]
+        if self.outer_dim is None:
+            return inner
+        return ("hfsdp" if self.outer_optim_sharded else "hsdp") + f"({inner})"
+
+
+def _mesh_dim(mesh: DeviceMesh, axis: Axis) -> int:
+    if isinstance(axis, str):
+        names = mesh.mesh_dim_names or ()
+        if axis not in names:
+            raise ValueError(f"dp axis {axis!r} is not a dimension of the mesh (its names are {names}).")
+        return names.index(axis)
+    if not 0 <= axis < mesh.ndim:
+        raise ValueError(f"dp axis {axis} is out of range for a {mesh.ndim}-D mesh.")
+    return axis
+
+
+_INNER_COMBOS = {
+    # (parameter, gradient, optimizer) -> (param_sharded, grad_sharded, optim_sharded)
+    ("R", "P", "R"): (False, False, False),
+    ("R", "P", "S"): (False, False, True),
+    ("R", "S", "S"): (False, True, True),
+    ("S", "S", "S"): (True, True, True),
+}
+
+
+def _code(p: Placement) -> str:
+    if _is_shard0(p):
+        return "S"
+    if isinstance(p, Shard):
+        raise NotImplementedError(
+            f"{p} is not supported: MFSDP v2 shards along dim 0 only; use Shard(0)."
+        )
+    return "R" if isinstance(p, Replicate) else "P"
+
+
+def decode_strategy(placements: Placements, mesh: DeviceMesh) -> Strategy:
+    """Map placements to a strategy, or raise saying which combinations exist."""
+    dims = [_mesh_dim(mesh, a) for a in placements.dp_axes]
+    if dims != sorted(dims):
+        raise ValueError(
+            f"Placements.dp_axes {placements.dp_axes} must follow the mesh's dimension order "
+            "(outer axis first, inner axis second)."
+        )
+    if len(dims) > 2:
+        raise NotImplementedError("MFSDP v2 supports 1-D (dp) and 2-D (outer, inner) data-parallel meshes.")
+    codes = [tuple(_code(getattr(placements, f)[i]) for f in ("parameter", "gradient", "optimizer")) for i in range(len(dims))]
+    supported = "no_shard, zero1, zero2, zero3 (1-D) and hsdp, hfsdp (2-D); see Placements presets"
+    inner = codes[-1]
+    if inner not in _INNER_COMBOS:
+        raise NotImplementedError(f"Placement combination {inner} on the inner axis is not supported: use {supported}.")
+    param_sharded, grad_sharded, optim_sharded = _INNER_COMBOS[inner]
+    outer_dim, outer_optim = None, False
+    if len(dims) == 2:
+        outer = codes[0]
+        if outer not in (("R", "P", "R"), ("R", "P", "S")):
+            raise NotImplementedError(f"Placement combination {outer} on the outer axis is not supported: use {supported}.")
+        if outer == ("R", "P", "S") and not (grad_sharded and optim_sharded):
+            raise NotImplementedError("HFSDP (optimizer sharded on the outer axis) needs Shard(0) gradients on the inner axis.")
+        outer_dim, outer_optim = dims[0], outer[2] == "S"
+    return Strategy(outer_dim, dims[-1], param_sharded, grad_sharded, optim_sharded, outer_optim)

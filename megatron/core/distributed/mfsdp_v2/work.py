@@ -1,0 +1,236 @@
+"""Every collective of the engine goes through this module.
+
+A ``CollectiveWork`` wraps the process group's work object together with the post-ops
+that must follow the collective (division after a SUM reduction, copy-out, dtype cast)
+and the stream it ran on. Its contract is the same on both devices:
+
+* ``wait()``: afterwards the *current stream* may consume the result. CUDA: the current
+  stream waits on the collective's event, the host does not block. CPU/gloo: the host
+  blocks until the collective finished and the post-ops ran.
+* ``block_current_stream()``: the same dependency without blocking the host where the
+  backend allows it (CUDA); on CPU there is no other way than to block.
+* ``get_future()``: calls ``block_current_stream()`` first, so a future never completes
+  before the stream dependency exists.
+* Post-ops run exactly once, in order, after the collective and before any consumer.
+
+Averaging is SUM followed by division: AVG and PREMUL_SUM are not portable to gloo.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Iterable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .device import DeviceHandle
+
+PostOp = Callable[[], None]
+
+
+@dataclasses.dataclass
+class CollectiveRecord:
+    kind: str
+    bytes: int
+    group_size: int
+
+
+class CollectiveCounter:
+    """Counts collectives by kind and bytes (the input a rank contributes).
+
+    The context owns one; tests and benchmarks read it to check that a strategy issues
+    exactly the communication it promises.
+    """
+
+    def __init__(self):
+        self.records: List[CollectiveRecord] = []
+
+    def record(self, kind: str, nbytes: int, group_size: int) -> None:
+        self.records.append(CollectiveRecord(kind, nbytes, group_size))
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def counts(self) -> dict:
+        return dict(collections.Counter(r.kind for r in self.records))
+
+    def bytes_by_kind(self) -> dict:
+        out: dict = collections.defaultdict(int)
+        for r in self.records:
+            out[r.kind] += r.bytes
+        return dict(out)
+
+
+class CollectiveWork:
+    """An issued collective, its post-ops and the stream dependency that guards its result."""
+
+    def __init__(
+        self,
+        work: Optional[dist.Work],
+        device: DeviceHandle,
+        stream,
+        result: Optional[torch.Tensor] = None,
+        post_ops: Sequence[PostOp] = (),
+        keep_alive: Iterable[torch.Tensor] = (),
+    ):
+        self._work = work
+        self._device = device
+        self._stream = stream
+        self.result = result
+        self._post_ops: List[PostOp] = list(post_ops)
+        # Inputs the collective still reads must outlive it; dropped once completed.
+        self._keep_alive = list(keep_alive)
+        self._event = None
+        self._completed = False
+        self._error: Optional[BaseException] = None
+        if device.is_cuda:
+            # On CUDA everything is stream-ordered: make the communication stream wait for
+            # the collective, enqueue the post-ops behind it, and record one event that
+            # consumers wait on. The host never blocks.
+            with device.stream(stream):
+                if work is not None:
+                    work.wait()
+                self._run_post_ops()
+                self._event = device.record_event(stream)
+
+    def _run_post_ops(self) -> None:
+        ops, self._post_ops = self._post_ops, []
+        for op in ops:
+            op()
+
+    def _complete_on_host(self) -> None:
+        """CPU path: block until gloo is done, then run the post-ops (once)."""
+        if self._error is not None:
+            raise self._error
+        if self._completed:
+            return
+        try:
+            if self._work is not None:
+                self._work.wait()
+            self._run_post_ops()
+        except BaseException as error:  # remembered so a second wait() fails the same way
+            self._error = error
+            raise
+        self._completed = True
+        self._keep_alive.clear()
+
+    def wait(self) -> Optional[torch.Tensor]:
+        """Make the result safe for the current stream and return it."""
+        if self._device.is_cuda:
+            if not self._completed:
+                self._device.current_stream().wait_event(self._event)
+                for tensor in self._keep_alive:
+                    self._device.keep_alive_for(tensor, self._stream)
+                self._keep_alive.clear()
+                self._completed = True
+        else:
+            self._complete_on_host()
+        return self.result
+
+    def block_current_stream(self) -> Optional[torch.Tensor]:
+        """Stream dependency without a host block where possible (CUDA); blocks on CPU."""
+        return self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        result = self.block_current_stream()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(result)
+        return future
+
+    def is_completed(self) -> bool:
+        return self._completed
+
+
+def completed_work(device: DeviceHandle, result: Optional[torch.Tensor] = None) -> CollectiveWork:
+    """A work object for a collective that needed no communication (a group of one)."""
+    return CollectiveWork(None, device, device.current_stream(), result=result)
+
+
+def _launch(device: DeviceHandle, stream, fn):
+    """Issue ``fn`` on ``stream`` after everything already queued on the current stream."""
+    if device.is_cuda:
+        stream.wait_stream(device.current_stream())
+    with device.stream(stream):
+        return fn()
+
+
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    device: DeviceHandle,
+    stream,
+    post_ops: Sequence[PostOp] = (),
+    counter: Optional[CollectiveCounter] = None,
+) -> CollectiveWork:
+    """All-gather ``input`` from every rank into the flat ``output`` (rank-major)."""
+    size = dist.get_world_size(group)
+    if output.numel() != input.numel() * size:
+        raise ValueError(
+            f"all_gather output holds {output.numel()} elements, expected {input.numel()} x {size}."
+        )
+    if counter is not None:
+        counter.record("all_gather", input.numel() * input.element_size(), size)
+    work = _launch(
+        device, stream, lambda: dist.all_gather_single(output, input, group=group, async_op=True)
+    )
+    return CollectiveWork(work, device, stream, result=output, post_ops=post_ops, keep_alive=(input,))
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    device: DeviceHandle,
+    stream,
+    divisor: float = 1.0,
+    post_ops: Sequence[PostOp] = (),
+    counter: Optional[CollectiveCounter] = None,
+) -> CollectiveWork:
+    """Reduce-scatter with SUM, then divide by ``divisor`` (before the caller's post-ops)."""
+    size = dist.get_world_size(group)
+    if input.numel() != output.numel() * size:
+        raise ValueError(
+            f"reduce_scatter input holds {input.numel()} elements, expected {output.numel()} x {size}."
+        )
+    if counter is not None:
+        counter.record("reduce_scatter", input.numel() * input.element_size(), size)
+    work = _launch(
+        device,
+        stream,
+        lambda: dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True),
+    )
+    ops = ([_divide(output, divisor)] if divisor != 1 else []) + list(post_ops)
+    return CollectiveWork(work, device, stream, result=output, post_ops=ops, keep_alive=(input,))
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    device: DeviceHandle,
+    stream,
+    divisor: float = 1.0,
+    post_ops: Sequence[PostOp] = (),
+    counter: Optional[CollectiveCounter] = None,
+) -> CollectiveWork:
+    """In-place all-reduce with SUM, then divide by ``divisor``."""
+    size = dist.get_world_size(group)
+    if counter is not None:
+        counter.record("all_reduce", tensor.numel() * tensor.element_size(), size)
+    work = _launch(
+        device, stream, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    )
+    ops = ([_divide(tensor, divisor)] if divisor != 1 else []) + list(post_ops)
+    return CollectiveWork(work, device, stream, result=tensor, post_ops=ops)
+
+
+def _divide(tensor: torch.Tensor, divisor: float) -> PostOp:
+    def op() -> None:
+        tensor.div_(divisor)
+
+    return op

@@ -1,0 +1,56 @@
+"""Process-group setup for the distributed tests.
+
+Run under ``python -m torch.distributed.run --nproc-per-node N -m pytest tests/unit_tests/distributed``.
+Run plainly with pytest, the same tests run in a world of one rank. Every group has a
+short timeout, so a rank that skips a collective fails the run instead of hanging it.
+"""
+
+import datetime
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+PG_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _init_world():
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    else:
+        store_file = tempfile.mktemp(prefix="mfsdp_test_store_")
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_file}", rank=0, world_size=1, timeout=PG_TIMEOUT
+        )
+
+
+def pytest_configure(config):
+    _init_world()
+
+
+def pytest_unconfigure(config):
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _ranks_in_lockstep():
+    """Every test starts and ends with all ranks together and the same RNG state."""
+    torch.manual_seed(1234)
+    dist.barrier()
+    yield
+    dist.barrier()
+
+
+@pytest.fixture
+def world_size():
+    return dist.get_world_size()
+
+
+@pytest.fixture
+def rank():
+    return dist.get_rank()
