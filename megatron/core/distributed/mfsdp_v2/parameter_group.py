@@ -107,31 +107,48 @@ class ParameterGroup:
         self.inner_size = dist.get_world_size(self.inner_group)
         self.inner_rank = dist.get_rank(self.inner_group)
         self.outer_size = dist.get_world_size(self.outer_group) if self.outer_group is not None else 1
-        if strategy.outer_optim_sharded:
-            raise NotImplementedError(
-                "HFSDP (optimizer state sharded on the outer axis) is not available yet; use Placements.hsdp()."
-            )
         sharded = strategy.param_sharded or strategy.grad_sharded or strategy.optim_sharded
         self.layout = FlatLayout([p.shape for p in self.fsdp_parameters], self.inner_size if sharded else 1)
         self.shard_index = self.inner_rank if sharded else 0
         S, G = self.layout.shard_numel, self.layout.gathered_numel
+        # HFSDP: this rank's inner shard is split once more over the outer axis, with the
+        # same row-aligned layout applied to the pieces that the inner shard holds.
+        self.outer_layout: Optional[FlatLayout] = None
+        if strategy.outer_optim_sharded:
+            local_pieces = self.layout.pieces_by_shard[self.shard_index]
+            self._outer_index = {piece.index: j for j, piece in enumerate(local_pieces)}
+            self.outer_layout = FlatLayout(
+                [torch.Size((pc.row_end - pc.row_start,) + tuple(self.layout.shapes[pc.index][1:])) for pc in local_pieces],
+                self.outer_size,
+            )
+            self.outer_rank = dist.get_rank(self.outer_group)
+        optim_numel = (
+            self.outer_layout.shard_numel if self.outer_layout is not None else S if strategy.optim_sharded else G
+        )
 
-        # main_weight: optimizer placement on the inner axis.
-        self.main_weight = torch.zeros(S if strategy.optim_sharded else G, dtype=precision.main_params, device=device)
+        # main_weight: the optimizer placement.
+        self.main_weight = torch.zeros(optim_numel, dtype=precision.main_params, device=device)
         # model_weight: the compute copy in the parameter placement.
         if strategy.param_sharded:
-            if precision.model_weight_aliases_main:
+            if precision.model_weight_aliases_main and self.outer_layout is None:
                 self.model_weight = self.main_weight
             else:
                 self.model_weight = torch.zeros(S, dtype=precision.compute, device=device)
         else:
             self.model_weight = None  # the persistent unsharded buffer plays this role
-        # The unsharded (gathered) buffer; for ZeRO-3 its storage exists only while unsharded.
-        # For replicated parameters in one shard the main weight can serve directly.
-        if not strategy.param_sharded and not strategy.optim_sharded and precision.model_weight_aliases_main:
+        # Unsharded compute weights. ZeRO-3: the gathered buffer itself (its storage exists
+        # only while unsharded). Replicated parameters: a packed buffer (tensors end to end,
+        # no per-shard padding) kept for good, or the main weight itself when nothing is
+        # sharded and the dtypes agree.
+        if strategy.param_sharded:
+            self.unsharded = torch.zeros(G, dtype=precision.compute, device=device)
+        elif not strategy.optim_sharded and precision.model_weight_aliases_main:
             self.unsharded = self.main_weight
         else:
-            self.unsharded = torch.zeros(G, dtype=precision.compute, device=device)
+            self.unsharded = torch.zeros(self.layout.total_numel, dtype=precision.compute, device=device)
+        self._packed_offsets = [0]
+        for numel in self.layout.numels:
+            self._packed_offsets.append(self._packed_offsets[-1] + numel)
         self._own_unsharded = {}  # index -> contiguous storage for tensors spanning shards
         self._unshard_versions = None
 
@@ -147,8 +164,8 @@ class ParameterGroup:
         if self.requires_grad:
             with self.device.stream(context.reduce_scatter_stream):
                 self.main_grad = torch.zeros(S if strategy.grad_sharded else G, dtype=precision.main_grads, device=device)
-                if not strategy.grad_sharded and strategy.optim_sharded:
-                    self.reduced_grad = torch.zeros(S, dtype=precision.main_grads, device=device)
+                if self.outer_layout is not None or (not strategy.grad_sharded and strategy.optim_sharded):
+                    self.reduced_grad = torch.zeros(optim_numel, dtype=precision.main_grads, device=device)
                 else:
                     self.reduced_grad = self.main_grad
         # Parameters whose next reduction overwrites instead of accumulating.
@@ -168,20 +185,46 @@ class ParameterGroup:
                 data = original.detach().to(self.main_weight.device)
                 self._main_view(p).copy_(self._optimizer_rows(data, p))
                 if self.model_weight is not None and self.model_weight is not self.main_weight:
-                    self._model_view(p).copy_(self._optimizer_rows(data, p))
+                    self._model_view(p).copy_(self._inner_rows(data, p))
                 if not self.strategy.param_sharded and self.unsharded is not self.main_weight:
                     self._unsharded_tensor(p).copy_(data)
 
+    def _inner_rows(self, full: torch.Tensor, p: FsdpParameter) -> torch.Tensor:
+        """The rows of a full tensor that this rank's inner shard holds."""
+        start, end, _ = self.layout.local_piece(p.index, self.shard_index)
+        return full.reshape(self.layout.rows[p.index], -1)[start:end].reshape(self._model_view_shape(p, end - start))
+
     def _optimizer_rows(self, full: torch.Tensor, p: FsdpParameter) -> torch.Tensor:
+        """The rows of a full tensor that this rank's optimizer shard holds."""
         if not self.strategy.optim_sharded:
             return full
-        start, end, _ = self.layout.local_piece(p.index, self.shard_index)
-        return full.reshape(self.layout.rows[p.index], -1)[start:end].reshape(self._main_view(p).shape)
+        inner = self._inner_rows(full, p)
+        if self.outer_layout is None:
+            return inner
+        j = self._outer_index.get(p.index)
+        if j is None:
+            return inner
+        start, end, _ = self.outer_layout.local_piece(j, self.outer_rank)
+        return inner[start:end] if inner.dim() > 0 else inner
+
+    @staticmethod
+    def _model_view_shape(p: FsdpParameter, rows: int):
+        return (rows,) + tuple(p.shape[1:]) if len(p.shape) > 0 else (() if rows == 1 else (0,))
+
+    def _optim_view(self, buffer: torch.Tensor, p: FsdpParameter) -> torch.Tensor:
+        """Parameter ``p``'s slice of a buffer laid out like main_weight."""
+        if self.outer_layout is not None:
+            j = self._outer_index.get(p.index)
+            if j is None:  # this inner shard holds no rows of p
+                return buffer.narrow(0, 0, 0).view(self._model_view_shape(p, 0))
+            view = self.outer_layout.local_view(buffer, j, self.outer_rank)
+            return view.view(self._model_view_shape(p, view.shape[0] if view.dim() else 1))
+        if self.strategy.optim_sharded:
+            return self.layout.local_view(buffer, p.index, self.shard_index)
+        return self.layout.gathered_view(buffer, p.index)  # a single shard: never split
 
     def _main_view(self, p: FsdpParameter) -> torch.Tensor:
-        if self.strategy.optim_sharded:
-            return self.layout.local_view(self.main_weight, p.index, self.shard_index)
-        return self._gathered_tensor(self.main_weight, p)
+        return self._optim_view(self.main_weight, p)
 
     def _model_view(self, p: FsdpParameter) -> torch.Tensor:
         return self.layout.local_view(self.model_weight, p.index, self.shard_index)
@@ -194,7 +237,10 @@ class ParameterGroup:
         return self._own_unsharded[p.index]
 
     def _unsharded_tensor(self, p: FsdpParameter) -> torch.Tensor:
-        return self._gathered_tensor(self.unsharded, p)
+        if self.strategy.param_sharded or self.unsharded is self.main_weight:
+            return self._gathered_tensor(self.unsharded, p)
+        start = self._packed_offsets[p.index]
+        return self.unsharded.narrow(0, start, self.layout.numels[p.index]).view(p.shape)
 
     def _dtensor(self, local: torch.Tensor, p: FsdpParameter, placements) -> DTensor:
         return DTensor.from_local(
@@ -203,7 +249,9 @@ class ParameterGroup:
 
     def _optimizer_placements(self):
         inner = Shard(0) if self.strategy.optim_sharded else Replicate()
-        return (Replicate(), inner) if self.outer_group is not None else (inner,)
+        if self.outer_group is None:
+            return (inner,)
+        return (Shard(0) if self.outer_layout is not None else Replicate(), inner)
 
     def _build_parameters(self) -> None:
         placements = self._optimizer_placements()
@@ -228,9 +276,7 @@ class ParameterGroup:
         if self.model_weight is not None and self.model_weight is not self.main_weight:
             out["model_weight"] = _storage_bytes(self.model_weight)
         if not self.strategy.param_sharded and self.unsharded is not self.main_weight:
-            out["model_weight"] = _storage_bytes(self.unsharded) + sum(
-                _storage_bytes(t) for t in self._own_unsharded.values()
-            )
+            out["model_weight"] = _storage_bytes(self.unsharded)
         out["main_grad"] = _storage_bytes(self.main_grad) if self.main_grad is not None else 0
         if self.reduced_grad is not None and self.reduced_grad is not self.main_grad:
             out["main_grad"] += _storage_bytes(self.reduced_grad)
@@ -316,12 +362,16 @@ class ParameterGroup:
             self._take_grads_into(flat)
             with device.stream(ctx.reduce_scatter_stream):
                 out = torch.empty(self.layout.shard_numel, dtype=self.precision.grad_comm, device=flat.device)
+            # HFSDP accumulates a local partial sum here and reduces it on the outer axis
+            # later; every other strategy accumulates straight into the reduced gradient.
+            direct = self.main_grad is self.reduced_grad
             works.append(comm.reduce_scatter(
                 out, flat, self.inner_group, device=device, stream=ctx.reduce_scatter_stream,
-                divisor=divisor, post_ops=[self._accumulate_op(out, self.main_grad)], counter=ctx.counter,
+                divisor=divisor, post_ops=[self._accumulate_op(out, self.main_grad, overwrite=direct)],
+                counter=ctx.counter,
             ))
             if self.outer_group is not None and is_last_microbatch:
-                works.append(self._outer_all_reduce(works[-1]))
+                works.append(self._outer_reduce(works[-1]))
             self._grads_reduced = self.outer_group is None or is_last_microbatch
             return works
         # Replicated gradients (no_shard, ZeRO-1): accumulate locally, reduce on the last microbatch.
@@ -338,7 +388,8 @@ class ParameterGroup:
 
             works.append(comm.reduce_scatter(
                 out, local, self.inner_group, device=device, stream=ctx.reduce_scatter_stream, divisor=divisor,
-                post_ops=[self._accumulate_op(out, self.reduced_grad), clear_local], counter=ctx.counter,
+                post_ops=[self._accumulate_op(out, self.reduced_grad, overwrite=True), clear_local],
+                counter=ctx.counter,
             ))
         else:  # no_shard: all-reduce in place. Content left from earlier steps is identical on
             # every rank, so SUM / N returns it unchanged and new gradients are averaged onto it.
@@ -347,18 +398,39 @@ class ParameterGroup:
                 divisor=divisor, counter=ctx.counter,
             ))
         if self.outer_group is not None:
-            works.append(self._outer_all_reduce(works[-1]))
+            works.append(self._outer_reduce(works[-1]))
         self._grads_reduced = True
         return works
 
-    def _outer_all_reduce(self, inner_work: comm.CollectiveWork) -> comm.CollectiveWork:
+    def _outer_reduce(self, inner_work: comm.CollectiveWork) -> comm.CollectiveWork:
+        """Last microbatch: reduce over the outer axis (all-reduce for HSDP, reduce-scatter
+        of the inner shard for HFSDP)."""
+        ctx, stream = self.context, self.context.reduce_scatter_stream
         # The outer reduction reads what the inner one wrote: order them (stream-ordered
         # on CUDA; on CPU this completes the inner reduction first).
-        with self.device.stream(self.context.reduce_scatter_stream):
+        with self.device.stream(stream):
             inner_work.wait()
-        return comm.all_reduce(
-            self.reduced_grad, self.outer_group, device=self.device, stream=self.context.reduce_scatter_stream,
-            divisor=self.outer_size, counter=self.context.counter,
+        if self.outer_layout is None:
+            # In place: content left from earlier steps is identical on every outer rank,
+            # so SUM / M keeps it and averages the new gradients onto it.
+            return comm.all_reduce(
+                self.reduced_grad, self.outer_group, device=self.device, stream=stream,
+                divisor=self.outer_size, counter=ctx.counter,
+            )
+        with self.device.stream(stream):
+            flat = torch.zeros(self.outer_layout.gathered_numel, dtype=self.precision.grad_comm, device=self.main_grad.device)
+            for piece_index, piece in enumerate(self.layout.pieces_by_shard[self.shard_index]):
+                local = self.main_grad.narrow(0, piece.offset, piece.numel)
+                self.outer_layout.copy_in(local, flat, piece_index)
+            out = torch.empty(self.outer_layout.shard_numel, dtype=self.precision.grad_comm, device=flat.device)
+        partial = self.main_grad
+
+        def clear_partial() -> None:
+            partial.zero_()
+
+        return comm.reduce_scatter(
+            out, flat, self.outer_group, device=self.device, stream=stream, divisor=self.outer_size,
+            post_ops=[self._accumulate_op(out, self.reduced_grad, overwrite=True), clear_partial], counter=ctx.counter,
         )
 
     def _take_grads_into(self, flat: torch.Tensor, accumulate: bool = False) -> None:
@@ -382,14 +454,18 @@ class ParameterGroup:
         if accumulate and self.reduced_grad is self.main_grad:
             self._overwrite = [False] * len(self.fsdp_parameters)
 
-    def _accumulate_op(self, reduced: torch.Tensor, target: torch.Tensor):
-        """Post-op: add a reduced shard into ``target`` (zeroing slices marked for overwrite)."""
-        overwrite = [p for p in self.fsdp_parameters if self._overwrite[p.index]]
-        self._overwrite = [False] * len(self.fsdp_parameters)
+    def _accumulate_op(self, reduced: torch.Tensor, target: torch.Tensor, overwrite: bool):
+        """Post-op: add a reduced shard into ``target``; with ``overwrite``, first zero the
+        slices of parameters whose gradient was reset (``target`` is then laid out like
+        main_weight)."""
+        zeroed = []
+        if overwrite:
+            zeroed = [p for p in self.fsdp_parameters if self._overwrite[p.index]]
+            self._overwrite = [False] * len(self.fsdp_parameters)
 
         def op() -> None:
-            for p in overwrite:
-                self.layout.local_view(target, p.index, self.shard_index).zero_()
+            for p in zeroed:
+                self._optim_view(target, p).zero_()
             target.add_(reduced.to(target.dtype))
 
         return op
@@ -403,47 +479,52 @@ class ParameterGroup:
         placements = self._optimizer_placements()
         main_dtype = self.precision.main_params
         for p in self.fsdp_parameters:
-            if self.strategy.optim_sharded:
-                local = self.layout.local_view(self.reduced_grad, p.index, self.shard_index)
-            else:
-                local = self._gathered_grad_tensor(p)
+            local = self._optim_view(self.reduced_grad, p)
             if local.dtype != main_dtype and not self.context.precision_aware_grads:
                 local = local.to(main_dtype)
             p.sharded_param.grad = self._dtensor(local, p, placements)
-
-    def _gathered_grad_tensor(self, p: FsdpParameter) -> torch.Tensor:
-        if self.layout.is_contiguous_in_gathered(p.index):
-            return self.layout.gathered_view(self.reduced_grad, p.index)
-        out = torch.empty(p.shape, dtype=self.reduced_grad.dtype, device=self.reduced_grad.device)
-        self.layout.copy_out(self.reduced_grad, p.index, out)
-        return out
 
     # Optimizer step ---------------------------------------------------------------------
     def sync_model_weight(self) -> List[comm.CollectiveWork]:
         """After the optimizer updated main_weight: refresh the compute weights."""
         works: List[comm.CollectiveWork] = []
         with torch.no_grad():
+            if self.outer_layout is not None:  # HFSDP: gather the outer pieces of the inner shard
+                source = self.main_weight.to(self.dtype)
+                with self.device.stream(self.context.allgather_stream):
+                    gathered = torch.empty(self.outer_layout.gathered_numel, dtype=self.dtype, device=source.device)
+                pieces = self.layout.pieces_by_shard[self.shard_index]
+
+                def copy_out_inner() -> None:
+                    for j, piece in enumerate(pieces):
+                        target = self.model_weight.narrow(0, piece.offset, piece.numel)
+                        self.outer_layout.copy_out(gathered, j, target)
+
+                works.append(comm.all_gather(
+                    gathered, source, self.outer_group, device=self.device,
+                    stream=self.context.allgather_stream, post_ops=[copy_out_inner], counter=self.context.counter,
+                ))
+                return works
             if self.strategy.param_sharded:
                 if self.model_weight is not self.main_weight:
                     self.model_weight.copy_(self.main_weight)
                 return works
             if self.strategy.optim_sharded:  # ZeRO-1/2: gather the updated shards
                 source = self.main_weight.to(self.dtype)
-                spanning = [p for p in self.fsdp_parameters if not self.layout.is_contiguous_in_gathered(p.index)]
+                with self.device.stream(self.context.allgather_stream):
+                    gathered = torch.empty(self.layout.gathered_numel, dtype=self.dtype, device=source.device)
 
                 def copy_out() -> None:
-                    for p in spanning:
-                        self.layout.copy_out(self.unsharded, p.index, self._own_unsharded[p.index])
+                    for p in self.fsdp_parameters:
+                        self.layout.copy_out(gathered, p.index, self._unsharded_tensor(p))
 
                 works.append(comm.all_gather(
-                    self.unsharded, source, self.inner_group, device=self.device,
+                    gathered, source, self.inner_group, device=self.device,
                     stream=self.context.allgather_stream, post_ops=[copy_out], counter=self.context.counter,
                 ))
             elif self.unsharded is not self.main_weight:
-                self.unsharded.copy_(self.main_weight)
                 for p in self.fsdp_parameters:
-                    if not self.layout.is_contiguous_in_gathered(p.index):
-                        self.layout.copy_out(self.unsharded, p.index, self._own_unsharded[p.index])
+                    self._unsharded_tensor(p).copy_(self._main_view(p))
         return works
 
 
