@@ -141,8 +141,11 @@ def fully_shard(
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     for mod in module.modules():
         for name, buf in mod._buffers.items():
-            if buf is not None and buf.device != device:
-                mod._buffers[name] = buf.to(device)
+            if buf is None or buf.device == device:
+                continue
+            # A meta buffer has no values to move: give it storage; init_parameters'
+            # init_fn (or the module's own reset) must fill it.
+            mod._buffers[name] = torch.zeros_like(buf, device=device) if buf.is_meta else buf.to(device)
 
 
 def _refuse_assign(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

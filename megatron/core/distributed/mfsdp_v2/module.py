@@ -127,9 +127,41 @@ class UnitState:
             self.wait_pending_unshard()
             self.reshard()
 
+    def init_parameters(self, init_fn) -> None:
+        """Run an initializer on this unit's parameters in unsharded form and keep each
+        rank's rows (the way to materialize a model built on the meta device)."""
+        for group in self.groups:
+            group.begin_init()
+        for group in self.groups:
+            group.use_unsharded()
+        try:
+            with torch.no_grad():
+                if init_fn is not None:
+                    init_fn(self.module)
+                else:
+                    for sub in _owned_submodules(self.module):
+                        if hasattr(sub, "reset_parameters"):
+                            sub.reset_parameters()
+            for group in self.groups:
+                group.end_init()
+        finally:
+            self.reshard()
+
     def reset_backward_state(self) -> None:
         self.reduced_this_backward = False
         self.pre_backward_done = False
+
+
+def _owned_submodules(unit: nn.Module):
+    """``unit`` and its submodules, without those that belong to nested units."""
+    yield unit
+    stack = list(unit.children())
+    while stack:
+        sub = stack.pop()
+        if isinstance(sub, FsdpModule):
+            continue
+        yield sub
+        stack.extend(sub.children())
 
 
 class FsdpModule:
@@ -169,6 +201,38 @@ class FsdpModule:
     def reshard(self) -> None:
         self._fsdp_state.wait_pending_unshard()
         self._fsdp_state.reshard()
+
+    def init_parameters(self, init_fn=None) -> None:
+        """Initialize the parameters this unit owns, e.g. after building on ``meta``.
+
+        Each owned parameter is made whole (unsharded) for the call, ``init_fn(module)``
+        runs under ``torch.no_grad()`` (default: ``reset_parameters()`` of every owned
+        submodule that has one), and each rank keeps its own rows. Only one unit is
+        unsharded at a time, never the whole model. Every rank must use the same RNG
+        state so that all ranks compute the same values. Parameters of nested units are
+        still sharded DTensors during the call: initialize each unit (children first or
+        in any order) with ``unit.init_parameters(...)``."""
+        self._fsdp_state.wait_pending_unshard()
+        self._fsdp_state.init_parameters(init_fn)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Like ``nn.Module.zero_grad``; also resets ``.main_grad`` (read by
+        precision-aware optimizers) of the parameters this unit owns."""
+        super().zero_grad(set_to_none=set_to_none)
+        units = [m for m in self.modules() if isinstance(m, FsdpModule)]
+        for p in (p for unit in units for group in unit._fsdp_state.groups for p in group.fsdp_parameters):
+            main_grad = getattr(p.sharded_param, "main_grad", None)
+            if main_grad is not None and set_to_none:
+                p.sharded_param.main_grad = None
+            elif main_grad is not None:
+                main_grad.to_local().zero_()
+
+    def _apply(self, fn, recurse=True):
+        raise RuntimeError(
+            f"{type(self).__name__} is an FSDP unit: its parameters live in sharded flat buffers, so "
+            "changing their dtype or device (model.to(...), .float(), .cuda(), ...) after "
+            "fully_shard is not supported. Call model.to(...) before fully_shard, inside the scope."
+        )
 
     def persistent_bytes(self) -> dict:
         total: dict = {}

@@ -315,6 +315,23 @@ class ParameterGroup:
         tensors = (self.unsharded,) + tuple(self._own_unsharded.values())
         return tensors, tuple(t._version for t in tensors)
 
+    def begin_init(self) -> None:
+        """Give the unsharded parameters storage, without communication (init writes all)."""
+        if self.strategy.param_sharded and not self.is_unsharded:
+            _alloc_storage(self.unsharded)
+            for t in self._own_unsharded.values():
+                _alloc_storage(t)
+            self.is_unsharded = True
+
+    def end_init(self) -> None:
+        """Keep this rank's rows of the freshly initialized unsharded parameters."""
+        with torch.no_grad():
+            for p in self.fsdp_parameters:
+                full = self._unsharded_tensor(p)
+                self._main_view(p).copy_(self._optimizer_rows(full, p))
+                if self.model_weight is not None and self.model_weight is not self.main_weight:
+                    self._model_view(p).copy_(self._inner_rows(full, p))
+
     def use_unsharded(self) -> None:
         if self._unshard_versions is not None:
             tensors, versions = self._unshard_versions
@@ -350,11 +367,18 @@ class ParameterGroup:
         self._received.clear()
         self.reduced_this_backward = True
         for p in self.fsdp_parameters:
-            # A parameter whose .grad was set to None starts a fresh accumulation, once:
-            # later microbatches of the same step see .grad None too but must accumulate.
-            if p.sharded_param.grad is None and not self._fresh[p.index]:
+            # Once per step (the first reduction after .grad was exposed): a parameter whose
+            # .grad was set to None starts a fresh accumulation; a .grad that is a cast copy
+            # (mixed precision) may have been changed in place (zero_grad(set_to_none=False),
+            # clipping), so its values become the base of the accumulation.
+            if self._fresh[p.index]:
+                continue
+            self._fresh[p.index] = True
+            if self._grad_was_reset(p):
                 self._overwrite[p.index] = True
-                self._fresh[p.index] = True
+            elif p.sharded_param.grad is not p.sharded_param.main_grad and p.sharded_param.grad is not None:
+                with torch.no_grad():
+                    self._optim_view(self.reduced_grad, p).copy_(p.sharded_param.grad.to_local())
         divisor = self.inner_size * self.grad_divisor
         works: List[comm.CollectiveWork] = []
         if strategy.grad_sharded:
@@ -379,24 +403,23 @@ class ParameterGroup:
         if not is_last_microbatch:
             return works
         if strategy.optim_sharded:  # ZeRO-1: reduce-scatter the local sum into the shard
+            comm_dtype = self.precision.grad_comm
             with device.stream(ctx.reduce_scatter_stream):
-                out = torch.empty(self.layout.shard_numel, dtype=self.main_grad.dtype, device=self.main_grad.device)
+                out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=self.main_grad.device)
+                send = self.main_grad.to(comm_dtype)
             local = self.main_grad
 
             def clear_local() -> None:
                 local.zero_()
 
             works.append(comm.reduce_scatter(
-                out, local, self.inner_group, device=device, stream=ctx.reduce_scatter_stream, divisor=divisor,
+                out, send, self.inner_group, device=device, stream=ctx.reduce_scatter_stream, divisor=divisor,
                 post_ops=[self._accumulate_op(out, self.reduced_grad, overwrite=True), clear_local],
                 counter=ctx.counter,
             ))
         else:  # no_shard: all-reduce in place. Content left from earlier steps is identical on
             # every rank, so SUM / N returns it unchanged and new gradients are averaged onto it.
-            works.append(comm.all_reduce(
-                self.main_grad, self.inner_group, device=device, stream=ctx.reduce_scatter_stream,
-                divisor=divisor, counter=ctx.counter,
-            ))
+            works.append(self._all_reduce_in_comm_dtype(self.main_grad, self.inner_group, divisor))
         if self.outer_group is not None:
             works.append(self._outer_reduce(works[-1]))
         self._grads_reduced = True
@@ -413,10 +436,7 @@ class ParameterGroup:
         if self.outer_layout is None:
             # In place: content left from earlier steps is identical on every outer rank,
             # so SUM / M keeps it and averages the new gradients onto it.
-            return comm.all_reduce(
-                self.reduced_grad, self.outer_group, device=self.device, stream=stream,
-                divisor=self.outer_size, counter=ctx.counter,
-            )
+            return self._all_reduce_in_comm_dtype(self.reduced_grad, self.outer_group, self.outer_size)
         with self.device.stream(stream):
             flat = torch.zeros(self.outer_layout.gathered_numel, dtype=self.precision.grad_comm, device=self.main_grad.device)
             for piece_index, piece in enumerate(self.layout.pieces_by_shard[self.shard_index]):
@@ -431,6 +451,29 @@ class ParameterGroup:
         return comm.reduce_scatter(
             out, flat, self.outer_group, device=self.device, stream=stream, divisor=self.outer_size,
             post_ops=[self._accumulate_op(out, self.reduced_grad, overwrite=True), clear_partial], counter=ctx.counter,
+        )
+
+    def _grad_was_reset(self, p: FsdpParameter) -> bool:
+        if self.context.precision_aware_grads and self.reduced_grad.dtype != self.precision.main_params:
+            return getattr(p.sharded_param, "main_grad", None) is None
+        return p.sharded_param.grad is None
+
+    def _all_reduce_in_comm_dtype(self, buffer: torch.Tensor, group, divisor: float) -> comm.CollectiveWork:
+        """All-reduce ``buffer`` in place, communicating in grad_comm_dtype."""
+        comm_dtype, stream = self.precision.grad_comm, self.context.reduce_scatter_stream
+        if buffer.dtype == comm_dtype:
+            return comm.all_reduce(
+                buffer, group, device=self.device, stream=stream, divisor=divisor, counter=self.context.counter
+            )
+        with self.device.stream(stream):
+            wire = buffer.to(comm_dtype)
+
+        def copy_back() -> None:
+            buffer.copy_(wire)
+
+        return comm.all_reduce(
+            wire, group, device=self.device, stream=stream, divisor=divisor, post_ops=[copy_back],
+            counter=self.context.counter,
         )
 
     def _take_grads_into(self, flat: torch.Tensor, accumulate: bool = False) -> None:
@@ -480,9 +523,14 @@ class ParameterGroup:
         main_dtype = self.precision.main_params
         for p in self.fsdp_parameters:
             local = self._optim_view(self.reduced_grad, p)
-            if local.dtype != main_dtype and not self.context.precision_aware_grads:
-                local = local.to(main_dtype)
-            p.sharded_param.grad = self._dtensor(local, p, placements)
+            # ``.main_grad`` is always the reduced gradient itself, in main_grads_dtype.
+            p.sharded_param.main_grad = self._dtensor(local, p, placements)
+            if local.dtype == main_dtype:
+                p.sharded_param.grad = p.sharded_param.main_grad
+            elif not self.context.precision_aware_grads:
+                # torch optimizers need .grad in the parameter's dtype: a cast copy.
+                p.sharded_param.grad = self._dtensor(local.to(main_dtype), p, placements)
+            # precision-aware optimizers read .main_grad; .grad stays unset.
 
     # Optimizer step ---------------------------------------------------------------------
     def sync_model_weight(self) -> List[comm.CollectiveWork]:

@@ -1,0 +1,3 @@
+from .language_model_embedding import LanguageModelEmbedding
+
+__all__ = ["LanguageModelEmbedding"]

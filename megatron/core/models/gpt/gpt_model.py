@@ -1,0 +1,165 @@
+"""GPTModel: embedding -> TransformerBlock decoder -> output layer (-> per-token loss).
+
+Module and parameter names are Megatron-LM's (``embedding.word_embeddings``,
+``embedding.position_embeddings``, ``decoder.layers.{i}....``, ``decoder.final_layernorm``,
+``output_layer``), so Megatron checkpoint tooling and the converters in tools/ can rely on
+them. Tensors are batch-first: input_ids [b, s], logits [b, s, vocab].
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron.core.models.common.language_model_embedding import LanguageModelEmbedding
+from megatron.core.transformer.layers import reset_parameters_of
+from megatron.core.transformer.rope import RotaryEmbedding
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import _POSITION_EMBEDDING_TYPES, TransformerConfig
+
+
+class OutputLayer(nn.Module):
+    """Projects hidden states to vocabulary logits (no bias, as in Megatron).
+
+    With tied embeddings it owns no parameter: the caller passes the word-embedding weight
+    to ``forward`` on every call. Reading the weight at call time (rather than storing a
+    second reference) keeps exactly one Parameter in the model, and lets a sharding engine
+    swap that parameter's storage without the output layer holding a stale alias.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, init_std: float, dtype: torch.dtype,
+                 skip_weight_param_allocation: bool):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.init_std = init_std
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype))
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            with torch.no_grad():
+                nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+    def forward(self, hidden_states: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if weight is None:
+            weight = self.weight
+        if weight is None:
+            raise RuntimeError(
+                "output_layer was built without its own weight (tied embeddings); pass the "
+                "word-embedding weight to forward(), as GPTModel does."
+            )
+        return F.linear(hidden_states, weight)
+
+    def extra_repr(self) -> str:
+        tied = "tied to word embeddings" if self.weight is None else "own weight"
+        return f"in={self.hidden_size}, vocab={self.vocab_size}, {tied}"
+
+
+class GPTModel(nn.Module):
+    """Decoder-only GPT language model.
+
+    Args:
+        config: the transformer architecture.
+        vocab_size: rows of the embedding / logits width (pad it to a multiple of 128 on GPU).
+        max_sequence_length: size of the learned position table (and, for generation, the
+            longest context the model is fed).
+        share_embeddings_and_output_weights: tie the output projection to the word
+            embeddings (one Parameter, ``embedding.word_embeddings.weight``).
+        position_embedding_type: "learned_absolute" or "rope"; None uses the config's.
+    """
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
+                 share_embeddings_and_output_weights: bool = True,
+                 position_embedding_type: Optional[str] = None):
+        super().__init__()
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}; take it from the tokenizer.")
+        if not isinstance(max_sequence_length, int) or max_sequence_length < 1:
+            raise ValueError(
+                f"max_sequence_length must be a positive integer, got {max_sequence_length!r}; "
+                "set it to at least the training sequence length."
+            )
+        if position_embedding_type is None:
+            position_embedding_type = config.position_embedding_type
+        if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"position_embedding_type must be one of {_POSITION_EMBEDDING_TYPES}, got {position_embedding_type!r}."
+            )
+        if position_embedding_type == "rope" and config.kv_channels % 2 != 0:
+            raise ValueError(
+                f"rotary position embeddings need an even head dimension, but kv_channels is {config.kv_channels}; "
+                "use learned_absolute positions or an even kv_channels."
+            )
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+
+        self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length, position_embedding_type)
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_base)
+        else:
+            self.rotary_pos_emb = None
+        self.decoder = TransformerBlock(config)
+        self.output_layer = OutputLayer(
+            config.hidden_size, vocab_size, init_std=config.init_method_std, dtype=config.params_dtype,
+            skip_weight_param_allocation=share_embeddings_and_output_weights,
+        )
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        """The weight the output layer multiplies with (Megatron's name for it)."""
+        if self.share_embeddings_and_output_weights:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def reset_parameters(self) -> None:
+        """Re-initialize every parameter as at construction (normal(0, init_method_std)
+        weights, residual-output projections scaled by 1/sqrt(2 * num_layers), zero biases,
+        unit norm weights). Use after ``to_empty()`` on a model built on the meta device."""
+        reset_parameters_of(self)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [b, s, vocab] when ``labels`` is None, else the per-token cross-entropy
+        loss [b, s] in fp32 (no reduction: the caller applies its loss mask).
+
+        attention_mask (optional) is Megatron's: bool, True where attention is NOT allowed,
+        broadcastable to [b, heads, s, s]; it is combined with the causal mask.
+        """
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"input_ids must be an integer tensor of shape [batch, sequence], got shape "
+                f"{tuple(input_ids.shape)} and dtype {input_ids.dtype}."
+            )
+        batch, seq = input_ids.shape
+        if position_ids is None:
+            if self.position_embedding_type == "learned_absolute" and seq > self.max_sequence_length:
+                raise ValueError(
+                    f"sequence length {seq} exceeds max_sequence_length {self.max_sequence_length} of the "
+                    "learned position embeddings; shorten the input or build the model with a larger "
+                    "max_sequence_length."
+                )
+            position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}."
+            )
+
+        hidden_states = self.embedding(input_ids, position_ids)
+        rotary_pos_emb = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
+        hidden_states = self.decoder(hidden_states, attention_mask, rotary_pos_emb)
+        output_weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
+        logits = self.output_layer(hidden_states, weight=output_weight)
+        if labels is None:
+            return logits
+        # Softmax over a large vocabulary in bf16 loses too much; upcast for the loss.
+        loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size), labels.reshape(-1).long(),
+                               reduction="none")
+        return loss.view(batch, seq)

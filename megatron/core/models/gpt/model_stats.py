@@ -1,0 +1,73 @@
+"""Closed-form parameter and FLOP counts for GPTModel, for logs and sizing runs.
+
+Notation: h = hidden_size, L = num_layers, V = vocab_size, S = max_sequence_length,
+d = kv_channels, H = num_attention_heads, G = num_query_groups, q = H * d, kv = G * d,
+f = ffn_hidden_size, and [x] is 1 when x holds, else 0.
+"""
+
+from typing import Optional
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def num_parameters(config: TransformerConfig, vocab_size: int, max_sequence_length: int,
+                   share_embeddings_and_output_weights: bool = True,
+                   position_embedding_type: Optional[str] = None) -> int:
+    """Exact number of parameter elements of ``GPTModel`` built with the same arguments.
+
+    embeddings   V*h + [learned_absolute] * S*h
+    per layer    2 norms                     2 * (h + [LayerNorm] * h)
+                 linear_qkv                  h*(q + 2kv) + [bias]*(q + 2kv)
+                 linear_proj                 q*h + [bias]*h
+                 linear_fc1                  h*f*m + [bias]*f*m,  m = 2 if gated_linear_unit else 1
+                 linear_fc2                  f*h + [bias]*h
+    final norm   h + [LayerNorm] * h
+    output       [untied] * V*h
+    """
+    if position_embedding_type is None:
+        position_embedding_type = config.position_embedding_type
+    h = config.hidden_size
+    q = config.query_projection_size
+    kv = config.kv_projection_size
+    f = config.ffn_hidden_size
+    fc1_out = f * (2 if config.gated_linear_unit else 1)
+    bias = 1 if config.add_bias_linear else 0
+    norm = h * (2 if config.normalization == "LayerNorm" else 1)
+
+    embeddings = vocab_size * h
+    if position_embedding_type == "learned_absolute":
+        embeddings += max_sequence_length * h
+    attention = h * (q + 2 * kv) + bias * (q + 2 * kv) + q * h + bias * h
+    mlp = h * fc1_out + bias * fc1_out + f * h + bias * h
+    per_layer = 2 * norm + attention + mlp
+    output = 0 if share_embeddings_and_output_weights else vocab_size * h
+    return embeddings + config.num_layers * per_layer + norm + output
+
+
+def flops_per_token(config: TransformerConfig, vocab_size: int, seq_length: int) -> int:
+    """Training FLOPs per token (forward + backward), for a TFLOP/s or MFU log line.
+
+    Counts matrix multiplies only, at 2 FLOPs per multiply-add; forward per token is
+
+        L * ( 2h(q + 2kv)          QKV projection
+            + 4 * seq_length * q   attention scores Q K^T and the weighted sum with V
+            + 2qh                  output projection
+            + 2hf*m + 2fh )        MLP (m = 2 for gated linear units)
+        + 2hV                      logits
+
+    and backward costs twice the forward (gradients w.r.t. inputs and weights), so the
+    result is 3x the forward. Conventions, chosen to match the usual "model FLOPs"
+    definition (PaLM / Megatron): the attention term counts the full seq_length x
+    seq_length score matrix, although causal kernels skip about half of it; recomputation
+    (recompute_granularity="full") is not counted, since it is extra work the hardware does
+    but not progress; norms, activations, softmax, embedding lookups and the loss are
+    ignored (they are O(h) per token, not O(h^2)).
+    """
+    h = config.hidden_size
+    q = config.query_projection_size
+    kv = config.kv_projection_size
+    f = config.ffn_hidden_size
+    gated = 2 if config.gated_linear_unit else 1
+    per_layer = 2 * h * (q + 2 * kv) + 4 * seq_length * q + 2 * q * h + 2 * h * f * gated + 2 * f * h
+    forward = config.num_layers * per_layer + 2 * h * vocab_size
+    return 3 * forward

@@ -1,0 +1,102 @@
+"""Causal self-attention with a fused QKV projection (Megatron-LM layout).
+
+Module names: ``linear_qkv`` (hidden -> q, k, v) and ``linear_proj`` (attention output
+-> hidden).
+
+QKV weight row layout (what checkpoint converters rely on)
+-----------------------------------------------------------
+Let ``d = kv_channels``, ``G = num_query_groups``, ``H = num_attention_heads`` and
+``P = H // G`` (query heads per group). ``linear_qkv.weight`` has ``(H + 2G) * d`` rows,
+interleaved per query group exactly like Megatron-LM::
+
+    for g in range(G):
+        P * d rows: query heads g*P, g*P + 1, ..., g*P + P - 1   (d rows each)
+        d rows:     key head g
+        d rows:     value head g
+
+The bias (when ``add_bias_linear``) follows the same order. Query head ``h`` attends with
+key/value head ``h // P``. Converting to Hugging Face:
+
+* Llama (``q_proj``, ``k_proj``, ``v_proj``): view the weight as ``[G, (P + 2) * d, hidden]``,
+  split the middle dimension into ``[P * d, d, d]``; q_proj is the first part reshaped to
+  ``[H * d, hidden]`` (head order is preserved), k_proj / v_proj the second / third
+  reshaped to ``[G * d, hidden]``. No RoPE permutation is needed (see rope.py).
+* GPT-2 (``c_attn``, a Conv1D whose weight is ``[hidden, 3 * hidden]``, columns q|k|v with
+  heads contiguous): with ``G = H`` (P = 1), take q, k, v per head as above, concatenate all
+  q heads, then all k, then all v, and transpose.
+
+``linear_proj`` takes the heads concatenated in head order (``[b, s, H * d]``), the same as
+Hugging Face's ``o_proj`` / GPT-2's ``c_proj`` (transposed for Conv1D).
+
+Tensors are batch-first ([b, s, ...]) throughout this package; attention itself runs in
+``torch.nn.functional.scaled_dot_product_attention``, which picks flash / memory-efficient
+/ math kernels per device.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .layers import build_linear, output_init_std
+from .rope import apply_rotary_pos_emb
+from .transformer_config import TransformerConfig
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: TransformerConfig, layer_number: int = 1):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.num_heads = config.num_attention_heads
+        self.num_query_groups = config.num_query_groups
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.head_dim = config.kv_channels
+        qkv_size = config.query_projection_size + 2 * config.kv_projection_size
+        self.linear_qkv = build_linear(config, config.hidden_size, qkv_size, bias=config.add_bias_linear,
+                                       init_std=config.init_method_std)
+        self.linear_proj = build_linear(config, config.query_projection_size, config.hidden_size,
+                                        bias=config.add_bias_linear, init_std=output_init_std(config))
+
+    def split_qkv(self, mixed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[b, s, (H + 2G) * d] -> q [b, s, H, d], k [b, s, G, d], v [b, s, G, d] (layout above)."""
+        b, s, _ = mixed.shape
+        per_group = mixed.view(b, s, self.num_query_groups, (self.heads_per_group + 2) * self.head_dim)
+        q, k, v = torch.split(per_group, [self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        q = q.reshape(b, s, self.num_heads, self.head_dim)
+        return q, k, v
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                rotary_pos_emb: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """hidden_states [b, s, h] -> [b, s, h].
+
+        attention_mask (optional, Megatron convention): bool, True where attention is NOT
+        allowed, broadcastable to [b, heads, s, s]. It is applied in addition to the causal
+        mask. rotary_pos_emb: (cos, sin) from ``RotaryEmbedding``; None for no RoPE.
+        """
+        b, s, _ = hidden_states.shape
+        q, k, v = self.split_qkv(self.linear_qkv(hidden_states))
+        if rotary_pos_emb is not None:
+            q = apply_rotary_pos_emb(q, rotary_pos_emb)
+            k = apply_rotary_pos_emb(k, rotary_pos_emb)
+        # SDPA wants [b, heads, s, d].
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+
+        if attention_mask is None:
+            attn_mask, is_causal = None, True
+        else:
+            # SDPA cannot combine is_causal with an explicit mask, so fold causality in.
+            causal = torch.ones(s, s, dtype=torch.bool, device=hidden_states.device).tril()
+            attn_mask, is_causal = causal & ~attention_mask.to(torch.bool), False
+
+        context = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=attn_mask,
+            dropout_p=self.config.attention_dropout if self.training else 0.0,
+            is_causal=is_causal,
+            # Query head h uses kv head h // P, which is SDPA's repeat_interleave rule.
+            enable_gqa=self.num_query_groups != self.num_heads,
+        )
+        context = context.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+        return self.linear_proj(context)

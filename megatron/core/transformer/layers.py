@@ -1,0 +1,85 @@
+"""Leaf layers with Megatron's initialization built in.
+
+Each leaf owns its initialization in ``reset_parameters()``, so initializing a model is
+"call reset_parameters on every module that owns parameters" (see
+``reset_parameters_of``). That works in any traversal order and after building on the
+``meta`` device followed by ``to_empty()``, which is how sharded models are materialized.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .backends import import_transformer_engine, te_device
+from .transformer_config import TransformerConfig
+
+
+def output_init_std(config: TransformerConfig) -> float:
+    """Std for projections that write into the residual stream (linear_proj, linear_fc2).
+
+    Megatron scales them by 1/sqrt(2 * num_layers) so the residual stream's variance does
+    not grow with depth (two such writes per layer).
+    """
+    return config.init_method_std / math.sqrt(2.0 * config.num_layers)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` initialized with normal(0, init_std) weights and zero bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, init_std: float,
+                 dtype: Optional[torch.dtype] = None):
+        # Set before nn.Linear.__init__, which calls reset_parameters().
+        self.init_std = init_std
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` initialized with normal(0, init_std) (nn.Embedding uses std 1)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float,
+                 dtype: Optional[torch.dtype] = None):
+        self.init_std = init_std
+        super().__init__(num_embeddings, embedding_dim, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
+def build_linear(config: TransformerConfig, in_features: int, out_features: int, bias: bool,
+                 init_std: float) -> nn.Module:
+    """A linear layer: local ``Linear`` or ``te.Linear`` (same parameter names: weight, bias)."""
+    if config.transformer_impl == "transformer_engine":
+        te = import_transformer_engine()
+        return te.Linear(
+            in_features,
+            out_features,
+            bias=bias,
+            init_method=lambda weight: nn.init.normal_(weight, mean=0.0, std=init_std),
+            params_dtype=config.params_dtype,
+            device=te_device(),
+        )
+    return Linear(in_features, out_features, bias=bias, init_std=init_std, dtype=config.params_dtype)
+
+
+def reset_parameters_of(root: nn.Module) -> None:
+    """Re-initialize every parameter under ``root`` by calling ``reset_parameters()`` on each
+    module that directly owns a parameter (local leaves, TE modules and apex norms all
+    provide it). Containers own no parameters, so nothing is initialized twice."""
+    with torch.no_grad():
+        for module in root.modules():
+            if not any(p is not None for p in module._parameters.values()):
+                continue
+            reset = getattr(module, "reset_parameters", None)
+            if reset is None:
+                raise RuntimeError(
+                    f"{type(module).__name__} owns parameters but has no reset_parameters(); "
+                    "give it one so the model can be initialized after a meta-device build."
+                )
+            reset()

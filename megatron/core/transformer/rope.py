@@ -1,0 +1,54 @@
+"""Rotary position embeddings (RoPE), in the "rotate half" form used by Megatron-LM and
+Hugging Face Llama.
+
+Each head vector of size d is split into halves (x1 = x[:d/2], x2 = x[d/2:]); dimension i
+of the first half is rotated together with dimension i of the second half by the angle
+``position * rotary_base ** (-2i / d)``. Because Megatron and Hugging Face Llama both use
+this layout, q/k projection rows convert between them without any permutation.
+"""
+
+from typing import Tuple
+
+import torch
+import torch.nn as nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Computes (cos, sin) tables for given position ids.
+
+    Holds no parameters or buffers: the inverse frequencies are recomputed per forward
+    (a few hundred flops), so nothing needs materializing after a meta-device build and
+    nothing can be sharded or cast to bf16 by accident.
+    """
+
+    def __init__(self, kv_channels: int, rotary_base: float = 10000):
+        super().__init__()
+        if kv_channels % 2 != 0:
+            raise ValueError(f"rotary embeddings need an even head dimension, got {kv_channels}.")
+        self.kv_channels = kv_channels
+        self.rotary_base = rotary_base
+
+    def forward(self, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [b, s] -> (cos, sin), each [b, s, kv_channels] in fp32."""
+        exponent = torch.arange(0, self.kv_channels, 2, device=position_ids.device, dtype=torch.float32)
+        inv_freq = 1.0 / (self.rotary_base ** (exponent / self.kv_channels))
+        angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq  # [b, s, d/2]
+        angles = torch.cat((angles, angles), dim=-1)  # same angle for dims i and i + d/2
+        return angles.cos(), angles.sin()
+
+    def extra_repr(self) -> str:
+        return f"kv_channels={self.kv_channels}, rotary_base={self.rotary_base}"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary_pos_emb(x: torch.Tensor, rotary_pos_emb: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate x [b, s, heads, d] by (cos, sin) [b, s, d]. Computed in fp32, returned in x's dtype."""
+    cos, sin = rotary_pos_emb
+    cos = cos.unsqueeze(2)  # broadcast over heads
+    sin = sin.unsqueeze(2)
+    x32 = x.float()
+    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)

@@ -1,0 +1,173 @@
+"""TransformerConfig: the hyper-parameters of a decoder-only transformer.
+
+Field names and defaults follow Megatron-LM's ``TransformerConfig`` so that code and
+argument names carry over. Only the fields this project implements exist; anything a user
+can get wrong is checked in ``__post_init__`` and reported as a ``ValueError`` that says
+how to fix it.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+_TRANSFORMER_IMPLS = ("local", "transformer_engine")
+_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+_RECOMPUTE_GRANULARITIES = (None, "full")
+_PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    # GPT-2's "gelu_new"; needed for logits that match a Hugging Face GPT-2 checkpoint.
+    return F.gelu(x, approximate="tanh")
+
+
+def _squared_relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+# Activations selectable by name. Names (not callables) keep the config printable and
+# serializable into checkpoints and argument files.
+ACTIVATION_FUNCTIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": _gelu_tanh,
+    "silu": F.silu,
+    "relu": F.relu,
+    "squared_relu": _squared_relu,
+}
+
+
+@dataclass
+class TransformerConfig:
+    """Architecture and numerics of the transformer decoder.
+
+    Derived defaults (filled in by ``__post_init__``):
+      * ``ffn_hidden_size``: ``4 * hidden_size``.
+      * ``num_query_groups``: ``num_attention_heads`` (plain multi-head attention);
+        fewer groups means grouped-query attention (1 group = multi-query attention).
+      * ``kv_channels``: ``hidden_size // num_attention_heads`` (the per-head dimension).
+      * ``activation_func``: ``"silu"`` when ``gated_linear_unit`` (SwiGLU), else ``"gelu"``.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: Optional[int] = None
+    num_query_groups: Optional[int] = None
+    kv_channels: Optional[int] = None
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    normalization: str = "LayerNorm"
+    layernorm_epsilon: float = 1e-5
+    gated_linear_unit: bool = False
+    activation_func: Optional[Union[str, Callable]] = None
+    add_bias_linear: bool = True
+    init_method_std: float = 0.02
+    params_dtype: torch.dtype = torch.float32
+    recompute_granularity: Optional[str] = None
+    recompute_reentrant: bool = False
+    transformer_impl: str = "local"
+    use_apex_fused: bool = False
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}; set it to 1 or more.")
+
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                    f"({self.num_attention_heads}); choose a head count that divides the hidden size, "
+                    "or set kv_channels explicitly."
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        elif self.kv_channels < 1:
+            raise ValueError(f"kv_channels must be positive, got {self.kv_channels}; leave it unset to use hidden_size // num_attention_heads.")
+
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(
+                f"num_query_groups ({self.num_query_groups}) must be a positive divisor of "
+                f"num_attention_heads ({self.num_attention_heads}); pick a group count such as "
+                f"1 or {self.num_attention_heads}, or leave it unset for multi-head attention."
+            )
+
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        elif self.ffn_hidden_size < 1:
+            raise ValueError(f"ffn_hidden_size must be positive, got {self.ffn_hidden_size}; leave it unset for 4 * hidden_size.")
+
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}; use 0.0 to disable dropout.")
+
+        if self.normalization not in _NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {_NORMALIZATIONS}, got {self.normalization!r}.")
+        if not self.layernorm_epsilon > 0:
+            raise ValueError(f"layernorm_epsilon must be positive, got {self.layernorm_epsilon}; 1e-5 is the usual value.")
+
+        if self.activation_func is None:
+            self.activation_func = "silu" if self.gated_linear_unit else "gelu"
+        if isinstance(self.activation_func, str):
+            if self.activation_func not in ACTIVATION_FUNCTIONS:
+                raise ValueError(
+                    f"activation_func {self.activation_func!r} is not known; use one of "
+                    f"{sorted(ACTIVATION_FUNCTIONS)} (or pass a callable)."
+                )
+        elif not callable(self.activation_func):
+            raise ValueError(f"activation_func must be a name or a callable, got {self.activation_func!r}.")
+
+        if not self.init_method_std > 0:
+            raise ValueError(f"init_method_std must be positive, got {self.init_method_std}; 0.02 is the usual value.")
+
+        if self.params_dtype not in _PARAMS_DTYPES:
+            raise ValueError(
+                f"params_dtype must be one of torch.float32, torch.bfloat16, torch.float16, got {self.params_dtype!r}."
+            )
+
+        if self.recompute_granularity not in _RECOMPUTE_GRANULARITIES:
+            raise ValueError(
+                f"recompute_granularity {self.recompute_granularity!r} is not supported; use 'full' "
+                "(recompute each transformer layer in backward) or None (no recomputation)."
+            )
+
+        if self.transformer_impl not in _TRANSFORMER_IMPLS:
+            raise ValueError(
+                f"transformer_impl must be 'local' or 'transformer_engine', got {self.transformer_impl!r}."
+            )
+
+        if self.position_embedding_type not in _POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"position_embedding_type must be one of {_POSITION_EMBEDDING_TYPES}, got "
+                f"{self.position_embedding_type!r}."
+            )
+        if not self.rotary_base > 0:
+            raise ValueError(f"rotary_base must be positive, got {self.rotary_base}; 10000 is the usual value.")
+        if self.position_embedding_type == "rope" and self.kv_channels % 2 != 0:
+            raise ValueError(
+                f"rotary position embeddings need an even head dimension, but kv_channels is "
+                f"{self.kv_channels}; change hidden_size/num_attention_heads or set an even kv_channels."
+            )
+
+    @property
+    def activation(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The activation as a callable (resolves names through ACTIVATION_FUNCTIONS)."""
+        if isinstance(self.activation_func, str):
+            return ACTIVATION_FUNCTIONS[self.activation_func]
+        return self.activation_func
+
+    @property
+    def query_projection_size(self) -> int:
+        return self.num_attention_heads * self.kv_channels
+
+    @property
+    def kv_projection_size(self) -> int:
+        return self.num_query_groups * self.kv_channels
