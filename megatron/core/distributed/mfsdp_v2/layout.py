@@ -10,6 +10,10 @@ uneven; a rank may own zero rows of a tensor, or nothing at all.
 The gathered buffer (``num_shards * shard_numel``) is the concatenation of the regions. A
 tensor that sits inside one region is a plain view of it; a tensor whose rows span
 regions is split by the padding between them and is assembled by a copy.
+
+0-d tensors have no dim 0 to shard: they are *replicated*, one copy at the start of every
+shard. Writing the same gradient into every copy makes a reduce-scatter hand each rank
+the full reduced value, so they need no special communication.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class FlatLayout:
         self.shapes: List[torch.Size] = [torch.Size(s) for s in shapes]
         self.num_shards = num_shards
         # A 0-d tensor is one row of one element.
+        self.replicated = [len(s) == 0 for s in self.shapes]
+        self.num_replicated = sum(self.replicated)
         self.rows = [s[0] if len(s) > 0 else 1 for s in self.shapes]
         self.row_numels = [math.prod(s[1:]) if len(s) > 0 else 1 for s in self.shapes]
         self.numels = [r * w for r, w in zip(self.rows, self.row_numels)]
@@ -61,9 +67,20 @@ class FlatLayout:
 
         Returns the list of pieces per tensor, or None when ``num_shards`` shards of that
         capacity cannot hold everything."""
-        shard, used = 0, 0
+        if capacity < self.num_replicated:
+            return None
+        # Replicated scalars first, at the same offsets in every shard.
+        scalar_offset = {}
+        for index in range(len(self.shapes)):
+            if self.replicated[index]:
+                scalar_offset[index] = len(scalar_offset)
+        shard, used = 0, self.num_replicated
         pieces: List[List[Piece]] = []
         for index, (rows, width) in enumerate(zip(self.rows, self.row_numels)):
+            if self.replicated[index]:
+                offset = scalar_offset[index]
+                pieces.append([Piece(index, s, 0, 1, offset, 1) for s in range(self.num_shards)])
+                continue
             tensor_pieces: List[Piece] = []
             row = 0
             while row < rows:
@@ -71,7 +88,7 @@ class FlatLayout:
                     return None
                 fit = (capacity - used) // width
                 if fit == 0:
-                    shard, used = shard + 1, 0
+                    shard, used = shard + 1, self.num_replicated
                     if shard >= self.num_shards:
                         return None
                     continue
@@ -89,8 +106,9 @@ class FlatLayout:
         [ceil(total / n), ceil(total / n) + max row]; binary search it."""
         if self.total_numel == 0:
             return 0
-        low = max(math.ceil(self.total_numel / self.num_shards), max(self.row_numels))
-        high = math.ceil(self.total_numel / self.num_shards) + max(self.row_numels)
+        base = math.ceil((self.total_numel - self.num_replicated) / self.num_shards) + self.num_replicated
+        low = max(base, max(self.row_numels) + self.num_replicated)
+        high = base + max(self.row_numels)
         while low < high:
             mid = (low + high) // 2
             if self._fill(mid) is not None:
@@ -141,11 +159,11 @@ class FlatLayout:
         return view.view((end - start,) + tuple(shape[1:]))
 
     def is_contiguous_in_gathered(self, index: int) -> bool:
-        return len(self.pieces[index]) <= 1
+        return len(self.pieces[index]) <= 1 or self.replicated[index]
 
     def gathered_view(self, gathered: torch.Tensor, index: int) -> torch.Tensor:
         """Tensor ``index`` as a view of the gathered buffer (only if it sits in one shard)."""
-        pieces = self.pieces[index]
+        pieces = self.pieces[index][:1] if self.replicated[index] else self.pieces[index]
         if len(pieces) > 1:
             raise ValueError("tensor spans shards; assemble it with copy_out instead")
         shape = self.shapes[index]
@@ -155,7 +173,8 @@ class FlatLayout:
         return gathered.narrow(0, start, pieces[0].numel).view(shape)
 
     def gathered_slices(self, gathered: torch.Tensor, index: int) -> List[torch.Tensor]:
-        """The flat pieces of tensor ``index`` inside the gathered buffer, in row order."""
+        """The flat pieces of tensor ``index`` inside the gathered buffer, in row order
+        (for a replicated tensor: its copies, one per shard)."""
         return [
             gathered.narrow(0, p.shard * self.shard_numel + p.offset, p.numel) for p in self.pieces[index]
         ]
@@ -164,14 +183,30 @@ class FlatLayout:
         """Assemble tensor ``index`` from the gathered buffer into ``out`` (contiguous)."""
         flat = out.view(-1)
         position = 0
-        for piece in self.gathered_slices(gathered, index):
+        slices = self.gathered_slices(gathered, index)
+        for piece in slices[:1] if self.replicated[index] else slices:
             flat.narrow(0, position, piece.numel()).copy_(piece)
             position += piece.numel()
 
     def copy_in(self, source: torch.Tensor, gathered: torch.Tensor, index: int) -> None:
         """Scatter a full tensor ``index`` into its places in a gathered-layout buffer."""
         flat = source.reshape(-1)
+        if self.replicated[index]:
+            for piece in self.gathered_slices(gathered, index):
+                piece.copy_(flat)
+            return
         position = 0
         for piece in self.gathered_slices(gathered, index):
             piece.copy_(flat.narrow(0, position, piece.numel()))
             position += piece.numel()
+
+    def source_chunks(self, source: torch.Tensor, index: int) -> List[torch.Tensor]:
+        """A full tensor cut into the flat chunks that match ``gathered_slices``."""
+        flat = source.reshape(-1)
+        if self.replicated[index]:
+            return [flat] * len(self.pieces[index])
+        chunks, position = [], 0
+        for piece in self.pieces[index]:
+            chunks.append(flat.narrow(0, position, piece.numel))
+            position += piece.numel
+        return chunks

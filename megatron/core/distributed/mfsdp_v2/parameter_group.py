@@ -118,7 +118,11 @@ class ParameterGroup:
             local_pieces = self.layout.pieces_by_shard[self.shard_index]
             self._outer_index = {piece.index: j for j, piece in enumerate(local_pieces)}
             self.outer_layout = FlatLayout(
-                [torch.Size((pc.row_end - pc.row_start,) + tuple(self.layout.shapes[pc.index][1:])) for pc in local_pieces],
+                [
+                    torch.Size(()) if self.layout.replicated[pc.index]
+                    else torch.Size((pc.row_end - pc.row_start,) + tuple(self.layout.shapes[pc.index][1:]))
+                    for pc in local_pieces
+                ],
                 self.outer_size,
             )
             self.outer_rank = dist.get_rank(self.outer_group)
@@ -247,16 +251,19 @@ class ParameterGroup:
             local, self.mesh, placements, run_check=False, shape=p.shape, stride=p.stride
         )
 
-    def _optimizer_placements(self):
+    def _optimizer_placements(self, p: FsdpParameter):
+        if self.layout.replicated[p.index]:  # 0-d: a copy on every rank
+            return (Replicate(),) * (1 if self.outer_group is None else 2)
         inner = Shard(0) if self.strategy.optim_sharded else Replicate()
         if self.outer_group is None:
             return (inner,)
         return (Shard(0) if self.outer_layout is not None else Replicate(), inner)
 
     def _build_parameters(self) -> None:
-        placements = self._optimizer_placements()
         for p in self.fsdp_parameters:
-            p.sharded_param = nn.Parameter(self._dtensor(self._main_view(p), p, placements), requires_grad=p.requires_grad)
+            p.sharded_param = nn.Parameter(
+                self._dtensor(self._main_view(p), p, self._optimizer_placements(p)), requires_grad=p.requires_grad
+            )
             p.unsharded_param = nn.Parameter(self._unsharded_tensor(p), requires_grad=p.requires_grad)
             if p.requires_grad:
                 p.unsharded_param.register_post_accumulate_grad_hook(self._make_grad_hook(p))
@@ -489,7 +496,7 @@ class ParameterGroup:
                         # no_shard: the reduced gradient *is* this buffer; restart it from zero.
                         for piece in pieces:
                             piece.zero_()
-                    for piece, src in zip(pieces, _row_chunks(grad, self.layout, p.index)):
+                    for piece, src in zip(pieces, self.layout.source_chunks(grad, p.index)):
                         piece.add_(src)
                 else:
                     self.layout.copy_in(grad, flat, p.index)
@@ -519,9 +526,9 @@ class ParameterGroup:
             return
         self._grads_reduced = False
         self._fresh = [False] * len(self.fsdp_parameters)
-        placements = self._optimizer_placements()
         main_dtype = self.precision.main_params
         for p in self.fsdp_parameters:
+            placements = self._optimizer_placements(p)
             local = self._optim_view(self.reduced_grad, p)
             # ``.main_grad`` is always the reduced gradient itself, in main_grads_dtype.
             p.sharded_param.main_grad = self._dtensor(local, p, placements)
@@ -575,11 +582,3 @@ class ParameterGroup:
                     self._unsharded_tensor(p).copy_(self._main_view(p))
         return works
 
-
-def _row_chunks(grad: torch.Tensor, layout: FlatLayout, index: int):
-    """Split a full gradient into the flat chunks matching its pieces in the layout."""
-    flat = grad.reshape(-1)
-    position = 0
-    for piece in layout.pieces[index]:
-        yield flat.narrow(0, position, piece.numel)
-        position += piece.numel
