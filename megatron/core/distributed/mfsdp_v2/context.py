@@ -107,7 +107,10 @@ class FsdpContext:
     # Prefetch -------------------------------------------------------------------------
     def _prefetch_after(self, unit, order: List, index_attr: str) -> None:
         index = getattr(unit._fsdp_state, index_attr) + 1
-        if index < len(order):
+        # A unit whose gradients were already reduced in this backward (it ran earlier than
+        # the static order predicts) needs no parameters any more: gathering it again would
+        # keep it unsharded until the end of backward.
+        if index < len(order) and not order[index]._fsdp_state.reduced_this_backward:
             order[index]._fsdp_state.issue_unshard()
 
     def prefetch_forward(self, unit) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -121,6 +122,9 @@ def fully_shard(
     state = UnitState(module, context, mesh, placements, strategy, groups, grad_divisor)
     for param, _ in owned:
         context._managed_params[id(param)] = module
+        # The id means this parameter only while it lives: forget it when the original is
+        # freed, or a new parameter that reuses the address would look already owned.
+        weakref.finalize(param, context._managed_params.pop, id(param), None).atexit = False
     for group in groups:
         for p in group.fsdp_parameters:
             p.install(p.sharded_param)

@@ -107,8 +107,13 @@ class FlatLayout:
         if self.total_numel == 0:
             return 0
         base = math.ceil((self.total_numel - self.num_replicated) / self.num_shards) + self.num_replicated
-        low = max(base, max(self.row_numels) + self.num_replicated)
-        high = base + max(self.row_numels)
+        # The widest row that must fit next to the replicated scalars (scalars and tensors
+        # without elements need no room of their own).
+        widest = max(
+            (w for w, n, rep in zip(self.row_numels, self.numels, self.replicated) if n > 0 and not rep), default=0
+        )
+        low = max(base, widest + self.num_replicated)
+        high = base + widest
         while low < high:
             mid = (low + high) // 2
             if self._fill(mid) is not None:

@@ -406,11 +406,16 @@ class ParameterGroup:
             self._grads_reduced = self.outer_group is None or is_last_microbatch
             return works
         # Replicated gradients (no_shard, ZeRO-1): accumulate locally, reduce on the last microbatch.
-        self._take_grads_into(self.main_grad, accumulate=True)
+        # no_shard reduces in place, on top of what earlier backwards already reduced, and the
+        # all-reduce divides the whole buffer: so grad_divisor is applied to the new local
+        # gradients here and the all-reduce divides by the rank count only.
+        in_place = not strategy.optim_sharded
+        self._take_grads_into(self.main_grad, accumulate=True, scale=1 / self.grad_divisor if in_place else 1)
         if not is_last_microbatch:
             return works
         if strategy.optim_sharded:  # ZeRO-1: reduce-scatter the local sum into the shard
             comm_dtype = self.precision.grad_comm
+            comm.follow_current_stream(device, ctx.reduce_scatter_stream)  # main_grad was written there
             with device.stream(ctx.reduce_scatter_stream):
                 out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=self.main_grad.device)
                 send = self.main_grad.to(comm_dtype)
@@ -426,7 +431,7 @@ class ParameterGroup:
             ))
         else:  # no_shard: all-reduce in place. Content left from earlier steps is identical on
             # every rank, so SUM / N returns it unchanged and new gradients are averaged onto it.
-            works.append(self._all_reduce_in_comm_dtype(self.main_grad, self.inner_group, divisor))
+            works.append(self._all_reduce_in_comm_dtype(self.main_grad, self.inner_group, self.inner_size))
         if self.outer_group is not None:
             works.append(self._outer_reduce(works[-1]))
         self._grads_reduced = True
@@ -472,6 +477,7 @@ class ParameterGroup:
             return comm.all_reduce(
                 buffer, group, device=self.device, stream=stream, divisor=divisor, counter=self.context.counter
             )
+        comm.follow_current_stream(self.device, stream)  # the buffer may have been written there
         with self.device.stream(stream):
             wire = buffer.to(comm_dtype)
 
@@ -483,7 +489,7 @@ class ParameterGroup:
             counter=self.context.counter,
         )
 
-    def _take_grads_into(self, flat: torch.Tensor, accumulate: bool = False) -> None:
+    def _take_grads_into(self, flat: torch.Tensor, accumulate: bool = False, scale: float = 1) -> None:
         """Move each unsharded gradient into its place in a gathered-layout buffer."""
         with torch.no_grad():
             for p in self.fsdp_parameters:
@@ -497,7 +503,7 @@ class ParameterGroup:
                         for piece in pieces:
                             piece.zero_()
                     for piece, src in zip(pieces, self.layout.source_chunks(grad, p.index)):
-                        piece.add_(src)
+                        piece.add_(src, alpha=scale)
                 else:
                     self.layout.copy_in(grad, flat, p.index)
                 p.unsharded_param.grad = None

@@ -148,10 +148,15 @@ def completed_work(device: DeviceHandle, result: Optional[torch.Tensor] = None) 
     return CollectiveWork(None, device, device.current_stream(), result=result)
 
 
+def follow_current_stream(device: DeviceHandle, stream) -> None:
+    """Order ``stream`` after everything already queued on the current stream (CUDA)."""
+    if device.is_cuda and stream != device.current_stream():
+        stream.wait_stream(device.current_stream())
+
+
 def _launch(device: DeviceHandle, stream, fn):
     """Issue ``fn`` on ``stream`` after everything already queued on the current stream."""
-    if device.is_cuda:
-        stream.wait_stream(device.current_stream())
+    follow_current_stream(device, stream)
     with device.stream(stream):
         return fn()
 

@@ -1,0 +1,169 @@
+"""mfsdp_v2/work.py on its own, over real gloo collectives: post-ops, exactly-once,
+SUM-then-divide numerics, futures, error propagation, the collective counter."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.mfsdp_v2 import work as comm
+from megatron.core.distributed.mfsdp_v2.device import DeviceHandle
+
+DEVICE = DeviceHandle(torch.device("cpu"))
+STREAM = DEVICE.new_stream("test")
+GROUP = None  # the default group
+
+
+def _world():
+    return dist.get_world_size()
+
+
+def _rank():
+    return dist.get_rank()
+
+
+def _inputs(numel, dtype):
+    """Every rank's input, computable on every rank (seeded by rank)."""
+    return [torch.randn(numel, generator=torch.Generator().manual_seed(100 + r)).to(dtype) for r in range(_world())]
+
+
+def _all_reduce(tensor, **kwargs):
+    return comm.all_reduce(tensor, dist.group.WORLD, device=DEVICE, stream=STREAM, **kwargs)
+
+
+def _reduce_scatter(output, input, **kwargs):
+    return comm.reduce_scatter(output, input, dist.group.WORLD, device=DEVICE, stream=STREAM, **kwargs)
+
+
+def _all_gather(output, input, **kwargs):
+    return comm.all_gather(output, input, dist.group.WORLD, device=DEVICE, stream=STREAM, **kwargs)
+
+
+def test_post_ops_run_in_order_after_the_division():
+    tensor = torch.full((4,), float(_rank() + 1))
+    log = []
+    work = _all_reduce(
+        tensor, divisor=_world(),
+        post_ops=[lambda: log.append(("a", tensor.clone())), lambda: log.append(("b", None)),
+                  lambda: log.append(("c", None))],
+    )
+    result = work.wait()
+    assert result is tensor
+    assert [name for name, _ in log] == ["a", "b", "c"]
+    mean = sum(r + 1 for r in range(_world())) / _world()
+    # The first post-op already saw the divided (averaged) value.
+    torch.testing.assert_close(log[0][1], torch.full((4,), mean))
+    torch.testing.assert_close(tensor, torch.full((4,), mean))
+    assert work.is_completed()
+
+
+def test_post_ops_run_exactly_once():
+    counts = {"wait": 0, "block": 0, "future": 0}
+    for how in counts:
+        tensor = torch.ones(3)
+        work = _all_reduce(tensor, post_ops=[lambda h=how: counts.__setitem__(h, counts[h] + 1)])
+        if how == "wait":
+            work.wait()
+            work.wait()
+        elif how == "block":
+            work.block_current_stream()
+            work.wait()
+        else:
+            work.get_future().wait()
+            work.wait()
+            work.block_current_stream()
+        torch.testing.assert_close(tensor, torch.full((3,), float(_world())))  # divided never
+    assert counts == {"wait": 1, "block": 1, "future": 1}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_all_reduce_sum_then_divide_is_the_mean(dtype, tol):
+    inputs = _inputs(64, dtype)
+    tensor = inputs[_rank()].clone()
+    _all_reduce(tensor, divisor=_world()).wait()
+    expected = torch.stack([t.double() for t in inputs]).mean(0)
+    assert tensor.dtype == dtype
+    torch.testing.assert_close(tensor.double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_reduce_scatter_sum_then_divide_is_the_mean_of_my_chunk(dtype, tol):
+    chunk = 8
+    inputs = _inputs(chunk * _world(), dtype)
+    output = torch.empty(chunk, dtype=dtype)
+    work = _reduce_scatter(output, inputs[_rank()].clone(), divisor=_world())
+    assert work.wait() is output
+    expected = torch.stack([t.double() for t in inputs]).mean(0)[_rank() * chunk : (_rank() + 1) * chunk]
+    torch.testing.assert_close(output.double(), expected, rtol=tol, atol=tol)
+
+
+def test_all_gather_is_rank_major():
+    inputs = _inputs(5, torch.float32)
+    output = torch.empty(5 * _world())
+    _all_gather(output, inputs[_rank()]).wait()
+    torch.testing.assert_close(output, torch.cat(inputs), rtol=0, atol=0)
+
+
+def test_get_future_after_wait_returns_the_result():
+    tensor = torch.full((2,), float(_rank()))
+    work = _all_reduce(tensor)
+    assert work.wait() is tensor
+    future = work.get_future()
+    assert future.done()
+    assert future.wait() is tensor
+    torch.testing.assert_close(future.value(), torch.full((2,), float(sum(range(_world())))))
+
+
+def test_get_future_before_wait_completes_the_work():
+    tensor = torch.ones(2)
+    ran = []
+    work = _all_reduce(tensor, divisor=2.0, post_ops=[lambda: ran.append(1)])
+    value = work.get_future().wait()
+    assert ran == [1]
+    torch.testing.assert_close(value, torch.full((2,), _world() / 2.0))
+
+
+def test_a_failing_post_op_surfaces_from_every_wait():
+    tensor = torch.ones(2)
+    ran = []
+
+    def boom():
+        raise ArithmeticError("post-op failed")
+
+    work = _all_reduce(tensor, post_ops=[lambda: ran.append("first"), boom, lambda: ran.append("never")])
+    with pytest.raises(ArithmeticError, match="post-op failed") as first:
+        work.wait()
+    with pytest.raises(ArithmeticError, match="post-op failed") as second:
+        work.wait()
+    assert second.value is first.value
+    with pytest.raises(ArithmeticError, match="post-op failed"):
+        work.get_future()
+    assert ran == ["first"]  # ops before the failure ran once, ops after it never
+    assert not work.is_completed()
+
+
+def test_collective_counter_counts_kinds_and_bytes():
+    counter = comm.CollectiveCounter()
+    n = _world()
+    _all_gather(torch.empty(3 * n), torch.ones(3), counter=counter).wait()
+    _all_gather(torch.empty(2 * n, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16), counter=counter).wait()
+    _reduce_scatter(torch.empty(4), torch.ones(4 * n), counter=counter).wait()
+    _all_reduce(torch.ones(5), counter=counter).wait()
+    assert counter.counts() == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1}
+    assert counter.bytes_by_kind() == {"all_gather": 3 * 4 + 2 * 2, "reduce_scatter": 4 * n * 4, "all_reduce": 5 * 4}
+    assert [r.group_size for r in counter.records] == [n] * 4
+    counter.reset()
+    assert counter.counts() == {} and counter.bytes_by_kind() == {}
+
+
+def test_size_mismatches_raise_before_communicating():
+    counter = comm.CollectiveCounter()
+    n = _world()
+    with pytest.raises(ValueError, match="all_gather output"):
+        _all_gather(torch.empty(3 * n + 1), torch.ones(3), counter=counter)
+    with pytest.raises(ValueError, match="reduce_scatter input"):
+        _reduce_scatter(torch.empty(4), torch.ones(4 * n + 1), counter=counter)
+    assert counter.records == []
+    # Nothing is left in flight: a collective right after still lines up on every rank.
+    tensor = torch.ones(1)
+    _all_reduce(tensor).wait()
+    assert tensor.item() == n
