@@ -155,6 +155,21 @@ class FsdpContext:
         finally:
             self._backward_callback_queued = False
 
+    def _recover_from_aborted_backward(self) -> None:
+        """A backward raised before its end-of-backward callback ran: settle the
+        reductions it issued and return every unit to its resting state."""
+        for work in self._pending_reductions:
+            work.wait()
+        self._pending_reductions.clear()
+        for unit in self.units:
+            state = unit._fsdp_state
+            state.wait_pending_unshard()
+            state.reshard()
+            state.reset_backward_state()
+            for group in state.groups:
+                group.discard_partial_backward()
+        self._backward_callback_queued = False
+
     def reshard_all(self) -> None:
         """Reshard every unit (e.g. after a forward without gradients)."""
         for unit in self.units:

@@ -82,6 +82,9 @@ class FlatLayout:
                 pieces.append([Piece(index, s, 0, 1, offset, 1) for s in range(self.num_shards)])
                 continue
             tensor_pieces: List[Piece] = []
+            if rows * width == 0:  # an empty tensor occupies no room on any shard
+                pieces.append(tensor_pieces)
+                continue
             row = 0
             while row < rows:
                 if width > capacity:

@@ -26,7 +26,7 @@ from typing import List, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .work import CollectiveWork
 
@@ -34,6 +34,34 @@ from .work import CollectiveWork
 def _in_backward() -> bool:
     # A forward that runs while the autograd engine executes a graph is a recomputation.
     return torch._C._current_graph_task_id() != -1
+
+
+class _InputGradientHook(torch.autograd.Function):
+    """Identity on the way forward; calls ``callback`` when the inputs' gradients exist."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tensors if len(tensors) != 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None,) + grads
+
+
+def _on_input_gradients(callback, inputs):
+    """Route the tensors of ``inputs`` that require grad through _InputGradientHook."""
+    leaves, spec = tree_flatten(inputs)
+    positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return inputs
+    outputs = _InputGradientHook.apply(callback, *[leaves[i] for i in positions])
+    if len(positions) == 1:
+        outputs = (outputs,)
+    for i, tensor in zip(positions, outputs):
+        leaves[i] = tensor
+    return tree_unflatten(leaves, spec)
 
 
 class UnitState:
@@ -82,11 +110,22 @@ class UnitState:
     def pre_forward(self, module, args, kwargs):
         self.context.check_finalized()
         recomputing = _in_backward()
+        if not recomputing and self.context._backward_callback_queued:
+            self.context._recover_from_aborted_backward()
         with self.context.device_handle.nvtx_range(f"mfsdp.pre_forward {self.name}"):
             self.unshard()
             if not recomputing:
                 self.context.prefetch_forward(self.module)
+        if not self.trainable_groups and self.groups and torch.is_grad_enabled():
+            # A frozen unit has no gradient hook to tell when its backward is over: watch
+            # the gradients flowing into its inputs instead, and reshard then.
+            args, kwargs = _on_input_gradients(self._frozen_backward_done, (args, kwargs))
         return args, kwargs
+
+    def _frozen_backward_done(self) -> None:
+        self.reduced_this_backward = True  # nothing to reduce; keeps prefetch away too
+        self.wait_pending_unshard()
+        self.reshard()
 
     def post_forward(self, module, args, kwargs, output):
         recomputing = _in_backward()

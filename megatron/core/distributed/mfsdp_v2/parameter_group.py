@@ -196,6 +196,8 @@ class ParameterGroup:
     def _inner_rows(self, full: torch.Tensor, p: FsdpParameter) -> torch.Tensor:
         """The rows of a full tensor that this rank's inner shard holds."""
         start, end, _ = self.layout.local_piece(p.index, self.shard_index)
+        if full.numel() == 0:
+            return full.new_empty(self._model_view_shape(p, end - start))
         return full.reshape(self.layout.rows[p.index], -1)[start:end].reshape(self._model_view_shape(p, end - start))
 
     def _optimizer_rows(self, full: torch.Tensor, p: FsdpParameter) -> torch.Tensor:
@@ -464,6 +466,12 @@ class ParameterGroup:
             out, flat, self.outer_group, device=self.device, stream=stream, divisor=self.outer_size,
             post_ops=[self._accumulate_op(out, self.reduced_grad, overwrite=True), clear_partial], counter=ctx.counter,
         )
+
+    def discard_partial_backward(self) -> None:
+        """Forget gradients of an aborted backward that were never reduced."""
+        self._received.clear()
+        for p in self.fsdp_parameters:
+            p.unsharded_param.grad = None
 
     def _grad_was_reset(self, p: FsdpParameter) -> bool:
         if self.context.precision_aware_grads and self.reduced_grad.dtype != self.precision.main_params:
