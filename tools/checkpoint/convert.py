@@ -1,0 +1,243 @@
+#!/usr/bin/env python
+"""Convert checkpoints, in one CPU process (no cluster, no GPU).
+
+    # MFSDP (any world size / strategy) -> one consolidated safetensors file (our names)
+    python tools/checkpoint/convert.py --input checkpoints/run --to safetensors --output model.safetensors
+
+    # MFSDP -> Hugging Face (GPT-2 style -> GPT2LMHeadModel, RoPE/RMSNorm/SwiGLU -> LlamaForCausalLM)
+    python tools/checkpoint/convert.py --input checkpoints/run --to hf --output hf_model/
+
+    # Hugging Face -> MFSDP, loadable by pretrain_gpt.py --load (weights only: fine-tuning)
+    python tools/checkpoint/convert.py --input hf_model/ --to mfsdp --output checkpoints/imported
+
+``--input`` is a --save directory (latest iteration unless --iteration), one iteration
+directory, a Hugging Face directory or a safetensors file. An existing output is never
+overwritten without --force; the output is written to a temporary sibling and renamed
+into place when complete. A progress bar goes to stderr (--quiet hides it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+# Run as a script, this file's directory comes first on sys.path, where tools/checkpoint/
+# inspect.py would shadow the standard library's ``inspect`` (which torch imports).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE]
+_REPO_ROOT = os.path.abspath(os.path.join(_HERE, os.pardir, os.pardir))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Convert MFSDP checkpoints to/from safetensors and Hugging Face.",
+                                allow_abbrev=False)
+    p.add_argument("--input", required=True, help="checkpoint to read (MFSDP, Hugging Face dir, .safetensors)")
+    p.add_argument("--output", required=True, help="file (--to safetensors) or directory to write")
+    p.add_argument("--to", required=True, choices=("safetensors", "hf", "mfsdp"), help="output format")
+    p.add_argument("--iteration", type=int, default=None, help="MFSDP input: this iteration instead of the latest")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="cast floating tensors (default: keep)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    g = p.add_argument_group("model facts an engine-only checkpoint does not record (else read from it)")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--norm-epsilon", type=float, default=None)
+    g.add_argument("--rotary-base", type=float, default=None)
+    g.add_argument("--activation", choices=("gelu", "gelu_tanh", "silu"), default=None)
+    g = p.add_argument_group("vocabulary")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="--to hf: keep only the first N vocabulary rows (drop padding); default: the size "
+                        "recorded when the model was imported, else all rows")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="--to mfsdp: zero-pad the vocabulary to a multiple of N, as pretrain_gpt.py pads "
+                        "its tokenizer's (default 128; 1 keeps it)")
+    return p
+
+
+def _progress(items, desc, quiet, total=None):
+    if quiet:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, total=total, unit="tensor", file=sys.stderr, dynamic_ncols=True)
+
+
+def _cast(tensors, dtype_flag):
+    import torch
+
+    if dtype_flag is None:
+        return tensors
+    dtype = getattr(torch, _DTYPES[dtype_flag])
+    return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
+
+
+def _read_all(checkpoint, keys, quiet, what="reading"):
+    out = {}
+    for key in _progress(keys, what, quiet):
+        out.update(checkpoint.load([key]))
+    return out
+
+
+def _save_safetensors(tensors, path, metadata):
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _eod_for(args):
+    kind = args.get("tokenizer_type")
+    if kind == "GPT2BPETokenizer":
+        return 50256
+    if kind == "NullTokenizer" and args.get("vocab_size"):
+        return int(args["vocab_size"]) - 1
+    return None
+
+
+def convert(opts) -> str:
+    import torch
+
+    from tools.checkpoint import hf_conversion as hf
+    from tools.checkpoint.checkpoint_io import (
+        HuggingFaceCheckpoint,
+        MfsdpCheckpoint,
+        SafetensorsCheckpoint,
+        commit_output,
+        open_checkpoint,
+        prepare_output,
+    )
+
+    source = open_checkpoint(opts.input, opts.iteration)
+    tmp = prepare_output(opts.output, opts.force)
+    start = time.time()
+    overrides = {"num_attention_heads": opts.num_attention_heads, "num_query_groups": opts.num_query_groups,
+                 "norm_epsilon": opts.norm_epsilon, "rotary_base": opts.rotary_base,
+                 "activation_func": opts.activation}
+
+    if opts.to in ("safetensors", "hf"):
+        if isinstance(source, HuggingFaceCheckpoint):
+            raise hf.ConversionError("the input is already a Hugging Face model; convert it --to mfsdp.")
+        if isinstance(source, MfsdpCheckpoint):
+            if not opts.quiet:
+                print(f"> verifying {source.path}", file=sys.stderr)
+            source.verify()
+            keys = source.model_keys()
+            args = source.args
+            extra = source.manifest.get("extra") or {}
+        else:
+            keys, args, extra = source.keys(), {}, {}
+            if isinstance(source, SafetensorsCheckpoint) and "megatron_args" in source.metadata:
+                args = json.loads(source.metadata["megatron_args"])
+        tensors = _cast(_read_all(source, keys, opts.quiet), opts.dtype)
+        try:
+            if opts.to == "safetensors":
+                metadata = {"format": "pt", "source": os.path.abspath(opts.input)}
+                try:  # record the architecture when this is a GPTModel (convertible later on)
+                    config = hf.config_from_tensors(tensors, args, overrides)
+                    metadata["megatron_args"] = json.dumps(config.to_megatron_args())
+                except (hf.ConversionError, KeyError):
+                    pass
+                if source.kind == "MFSDP" and source.common:
+                    metadata["iteration"] = str(source.common.get("iteration"))
+                _save_safetensors(tensors, tmp, metadata)
+                summary = f"{len(tensors)} tensors"
+            else:
+                config = hf.config_from_tensors(tensors, args, overrides)
+                base = extra.get("hf_config") or (args.get("hf_config") if isinstance(args.get("hf_config"), dict) else None)
+                vocab = opts.vocab_size or (base or {}).get("vocab_size")
+                if vocab is not None and vocab > config.vocab_size:
+                    vocab = config.vocab_size
+                dtype = next(iter(tensors.values())).dtype
+                out = hf.to_hf(tensors, config, vocab)
+                os.makedirs(tmp)
+                with open(os.path.join(tmp, "config.json"), "w") as f:
+                    json.dump(hf.hf_config(config, vocab, base, dtype, _eod_for(args)), f, indent=2, sort_keys=True)
+                    f.write("\n")
+                ordered = dict(sorted(out.items()))
+                _save_safetensors(ordered, os.path.join(tmp, "model.safetensors"), {"format": "pt"})
+                summary = f"{config.style} model, {len(out)} tensors"
+        except BaseException:
+            _remove(tmp)
+            raise
+    else:  # --to mfsdp
+        from megatron.core.distributed.mfsdp_v2 import checkpoint as engine
+        from megatron.training import checkpointing
+
+        if isinstance(source, MfsdpCheckpoint):
+            raise hf.ConversionError("the input is already an MFSDP checkpoint (it reshards on load).")
+        hf_config = getattr(source, "config", None)
+        if hf_config is not None:
+            config = hf.config_from_hf(hf_config)
+        else:
+            config = None
+        theirs = _cast(_read_all(source, source.keys(), opts.quiet), opts.dtype)
+        if config is None:  # a consolidated safetensors file of ours
+            meta = getattr(source, "metadata", {}) or {}
+            args = json.loads(meta["megatron_args"]) if "megatron_args" in meta else {}
+            config = hf.config_from_tensors(theirs, args, overrides)
+            ours = theirs
+        else:
+            multiple = max(1, opts.make_vocab_size_divisible_by)
+            padded = -(-config.vocab_size // multiple) * multiple
+            ours = hf.from_hf(theirs, config, padded)
+            config.vocab_size = padded
+        iteration_dir = checkpointing.checkpoint_dir(tmp, 0)
+        os.makedirs(iteration_dir)
+        try:
+            model_args = config.to_megatron_args()
+            extra = {"hf_config": hf_config} if hf_config is not None else {}
+            engine.save_tensors({engine.MODEL_PREFIX + k: v for k, v in ours.items()}, iteration_dir,
+                                extra_metadata=extra)
+            common = {
+                "checkpoint_version": checkpointing.CHECKPOINT_VERSION, "iteration": 0,
+                "consumed_train_samples": 0, "data": {"consumed_train_samples": 0},
+                "num_floating_point_operations_so_far": 0.0, "opt_param_scheduler": None,
+                "args": checkpointing._encode(model_args), "use_mfsdp": True, "world_size": 1,
+                "has_optimizer": False, "model_only": True, "rng_files": {},
+                "converted_from": os.path.abspath(opts.input),
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            }
+            checkpointing._write_common(os.path.join(iteration_dir, checkpointing.COMMON_FILENAME), common)
+            checkpointing._write_tracker(tmp, 0)
+        except BaseException:
+            _remove(tmp)
+            raise
+        summary = (f"{config.style} model, {len(ours)} tensors; fine-tune with: pretrain_gpt.py --load "
+                   f"{opts.output} --finetune {config.command_line()}")
+        if config.activation == "gelu_tanh":
+            summary += ("; note: the model uses the tanh GELU (gelu_new), while pretrain_gpt.py builds the exact "
+                        "GELU (the weights load; the activations differ slightly)")
+    commit_output(tmp, opts.output)
+    print(f"> wrote {opts.output} ({summary}) in {time.time() - start:.1f} s", file=sys.stderr)
+    return opts.output
+
+
+def _remove(path):
+    import shutil
+
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def main(argv=None) -> int:
+    opts = get_parser().parse_args(argv)
+    try:
+        convert(opts)
+    except (FileExistsError, FileNotFoundError, ValueError, RuntimeError, KeyError) as e:
+        print(f"convert.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,408 @@
+"""Mapping between this project's GPTModel tensors and Hugging Face GPT-2 / Llama.
+
+Two model styles convert:
+
+* GPT-2 style -- learned absolute positions, LayerNorm, GELU MLP, multi-head attention
+  -> ``GPT2LMHeadModel`` (``c_attn`` / ``c_proj`` / ``c_fc`` are Conv1D: weights stored
+  transposed, ``[in, out]``). Models without linear biases get zero biases (exact).
+* Llama style -- RoPE, RMSNorm, SwiGLU MLP, any number of query groups
+  -> ``LlamaForCausalLM``.
+
+The QKV projection is interleaved per query group in our layout (attention.py): for each
+group g, ``P = heads / groups`` query heads, then one key head, then one value head, each
+``d = kv_channels`` rows. ``linear_fc1`` of a SwiGLU MLP is ``[gate; up]``. Every mapping
+below is a permutation / transpose / concatenation of whole rows, so conversions in both
+directions are bit-exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+Tensors = Dict[str, torch.Tensor]
+
+
+class ConversionError(ValueError):
+    """The checkpoint cannot be converted as asked (the message says why and what to do)."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Everything the conversion needs to know about one of our GPT models."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    normalization: str  # "LayerNorm" | "RMSNorm"
+    position_embedding_type: str  # "learned_absolute" | "rope"
+    gated_linear_unit: bool
+    activation: str  # "gelu" | "gelu_tanh" | "silu" | ...
+    add_bias_linear: bool
+    tied_embeddings: bool
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 10000.0
+
+    @property
+    def style(self) -> str:
+        gpt2 = (self.position_embedding_type == "learned_absolute" and self.normalization == "LayerNorm"
+                and not self.gated_linear_unit and self.activation in ("gelu", "gelu_tanh"))
+        llama = (self.position_embedding_type == "rope" and self.normalization == "RMSNorm"
+                 and self.gated_linear_unit and self.activation == "silu")
+        if gpt2:
+            return "gpt2"
+        if llama:
+            return "llama"
+        raise ConversionError(
+            "this model is neither GPT-2 style (learned positions + LayerNorm + GELU) nor Llama style "
+            f"(RoPE + RMSNorm + SwiGLU): it has {self.position_embedding_type} positions, {self.normalization}, "
+            f"{'SwiGLU' if self.gated_linear_unit else 'a plain'} MLP with {self.activation}. Convert it to a "
+            "consolidated safetensors file instead (--to safetensors)."
+        )
+
+    def to_megatron_args(self) -> Dict[str, Any]:
+        """The arguments pretrain_gpt.py needs to build this model (Megatron flag names)."""
+        return {
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_query_groups": self.num_query_groups,
+            "kv_channels": self.kv_channels,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "padded_vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "normalization": self.normalization,
+            "position_embedding_type": self.position_embedding_type,
+            "swiglu": self.gated_linear_unit,
+            "activation_func": self.activation,
+            "add_bias_linear": self.add_bias_linear,
+            "untie_embeddings_and_output_weights": not self.tied_embeddings,
+            "norm_epsilon": self.norm_epsilon,
+            "rotary_base": self.rotary_base,
+        }
+
+    def command_line(self) -> str:
+        """pretrain_gpt.py flags that build this model."""
+        flags = [f"--num-layers {self.num_layers}", f"--hidden-size {self.hidden_size}",
+                 f"--num-attention-heads {self.num_attention_heads}", f"--ffn-hidden-size {self.ffn_hidden_size}",
+                 f"--max-position-embeddings {self.max_position_embeddings}", f"--norm-epsilon {self.norm_epsilon}"]
+        if self.num_query_groups != self.num_attention_heads:
+            flags.append(f"--group-query-attention --num-query-groups {self.num_query_groups}")
+        if self.position_embedding_type == "rope":
+            flags.append(f"--position-embedding-type rope --rotary-base {self.rotary_base:g}")
+        if self.normalization == "RMSNorm":
+            flags.append("--normalization RMSNorm")
+        if self.gated_linear_unit:
+            flags.append("--swiglu")
+        if not self.add_bias_linear:
+            flags.append("--disable-bias-linear")
+        if not self.tied_embeddings:
+            flags.append("--untie-embeddings-and-output-weights")
+        return " ".join(flags)
+
+
+# ----------------------------------------------------------------------------------------
+# Our config from saved arguments and tensor shapes
+# ----------------------------------------------------------------------------------------
+
+
+def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[str, Any]] = None,
+                        overrides: Optional[Dict[str, Any]] = None) -> ModelConfig:
+    """Derive the model configuration from tensor shapes; what shapes cannot tell (head
+    counts, epsilon, RoPE base, activation) comes from the saved ``args`` or ``overrides``."""
+    shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v) for k, v in tensors_or_shapes.items()}
+    args = dict(args or {})
+    args.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if "embedding.word_embeddings.weight" not in shapes:
+        raise ConversionError("no 'embedding.word_embeddings.weight': this is not a GPTModel checkpoint.")
+    vocab, hidden = shapes["embedding.word_embeddings.weight"]
+    layers = sorted({int(m.group(1)) for k in shapes for m in [re.match(r"decoder\.layers\.(\d+)\.", k)] if m})
+    if not layers or layers != list(range(len(layers))):
+        raise ConversionError("the checkpoint's decoder layers are not numbered 0..N-1.")
+    heads = args.get("num_attention_heads")
+    if heads is None:
+        raise ConversionError("the number of attention heads is not recorded in this checkpoint; pass "
+                              "--num-attention-heads (and --num-query-groups for grouped-query attention).")
+    groups = args.get("num_query_groups") or heads
+    qkv_rows = shapes["decoder.layers.0.self_attention.linear_qkv.weight"][0]
+    if qkv_rows % (heads + 2 * groups):
+        raise ConversionError(f"linear_qkv has {qkv_rows} rows, not a multiple of heads + 2 * groups = "
+                              f"{heads + 2 * groups}; check --num-attention-heads / --num-query-groups.")
+    kv_channels = qkv_rows // (heads + 2 * groups)
+    ffn = shapes["decoder.layers.0.mlp.linear_fc2.weight"][1]
+    fc1_rows = shapes["decoder.layers.0.mlp.linear_fc1.weight"][0]
+    gated = fc1_rows == 2 * ffn
+    learned = "embedding.position_embeddings.weight" in shapes
+    max_positions = shapes["embedding.position_embeddings.weight"][0] if learned else int(
+        args.get("max_position_embeddings") or args.get("seq_length") or 2048)
+    rms = "decoder.final_layernorm.bias" not in shapes
+    activation = args.get("activation_func") or ("silu" if gated else "gelu")
+    return ModelConfig(
+        num_layers=len(layers), hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+        kv_channels=kv_channels, ffn_hidden_size=ffn, vocab_size=vocab, max_position_embeddings=max_positions,
+        normalization="RMSNorm" if rms else "LayerNorm",
+        position_embedding_type="learned_absolute" if learned else "rope",
+        gated_linear_unit=gated, activation=activation,
+        add_bias_linear="decoder.layers.0.self_attention.linear_qkv.bias" in shapes,
+        tied_embeddings="output_layer.weight" not in shapes,
+        norm_epsilon=float(args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))),
+        rotary_base=float(args.get("rotary_base", 10000.0)),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# QKV layout
+# ----------------------------------------------------------------------------------------
+
+
+def split_qkv(t: torch.Tensor, cfg: ModelConfig) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our interleaved rows -> q [H*d, ...], k [G*d, ...], v [G*d, ...] in head order."""
+    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    per = heads // groups
+    rest = tuple(t.shape[1:])
+    view = t.reshape((groups, (per + 2) * d) + rest)
+    q, k, v = torch.split(view, [per * d, d, d], dim=1)
+    return (q.reshape((heads * d,) + rest).contiguous(), k.reshape((groups * d,) + rest).contiguous(),
+            v.reshape((groups * d,) + rest).contiguous())
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    per = heads // groups
+    rest = tuple(q.shape[1:])
+    merged = torch.cat([q.reshape((groups, per * d) + rest), k.reshape((groups, d) + rest),
+                        v.reshape((groups, d) + rest)], dim=1)
+    return merged.reshape((groups * (per + 2) * d,) + rest).contiguous()
+
+
+# ----------------------------------------------------------------------------------------
+# Ours -> Hugging Face
+# ----------------------------------------------------------------------------------------
+
+
+def _bias(ours: Tensors, key: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+    return ours[key] if key in ours else torch.zeros(rows, dtype=like.dtype)
+
+
+def to_hf(ours: Tensors, cfg: ModelConfig, vocab_size: Optional[int] = None) -> Tensors:
+    """Our tensors (names without the ``model.`` prefix) -> Hugging Face state dict.
+    ``vocab_size`` trims padded vocabulary rows."""
+    style = cfg.style
+    vocab = vocab_size or cfg.vocab_size
+    if vocab > cfg.vocab_size:
+        raise ConversionError(f"--vocab-size {vocab} exceeds the model's {cfg.vocab_size} rows.")
+    out: Tensors = {}
+    emb = ours["embedding.word_embeddings.weight"][:vocab].contiguous()
+    if style == "gpt2":
+        if cfg.num_query_groups != cfg.num_attention_heads:
+            raise ConversionError("GPT-2 has no grouped-query attention; this model has "
+                                  f"{cfg.num_query_groups} query groups for {cfg.num_attention_heads} heads.")
+        if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
+            raise ConversionError("GPT-2 needs kv_channels * heads == hidden size.")
+        out["transformer.wte.weight"] = emb
+        out["transformer.wpe.weight"] = ours["embedding.position_embeddings.weight"]
+        out["transformer.ln_f.weight"] = ours["decoder.final_layernorm.weight"]
+        out["transformer.ln_f.bias"] = ours["decoder.final_layernorm.bias"]
+        if not cfg.tied_embeddings:
+            out["lm_head.weight"] = ours["output_layer.weight"][:vocab].contiguous()
+        h = cfg.hidden_size
+        for i in range(cfg.num_layers):
+            m, o = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            w = ours[m + "self_attention.linear_qkv.weight"]
+            out[o + "attn.c_attn.weight"] = torch.cat(split_qkv(w, cfg)).t().contiguous()
+            b = _bias(ours, m + "self_attention.linear_qkv.bias", 3 * h, w)
+            out[o + "attn.c_attn.bias"] = torch.cat(split_qkv(b, cfg)).contiguous()
+            proj = ours[m + "self_attention.linear_proj.weight"]
+            out[o + "attn.c_proj.weight"] = proj.t().contiguous()
+            out[o + "attn.c_proj.bias"] = _bias(ours, m + "self_attention.linear_proj.bias", h, proj)
+            fc1 = ours[m + "mlp.linear_fc1.weight"]
+            out[o + "mlp.c_fc.weight"] = fc1.t().contiguous()
+            out[o + "mlp.c_fc.bias"] = _bias(ours, m + "mlp.linear_fc1.bias", fc1.shape[0], fc1)
+            fc2 = ours[m + "mlp.linear_fc2.weight"]
+            out[o + "mlp.c_proj.weight"] = fc2.t().contiguous()
+            out[o + "mlp.c_proj.bias"] = _bias(ours, m + "mlp.linear_fc2.bias", h, fc2)
+            for mine, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                out[o + theirs + ".weight"] = ours[m + mine + ".weight"]
+                out[o + theirs + ".bias"] = ours[m + mine + ".bias"]
+        return out
+    out["model.embed_tokens.weight"] = emb
+    out["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
+    if not cfg.tied_embeddings:
+        out["lm_head.weight"] = ours["output_layer.weight"][:vocab].contiguous()
+    for i in range(cfg.num_layers):
+        m, o = f"decoder.layers.{i}.", f"model.layers.{i}."
+        kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
+        for kind in kinds:
+            q, k, v = split_qkv(ours[m + "self_attention.linear_qkv." + kind], cfg)
+            out[o + "self_attn.q_proj." + kind], out[o + "self_attn.k_proj." + kind] = q, k
+            out[o + "self_attn.v_proj." + kind] = v
+            out[o + "self_attn.o_proj." + kind] = ours[m + "self_attention.linear_proj." + kind]
+            gate, up = ours[m + "mlp.linear_fc1." + kind].chunk(2, dim=0)
+            out[o + "mlp.gate_proj." + kind], out[o + "mlp.up_proj." + kind] = gate.contiguous(), up.contiguous()
+            out[o + "mlp.down_proj." + kind] = ours[m + "mlp.linear_fc2." + kind]
+        out[o + "input_layernorm.weight"] = ours[m + "input_layernorm.weight"]
+        out[o + "post_attention_layernorm.weight"] = ours[m + "pre_mlp_layernorm.weight"]
+    return out
+
+
+def hf_config(cfg: ModelConfig, vocab_size: Optional[int] = None, base: Optional[Dict[str, Any]] = None,
+              dtype: Optional[torch.dtype] = None, eod: Optional[int] = None) -> Dict[str, Any]:
+    """config.json for the converted model. ``base`` (e.g. the config a model was imported
+    from) keeps its other fields; the architecture fields always come from ``cfg``."""
+    vocab = vocab_size or cfg.vocab_size
+    config: Dict[str, Any] = dict(base or {})
+    dtype_name = str(dtype or torch.float32).replace("torch.", "")
+    token = eod if eod is not None and eod < vocab else None
+    if cfg.style == "gpt2":
+        activation = {"gelu": "gelu", "gelu_tanh": "gelu_new"}[cfg.activation]
+        config.setdefault("resid_pdrop", 0.0)
+        config.setdefault("embd_pdrop", 0.0)
+        config.setdefault("attn_pdrop", 0.0)
+        config.setdefault("bos_token_id", token)
+        config.setdefault("eos_token_id", token)
+        config.update({
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
+            "n_positions": cfg.max_position_embeddings, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
+            "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size, "activation_function": activation,
+            "layer_norm_epsilon": cfg.norm_epsilon, "tie_word_embeddings": cfg.tied_embeddings,
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "add_cross_attention": False, "torch_dtype": dtype_name,
+        })
+        return config
+    config.setdefault("attention_dropout", 0.0)
+    config.setdefault("bos_token_id", token)
+    config.setdefault("eos_token_id", token)
+    config.setdefault("initializer_range", 0.02)
+    config.pop("rope_scaling", None)
+    config.update({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.kv_channels, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
+        "rope_theta": cfg.rotary_base, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base},
+        "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
+        "tie_word_embeddings": cfg.tied_embeddings, "pretraining_tp": 1, "torch_dtype": dtype_name,
+    })
+    return config
+
+
+# ----------------------------------------------------------------------------------------
+# Hugging Face -> ours
+# ----------------------------------------------------------------------------------------
+
+
+def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
+    kind = config.get("model_type")
+    if kind == "gpt2":
+        activation = config.get("activation_function", "gelu_new")
+        mapped = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(activation)
+        if mapped is None:
+            raise ConversionError(f"GPT-2 activation {activation!r} has no equivalent here (gelu, gelu_new).")
+        if config.get("scale_attn_by_inverse_layer_idx") or config.get("reorder_and_upcast_attn"):
+            raise ConversionError("GPT-2 variants with scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn "
+                                  "compute attention differently; they cannot be converted.")
+        if config.get("scale_attn_weights") is False:
+            raise ConversionError("GPT-2 with scale_attn_weights=false is not supported.")
+        hidden, heads = config["n_embd"], config["n_head"]
+        return ModelConfig(
+            num_layers=config["n_layer"], hidden_size=hidden, num_attention_heads=heads, num_query_groups=heads,
+            kv_channels=hidden // heads, ffn_hidden_size=config.get("n_inner") or 4 * hidden,
+            vocab_size=config["vocab_size"], max_position_embeddings=config["n_positions"],
+            normalization="LayerNorm", position_embedding_type="learned_absolute", gated_linear_unit=False,
+            activation=mapped, add_bias_linear=True, tied_embeddings=config.get("tie_word_embeddings", True),
+            norm_epsilon=config.get("layer_norm_epsilon", 1e-5),
+        )
+    if kind == "llama":
+        if config.get("hidden_act", "silu") != "silu":
+            raise ConversionError(f"Llama with hidden_act {config['hidden_act']!r} is not supported (silu only).")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ConversionError(f"RoPE scaling {rope.get('rope_type')!r} is not supported (default RoPE only).")
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        if bool(config.get("attention_bias", False)) != bool(config.get("mlp_bias", False)):
+            raise ConversionError("attention_bias and mlp_bias differ; this model has one switch for all "
+                                  "linear biases (add_bias_linear).")
+        heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        return ModelConfig(
+            num_layers=config["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
+            num_query_groups=config.get("num_key_value_heads") or heads,
+            kv_channels=config.get("head_dim") or hidden // heads, ffn_hidden_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"], max_position_embeddings=config.get("max_position_embeddings", 2048),
+            normalization="RMSNorm", position_embedding_type="rope", gated_linear_unit=True, activation="silu",
+            add_bias_linear=bool(config.get("attention_bias", False)),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            norm_epsilon=config.get("rms_norm_eps", 1e-6), rotary_base=float(theta),
+        )
+    raise ConversionError(f"Hugging Face model_type {kind!r} is not supported; GPT-2 ('gpt2') and Llama "
+                          "('llama') models convert.")
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if rows == t.shape[0]:
+        return t
+    return torch.cat([t, torch.zeros((rows - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype)])
+
+
+def _need(theirs: Tensors, key: str) -> torch.Tensor:
+    if key not in theirs:
+        raise ConversionError(f"the Hugging Face checkpoint has no tensor {key!r}; it does not match its config.json.")
+    return theirs[key]
+
+
+def from_hf(theirs: Tensors, cfg: ModelConfig, padded_vocab: Optional[int] = None) -> Tensors:
+    """Hugging Face state dict -> our tensors (names without ``model.``); the vocabulary is
+    zero-padded to ``padded_vocab`` rows."""
+    vocab = padded_vocab or cfg.vocab_size
+    out: Tensors = {}
+    if cfg.style == "gpt2":
+        wte = _need(theirs, "transformer.wte.weight")
+        out["embedding.word_embeddings.weight"] = _pad_rows(wte, vocab)
+        out["embedding.position_embeddings.weight"] = _need(theirs, "transformer.wpe.weight")
+        out["decoder.final_layernorm.weight"] = _need(theirs, "transformer.ln_f.weight")
+        out["decoder.final_layernorm.bias"] = _need(theirs, "transformer.ln_f.bias")
+        if not cfg.tied_embeddings:
+            out["output_layer.weight"] = _pad_rows(_need(theirs, "lm_head.weight"), vocab)
+        h = cfg.hidden_size
+        for i in range(cfg.num_layers):
+            m, o = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            w = _need(theirs, o + "attn.c_attn.weight").t()
+            out[m + "self_attention.linear_qkv.weight"] = merge_qkv(w[:h], w[h:2 * h], w[2 * h:], cfg)
+            b = _need(theirs, o + "attn.c_attn.bias")
+            out[m + "self_attention.linear_qkv.bias"] = merge_qkv(b[:h], b[h:2 * h], b[2 * h:], cfg)
+            out[m + "self_attention.linear_proj.weight"] = _need(theirs, o + "attn.c_proj.weight").t().contiguous()
+            out[m + "self_attention.linear_proj.bias"] = _need(theirs, o + "attn.c_proj.bias")
+            out[m + "mlp.linear_fc1.weight"] = _need(theirs, o + "mlp.c_fc.weight").t().contiguous()
+            out[m + "mlp.linear_fc1.bias"] = _need(theirs, o + "mlp.c_fc.bias")
+            out[m + "mlp.linear_fc2.weight"] = _need(theirs, o + "mlp.c_proj.weight").t().contiguous()
+            out[m + "mlp.linear_fc2.bias"] = _need(theirs, o + "mlp.c_proj.bias")
+            for mine, hf in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                out[m + mine + ".weight"] = _need(theirs, o + hf + ".weight")
+                out[m + mine + ".bias"] = _need(theirs, o + hf + ".bias")
+        return out
+    out["embedding.word_embeddings.weight"] = _pad_rows(_need(theirs, "model.embed_tokens.weight"), vocab)
+    out["decoder.final_layernorm.weight"] = _need(theirs, "model.norm.weight")
+    if not cfg.tied_embeddings:
+        out["output_layer.weight"] = _pad_rows(_need(theirs, "lm_head.weight"), vocab)
+    for i in range(cfg.num_layers):
+        m, o = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for kind in (("weight", "bias") if cfg.add_bias_linear else ("weight",)):
+            out[m + "self_attention.linear_qkv." + kind] = merge_qkv(
+                _need(theirs, o + "self_attn.q_proj." + kind), _need(theirs, o + "self_attn.k_proj." + kind),
+                _need(theirs, o + "self_attn.v_proj." + kind), cfg)
+            out[m + "self_attention.linear_proj." + kind] = _need(theirs, o + "self_attn.o_proj." + kind)
+            out[m + "mlp.linear_fc1." + kind] = torch.cat(
+                [_need(theirs, o + "mlp.gate_proj." + kind), _need(theirs, o + "mlp.up_proj." + kind)])
+            out[m + "mlp.linear_fc2." + kind] = _need(theirs, o + "mlp.down_proj." + kind)
+        out[m + "input_layernorm.weight"] = _need(theirs, o + "input_layernorm.weight")
+        out[m + "pre_mlp_layernorm.weight"] = _need(theirs, o + "post_attention_layernorm.weight")
+    return out
