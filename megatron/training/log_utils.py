@@ -1,0 +1,170 @@
+"""Megatron-style log lines and the metric sinks (JSONL, TensorBoard, W&B).
+
+The text formats copy Megatron-LM's (field names, widths, number formats), so tools that
+parse Megatron logs read ours. Sinks exist on rank 0 only; other ranks get no-ops.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import resource
+import sys
+from typing import Any, Dict, Optional
+
+import torch
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: max allocated; CPU: max resident set size of this process (MB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is in KB on Linux and in bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def memory_label(device: torch.device) -> str:
+    return "mem (max allocated MB)" if device.type == "cuda" else "mem (max RSS MB)"
+
+
+def format_iteration_line(
+    *,
+    iteration: int,
+    train_iters: int,
+    consumed_samples: int,
+    elapsed_ms_per_iteration: float,
+    learning_rate: float,
+    global_batch_size: int,
+    losses: Dict[str, float],
+    grad_norm: Optional[float],
+    skipped_iterations: int,
+    nan_iterations: int,
+    tflops_per_device: Optional[float] = None,
+    tokens_per_second: Optional[float] = None,
+    peak_memory_mb: Optional[float] = None,
+    memory_label: str = "mem (max RSS MB)",
+    now: Optional[datetime.datetime] = None,
+) -> str:
+    now = now or datetime.datetime.now()
+    s = f" [{now.strftime('%Y-%m-%d %H:%M:%S')}]"
+    s += " iteration {:8d}/{:8d} |".format(iteration, train_iters)
+    s += " consumed samples: {:12d} |".format(consumed_samples)
+    s += " elapsed time per iteration (ms): {:.1f} |".format(elapsed_ms_per_iteration)
+    if tflops_per_device is not None:
+        # "per GPU" even on CPU: that is the label Megatron log parsers look for.
+        # Megatron prints one decimal; small CPU runs would then read 0.0, so show 3 there.
+        fmt = ".1f" if tflops_per_device >= 1.0 else ".3f"
+        s += f" throughput per GPU (TFLOP/s/GPU): {tflops_per_device:{fmt}} |"
+    if tokens_per_second is not None:
+        s += f" tokens per second: {tokens_per_second:.1f} |"
+    s += " learning rate: {:.6E} |".format(learning_rate)
+    s += " global batch size: {:5d} |".format(global_batch_size)
+    for key, value in losses.items():
+        s += " {}: {:.6E} |".format(key, value)
+    if grad_norm is not None:
+        s += " grad norm: {:.3f} |".format(grad_norm)
+    s += " number of skipped iterations: {:3d} |".format(skipped_iterations)
+    s += " number of nan iterations: {:3d} |".format(nan_iterations)
+    if peak_memory_mb is not None:
+        s += f" {memory_label}: {peak_memory_mb:.0f} |"
+    return s
+
+
+def perplexity(loss: float) -> float:
+    # Megatron caps the exponent at 20 so that an early, huge loss prints a number.
+    return math.exp(min(20.0, loss))
+
+
+def format_validation_box(prefix: str, losses: Dict[str, float]) -> str:
+    """Megatron's boxed evaluation report, e.g. for prefix 'iteration 100 on validation set'."""
+    s = f" validation loss at {prefix} | "
+    for key, value in losses.items():
+        s += "{} value: {:.6E} | ".format(key, value)
+        s += "{} PPL: {:.6E} | ".format(key, perplexity(value))
+    rule = "-" * (len(s) + 1)
+    return "\n".join([rule, s, rule])
+
+
+def _tb_tag(key: str) -> str:
+    return key.replace("_", "-")
+
+
+class MetricsWriter:
+    """Sends metrics to metrics.jsonl, TensorBoard and W&B (whichever are configured)."""
+
+    def __init__(self, jsonl_path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
+                 wandb_project: Optional[str] = None, wandb_exp_name: Optional[str] = None,
+                 wandb_save_dir: Optional[str] = None, config: Optional[Dict[str, Any]] = None):
+        self.jsonl_path = jsonl_path
+        self._jsonl = None
+        self.tensorboard = None
+        self.wandb_run = None
+        if jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            # Append: a resumed run continues the same file.
+            self._jsonl = open(jsonl_path, "a", buffering=1)
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(tensorboard_dir, exist_ok=True)
+            self.tensorboard = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+        if wandb_project:
+            self.wandb_run = _init_wandb(wandb_project, wandb_exp_name, wandb_save_dir, config or {})
+
+    def write(self, kind: str, iteration: int, metrics: Dict[str, Any]) -> None:
+        record = {"kind": kind, "iteration": iteration, **metrics,
+                  "time": datetime.datetime.now().isoformat(timespec="seconds")}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+        scalars = {k: float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
+        if self.tensorboard is not None:
+            for key, value in scalars.items():
+                tag = _tb_tag(key) if kind == "train" else f"{_tb_tag(key)} {kind}"
+                self.tensorboard.add_scalar(tag, value, iteration)
+        if self.wandb_run is not None:
+            self.wandb_run.log({f"{kind}/{k}": v for k, v in scalars.items()}, step=iteration)
+
+    def flush(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def _init_wandb(project: str, name: Optional[str], save_dir: Optional[str], config: Dict[str, Any]):
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("--wandb-project needs the wandb package: pip install wandb.") from None
+    # Offline (files only, synced later with `wandb sync`) unless the user can log in.
+    mode = os.environ.get("WANDB_MODE")
+    if mode is None:
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    save_dir = save_dir or os.getcwd()
+    os.makedirs(save_dir, exist_ok=True)
+    return wandb.init(project=project, name=name, dir=save_dir, config=config, mode=mode)
+
+
+def jsonable_config(args) -> Dict[str, Any]:
+    out = {}
+    for key, value in vars(args).items():
+        if isinstance(value, (int, float, str, bool)) or value is None:
+            out[key] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float, str)) for v in value):
+            out[key] = list(value)
+        else:
+            out[key] = str(value)
+    return out

@@ -1,0 +1,165 @@
+"""Build the model for training: MFSDP units inside one ``fully_shard_context``, or DDP.
+
+With ``--use-mfsdp`` every TransformerLayer becomes an FSDP unit, then the root module
+(which owns what is left: the tied embedding/output weight, the final norm, position
+embeddings). All of them are built inside *one* ``fully_shard_context``, whose context is
+handed to the schedule (``microbatch``) and to ``fully_shard_optimizer``. Without it, the
+model runs under PyTorch DDP, or plainly on a single rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class BuiltModel:
+    model: torch.nn.Module  # what the schedule calls: the FSDP root, a DDP wrapper or the plain model
+    unwrapped: torch.nn.Module  # the GPTModel itself (config, generation, parameter counts)
+    context: Any = None  # FsdpContext with MFSDP, else None
+    mesh: Any = None
+    placements: Any = None
+
+    @property
+    def use_mfsdp(self) -> bool:
+        return self.context is not None
+
+
+def build_device_mesh(args, device_type: str):
+    """1-D ``("dp",)`` mesh, or 2-D ``("outer", "inner")`` for HSDP/HFSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if args.dp_outer_size > 1:
+        return init_device_mesh(
+            device_type, (args.dp_outer_size, args.dp_inner_size), mesh_dim_names=("outer", "inner")
+        )
+    return init_device_mesh(device_type, (args.world_size,), mesh_dim_names=("dp",))
+
+
+def build_placements(args):
+    """ZeRO-0..3 -> no_shard/zero1/zero2/zero3; with K>1 instances, outer no_shard -> HSDP,
+    outer optim -> HFSDP (inner strategy from --data-parallel-sharding-strategy)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from megatron.core.distributed.mfsdp_v2 import Placements
+
+    presets = {
+        "no_shard": Placements.no_shard,
+        "optim": Placements.zero1,
+        "optim_grads": Placements.zero2,
+        "optim_grads_params": Placements.zero3,
+    }
+    strategy = args.data_parallel_sharding_strategy
+    if args.dp_outer_size == 1:
+        return presets[strategy]("dp")
+    if strategy == "optim_grads_params":
+        if args.outer_dp_sharding_strategy == "optim":
+            return Placements.hfsdp("outer", "inner")
+        return Placements.hsdp("outer", "inner")
+    # Same structure as the presets, with a ZeRO-1/2 inner axis.
+    inner = presets[strategy]("inner")
+    outer_optimizer = Shard(0) if args.outer_dp_sharding_strategy == "optim" else Replicate()
+    return Placements(
+        ("outer", "inner"),
+        (Replicate(), inner.parameter[0]),
+        (Partial("avg"), inner.gradient[0]),
+        (outer_optimizer, inner.optimizer[0]),
+    )
+
+
+def build_mixed_precision_policy(args):
+    from megatron.core.distributed.mfsdp_v2 import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        main_params_dtype=args.main_params_dtype,
+        main_grads_dtype=args.main_grads_dtype,
+        grad_comm_dtype=args.grad_comm_dtype,
+    )
+
+
+def transformer_layers(model: torch.nn.Module):
+    decoder = getattr(model, "decoder", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"{type(model).__name__} has no decoder.layers; model_provider must return a GPTModel "
+            "(or a model with the same structure) so that each transformer layer can be sharded."
+        )
+    return list(layers)
+
+
+def build_model(model_provider: Callable, args, device: torch.device) -> BuiltModel:
+    model = model_provider(args)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model_provider must return an nn.Module, got {type(model).__name__}.")
+    model = model.to(device)
+
+    if args.use_mfsdp:
+        from megatron.core.distributed.mfsdp_v2 import fully_shard, fully_shard_context
+
+        mesh = build_device_mesh(args, device.type)
+        placements = build_placements(args)
+        policy = build_mixed_precision_policy(args)
+        with fully_shard_context(
+            device=device, unify_communication_stream=args.mfsdp_unify_communication_stream
+        ) as context:
+            # Children first: each layer is its own unit; the root then owns the rest.
+            for layer in transformer_layers(model):
+                fully_shard(layer, mesh, placements, mixed_precision_policy=policy)
+            fully_shard(model, mesh, placements, mixed_precision_policy=policy)
+        return BuiltModel(model, model, context, mesh, placements)
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+        )
+        return BuiltModel(ddp, model)
+    return BuiltModel(model, model)
+
+
+def build_optimizer(args, built: BuiltModel):
+    """Torch optimizer over the (possibly sharded) parameters, plus the LR scheduler."""
+    from megatron.core.optimizer import OptimizerConfig, OptimizerParamScheduler, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
+    )
+    # Named parameters of the unwrapped model: DDP's "module." prefix does not matter to
+    # the bias rule, and with MFSDP these are the sharded DTensor parameters.
+    optimizer = get_megatron_optimizer(config, built.unwrapped)
+    if built.use_mfsdp:
+        from megatron.core.distributed.mfsdp_v2 import fully_shard_optimizer
+
+        fully_shard_optimizer(optimizer, context=built.context)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_samples,
+        lr_decay_steps=args.lr_decay_samples,
+        lr_decay_style=args.lr_decay_style,
+        weight_decay=args.weight_decay,
+    )
+    return optimizer, scheduler
+
+
+def get_grad_norm_and_clip(args, built: BuiltModel, optimizer: Optional[torch.optim.Optimizer] = None):
+    """Global grad norm over all (sharded) gradients; clipped to --clip-grad when > 0."""
+    from megatron.core.optimizer import clip_grad_norm
+
+    params = [p for p in built.unwrapped.parameters() if p.requires_grad]
+    return clip_grad_norm(params, args.clip_grad)

@@ -1,0 +1,425 @@
+"""``pretrain``: Megatron's training driver, for GPT under MFSDP v2 or DDP.
+
+parse + validate args -> distributed init -> tokenizer -> model (MFSDP units inside one
+fully_shard_context, or DDP) -> optimizer (+ fully_shard_optimizer) and LR schedule ->
+optional resume -> data iterators -> loop {schedule with the context, clip, step, LR step,
+log, eval, save} -> final checkpoint and evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.training.arguments import parse_args
+from megatron.training.checkpointing import (
+    exit_signal_received,
+    finalize_async_save,
+    install_exit_signal_handler,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megatron.training.data import DeviceIterator, build_pretraining_data_loader
+from megatron.training.initialize import initialize_distributed, set_random_seed
+from megatron.training.log_utils import (
+    MetricsWriter,
+    format_iteration_line,
+    format_validation_box,
+    jsonable_config,
+    memory_label,
+    peak_memory_mb,
+    perplexity,
+)
+from megatron.training.model_builder import BuiltModel, build_model, build_optimizer, get_grad_norm_and_clip
+
+
+def print_rank_0(*message) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*message, flush=True)
+
+
+def build_tokenizer_from_args(args):
+    from megatron.core.tokenizer import build_tokenizer, padded_vocab_size
+
+    tokenizer = build_tokenizer(
+        args.tokenizer_type,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+    )
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
+    return tokenizer
+
+
+def _usage_error(message: str) -> None:
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "pretrain_gpt.py"
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _world():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _all_reduce_sum(values, device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device(device))
+    if _world() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def _comm_device(device: torch.device) -> torch.device:
+    return device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _reduce_reports(reports, key: str = "lm loss"):
+    """Sum the [loss_sum, num_tokens] reports of this rank's microbatches."""
+    total = None
+    for report in reports:
+        value = report[key].detach().double().reshape(-1)
+        total = value if total is None else total + value
+    return total
+
+
+def pretrain(
+    train_valid_test_datasets_provider: Callable,
+    model_provider: Callable,
+    forward_step_func: Callable,
+    extra_args_provider: Optional[Callable] = None,
+    args_defaults: Optional[dict] = None,
+    argv=None,
+) -> Dict[str, float]:
+    """Train a model end to end. Returns the last logged metrics (for tests and tools).
+
+    * ``model_provider(args) -> nn.Module`` builds the unwrapped GPTModel;
+    * ``train_valid_test_datasets_provider(args, tokenizer, [n_train, n_valid, n_test])``
+      returns three map-style datasets (or None) of dicts with ``tokens``, ``labels``,
+      ``loss_mask``, ``position_ids``;
+    * ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)``, where
+      ``loss_func(output_tensor) -> (loss_sum, num_tokens, {"lm loss": [sum, count]})``.
+    """
+    start_time = time.time()
+    try:
+        args = parse_args(argv, extra_args_provider=extra_args_provider, args_defaults=args_defaults)
+    except ValueError as e:
+        _usage_error(str(e))
+
+    device = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    if args.exit_signal_handler:
+        install_exit_signal_handler()
+    writer = MetricsWriter()
+    try:
+        set_random_seed(args.seed)
+        rank = dist.get_rank()
+        print_rank_0(_format_args(args))
+        tokenizer = build_tokenizer_from_args(args)
+        print_rank_0(
+            f"> tokenizer {args.tokenizer_type}: vocab size {tokenizer.vocab_size} padded to {args.padded_vocab_size}"
+        )
+
+        built = build_model(model_provider, args, device)
+        optimizer, scheduler = build_optimizer(args, built)
+        n_params = sum(p.numel() for p in built.unwrapped.parameters())
+        strategy = "DDP" if (not built.use_mfsdp and _world() > 1) else ("single rank" if not built.use_mfsdp else
+                   f"MFSDP {args.data_parallel_sharding_strategy}" + (
+                       f", {args.dp_outer_size} instances ({'HFSDP' if args.outer_dp_sharding_strategy == 'optim' else 'HSDP'})"
+                       if args.dp_outer_size > 1 else ""))
+        print_rank_0(
+            f"> model: {n_params:,} parameters ({n_params / 1e6:.2f}M), {strategy}, world size {_world()}, "
+            f"device {device.type}, {args.num_microbatches} microbatch(es) of {args.micro_batch_size} per rank per step"
+        )
+
+        iteration, consumed = load_checkpoint(
+            built.model, optimizer, scheduler, args,
+            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+        )
+        if iteration:
+            print_rank_0(f"> resumed from {args.load} at iteration {iteration} ({consumed} samples consumed)")
+        if iteration >= args.train_iters:
+            print_rank_0(f"> checkpoint is at iteration {iteration} >= --train-iters {args.train_iters}; nothing to train")
+
+        # Sinks on rank 0 only (every rank computes the same reduced metrics).
+        if rank == 0:
+            jsonl = None
+            if args.log_dir:
+                jsonl = os.path.join(args.log_dir, "metrics.jsonl")
+            elif args.tensorboard_dir:
+                jsonl = os.path.join(args.tensorboard_dir, "metrics.jsonl")
+            writer = MetricsWriter(
+                jsonl_path=jsonl,
+                tensorboard_dir=args.tensorboard_dir,
+                wandb_project=args.wandb_project,
+                wandb_exp_name=args.wandb_exp_name,
+                wandb_save_dir=args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None),
+                config=jsonable_config(args),
+            )
+
+        train_ds, valid_ds, test_ds = _build_datasets(args, tokenizer, train_valid_test_datasets_provider)
+        print_rank_0(f"> initialization done in {time.time() - start_time:.1f} s")
+
+        trainer = _Trainer(args, built, optimizer, scheduler, forward_step_func, device, writer)
+        train_iter = None
+        if train_ds is not None and iteration < args.train_iters:
+            loader = build_pretraining_data_loader(
+                train_ds, consumed, args.micro_batch_size, rank, _world(), args.num_workers,
+                pin_memory=device.type == "cuda",
+            )
+            # Starting the iterator draws a seed from the torch RNG; keep it out of the RNG
+            # stream of the training steps, so that a resumed run (RNG from the checkpoint)
+            # continues exactly like an uninterrupted one.
+            with torch.random.fork_rng(devices=[]):
+                train_iter = DeviceIterator(loader, device)
+        trainer.valid_ds, trainer.test_ds = valid_ds, test_ds
+
+        print_rank_0("> training ...")
+        iteration = trainer.train(train_iter, iteration, consumed)
+        print_rank_0(f"> training done at iteration {iteration}")
+
+        if args.save and trainer.last_saved_iteration != iteration and iteration > 0:
+            trainer.save(iteration)
+        finalize_async_save()
+        if args.eval_iters > 0:
+            if valid_ds is not None and trainer.last_eval_iteration != iteration:
+                trainer.evaluate_and_print(iteration, f"iteration {iteration} on validation set", valid_ds, "validation")
+            if test_ds is not None:
+                trainer.evaluate_and_print(iteration, f"iteration {iteration} on test set", test_ds, "test")
+        print_rank_0(f"> total time {time.time() - start_time:.1f} s")
+        writer.close()
+        # Leave together: rank 0 hosts the rendezvous store, and a rank still talking to
+        # it when rank 0 exits dies with "terminate called without an active exception".
+        dist.barrier()
+        return trainer.last_metrics
+    finally:
+        writer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _format_args(args) -> str:
+    lines = ["------------------------ arguments ------------------------"]
+    for key in sorted(vars(args)):
+        lines.append(f"  {key} {'.' * max(1, 48 - len(key))} {getattr(args, key)}")
+    lines.append("-------------------- end of arguments ---------------------")
+    return "\n".join(lines)
+
+
+def _build_datasets(args, tokenizer, provider):
+    gbs = args.global_batch_size
+    # The validation set is evaluated from its start at every --eval-interval (so the
+    # numbers are comparable across evaluations); it needs eval_iters global batches.
+    num_samples = [args.train_iters * gbs, args.eval_iters * gbs, args.eval_iters * gbs]
+    # Rank 0 first: it prepares corpora and writes index caches; the others then read them.
+    datasets = None
+    if dist.get_rank() == 0:
+        datasets = provider(args, tokenizer, num_samples)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        datasets = provider(args, tokenizer, num_samples)
+    dist.barrier()
+    if not isinstance(datasets, (tuple, list)) or len(datasets) != 3:
+        raise TypeError("train_valid_test_datasets_provider must return (train, valid, test).")
+    return tuple(datasets)
+
+
+class _Trainer:
+    def __init__(self, args, built: BuiltModel, optimizer, scheduler, forward_step_func, device, writer):
+        self.args = args
+        self.built = built
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.forward_step_func = forward_step_func
+        self.device = device
+        self.writer = writer
+        self.forward_backward = get_forward_backward_func()
+        self.last_saved_iteration = None
+        self.last_eval_iteration = None
+        self.last_metrics: Dict[str, float] = {}
+        self.valid_ds = None
+        self.test_ds = None
+        self.consumed = 0
+        self.skipped_iterations = 0
+        self.nan_iterations = 0
+        self.flops_per_token = self._flops_per_token()
+
+    def _flops_per_token(self) -> Optional[float]:
+        try:
+            from megatron.core.models.gpt import flops_per_token
+
+            return float(flops_per_token(self.built.unwrapped.config, self.args.padded_vocab_size, self.args.seq_length))
+        except (ImportError, AttributeError):
+            return None
+
+    def _autocast(self):
+        if self.args.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.args.autocast_dtype)
+
+    # ------------------------------------------------------------------------------------
+    def train_step(self, data_iterator):
+        args = self.args
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._autocast():
+            reports = self.forward_backward(
+                self.forward_step_func, data_iterator, self.built.model, args.num_microbatches,
+                context=self.built.context, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+            )
+        local = _reduce_reports(reports)
+        loss_sum, tokens = _all_reduce_sum(local.tolist(), self.device).tolist()
+        loss = loss_sum / max(tokens, 1.0)
+        grad_norm = float(get_grad_norm_and_clip(args, self.built, self.optimizer))
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            # Megatron skips the update (and the LR step) rather than writing NaN/inf weights.
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.scheduler.step(increment=args.global_batch_size)
+        return loss, grad_norm, skipped
+
+    def train(self, train_iter, iteration: int, consumed: int) -> int:
+        args = self.args
+        self.consumed = consumed
+        if train_iter is None:
+            return iteration
+        self.built.model.train()
+        interval_loss, interval_count, interval_iters = 0.0, 0, 0
+        interval_start = time.time()
+        while iteration < args.train_iters:
+            loss, grad_norm, skipped = self.train_step(train_iter)
+            iteration += 1
+            self.consumed += args.global_batch_size
+            interval_iters += 1
+            if skipped:
+                self.skipped_iterations += 1
+            if math.isfinite(loss):
+                interval_loss += loss
+                interval_count += 1
+            else:
+                self.nan_iterations += 1
+
+            if iteration % args.log_interval == 0 or iteration == args.train_iters:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                elapsed = time.time() - interval_start
+                self._log_training(iteration, elapsed / interval_iters,
+                                   interval_loss / interval_count if interval_count else float("nan"), grad_norm)
+                interval_loss, interval_count, interval_iters = 0.0, 0, 0
+                interval_start = time.time()
+
+            if args.eval_iters > 0 and self.valid_ds is not None and iteration % args.eval_interval == 0:
+                self.evaluate_and_print(iteration, f"iteration {iteration}", self.valid_ds, "validation")
+                interval_start = time.time()  # evaluation time is not training time
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                self.save(iteration)
+                interval_start = time.time()
+            if args.exit_signal_handler and exit_signal_received():
+                if args.save and self.last_saved_iteration != iteration:
+                    self.save(iteration)
+                finalize_async_save()
+                print_rank_0(f"> exiting on signal after iteration {iteration}")
+                sys.exit(0)
+        return iteration
+
+    def _log_training(self, iteration: int, seconds_per_iteration: float, loss: float, grad_norm: float) -> None:
+        args = self.args
+        world = _world()
+        tokens_per_iteration = args.global_batch_size * args.seq_length
+        tokens_per_second = tokens_per_iteration / seconds_per_iteration
+        tflops = None
+        if self.flops_per_token is not None:
+            tflops = self.flops_per_token * tokens_per_iteration / (seconds_per_iteration * world * 1e12)
+        # Peak memory: the maximum over ranks (the rank that decides whether a run fits).
+        mem = torch.tensor([peak_memory_mb(self.device)], dtype=torch.float64, device=_comm_device(self.device))
+        if world > 1:
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        mem = float(mem.item())
+        lr = self.optimizer.param_groups[0]["lr"]
+        line = format_iteration_line(
+            iteration=iteration,
+            train_iters=args.train_iters,
+            consumed_samples=self.consumed,
+            elapsed_ms_per_iteration=seconds_per_iteration * 1000.0,
+            learning_rate=lr,
+            global_batch_size=args.global_batch_size,
+            losses={"lm loss": loss},
+            grad_norm=grad_norm,
+            skipped_iterations=self.skipped_iterations,
+            nan_iterations=self.nan_iterations,
+            tflops_per_device=tflops if args.log_throughput else None,
+            tokens_per_second=tokens_per_second if args.log_throughput else None,
+            peak_memory_mb=mem,
+            memory_label=memory_label(self.device),
+        )
+        print_rank_0(line)
+        metrics = {
+            "consumed_samples": self.consumed,
+            "elapsed_time_per_iteration_ms": seconds_per_iteration * 1000.0,
+            "tokens_per_second": tokens_per_second,
+            "tokens_per_second_per_device": tokens_per_second / world,
+            "throughput_tflops_per_device": tflops,
+            "learning_rate": lr,
+            "global_batch_size": args.global_batch_size,
+            "lm_loss": loss,
+            "grad_norm": grad_norm,
+            "skipped_iterations": self.skipped_iterations,
+            "nan_iterations": self.nan_iterations,
+            "peak_memory_mb": mem,
+        }
+        self.last_metrics = {k: v for k, v in metrics.items() if v is not None}
+        self.writer.write("train", iteration, self.last_metrics)
+
+    # ------------------------------------------------------------------------------------
+    def evaluate(self, dataset) -> float:
+        args = self.args
+        loader = build_pretraining_data_loader(
+            dataset, 0, args.micro_batch_size, dist.get_rank(), _world(), 0,
+            pin_memory=self.device.type == "cuda",
+        )
+        data_iter = DeviceIterator(loader, self.device)
+        model = self.built.model
+        model.eval()
+        total = None
+        try:
+            with torch.no_grad(), self._autocast():
+                for _ in range(args.eval_iters):
+                    reports = self.forward_backward(
+                        self.forward_step_func, data_iter, model, args.num_microbatches,
+                        context=self.built.context, forward_only=True,
+                    )
+                    local = _reduce_reports(reports)
+                    total = local if total is None else total + local
+        finally:
+            if self.built.context is not None and hasattr(self.built.context, "reshard_all"):
+                # Forward-only passes must not leave any unit holding unsharded weights.
+                self.built.context.reshard_all()
+            model.train()
+        loss_sum, tokens = _all_reduce_sum(total.tolist(), self.device).tolist()
+        return loss_sum / max(tokens, 1.0)
+
+    def evaluate_and_print(self, iteration: int, prefix: str, dataset, split: str) -> float:
+        loss = self.evaluate(dataset)
+        print_rank_0(format_validation_box(prefix, {"lm loss": loss}))
+        self.writer.write(split, iteration, {"lm_loss": loss, "lm_loss_ppl": perplexity(loss)})
+        self.writer.flush()
+        if split == "validation":
+            self.last_eval_iteration = iteration
+            self.last_metrics["validation_lm_loss"] = loss
+        return loss
+
+    def save(self, iteration: int) -> None:
+        start = time.time()
+        path = save_checkpoint(
+            iteration, self.built.model, self.optimizer, self.scheduler, self.args,
+            consumed_train_samples=self.consumed,
+        )
+        self.last_saved_iteration = iteration
+        print_rank_0(f"> saved checkpoint at iteration {iteration} to {path} in {time.time() - start:.1f} s")

@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""Pretrain a GPT model (Megatron-LM's entry point, with MFSDP v2 via --use-mfsdp).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 pretrain_gpt.py \
+        --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 \
+        --micro-batch-size 4 --global-batch-size 16 --lr 1e-3 --train-iters 200 --use-mfsdp
+
+Without --data-path or --mock-data the Shakespeare corpus is used (built once by
+tools/prepare_shakespeare.py into data/cache).
+"""
+
+import os
+import sys
+from functools import partial
+
+import torch
+
+_REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+from megatron.training import pretrain, print_rank_0  # noqa: E402
+
+
+def core_transformer_config_from_args(args):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func="silu" if args.swiglu else "gelu",
+        add_bias_linear=args.add_bias_linear,
+        init_method_std=args.init_method_std,
+        params_dtype=args.params_dtype,
+        recompute_granularity=args.recompute_granularity,
+        transformer_impl=args.transformer_impl,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+    )
+
+
+def model_provider(args):
+    """Build the (unwrapped) GPT model; the trainer shards or wraps it."""
+    from megatron.core.models.gpt import GPTModel
+
+    print_rank_0("> building GPT model ...")
+    config = core_transformer_config_from_args(args)
+    return GPTModel(
+        config,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+    )
+
+
+def default_corpus_dir(args):
+    return args.data_cache_path or os.path.join(_REPO_ROOT, "data", "cache")
+
+
+def train_valid_test_datasets_provider(args, tokenizer, train_val_test_num_samples):
+    """Mock data, --data-path, or (neither) the default Shakespeare corpus."""
+    from megatron.core.datasets import MockGPTDataset, build_gpt_datasets
+
+    if args.mock_data:
+        print_rank_0("> using mock data")
+        n_train, n_valid, n_test = train_val_test_num_samples
+        vocab = tokenizer.vocab_size
+        return (
+            MockGPTDataset(n_train, args.seq_length, vocab, args.seed),
+            MockGPTDataset(n_valid, args.seq_length, vocab, args.seed + 1) if n_valid else None,
+            MockGPTDataset(n_test, args.seq_length, vocab, args.seed + 2) if n_test else None,
+        )
+    data_path = args.data_path
+    if not data_path:
+        if args.tokenizer_type != "GPT2BPETokenizer":
+            raise ValueError(
+                "the default Shakespeare corpus is tokenized with GPT-2 BPE; use "
+                "--tokenizer-type GPT2BPETokenizer or pass --data-path."
+            )
+        from tools.prepare_shakespeare import prepare_shakespeare
+
+        data_path = [prepare_shakespeare(default_corpus_dir(args))]
+        print_rank_0(f"> using the Shakespeare corpus at {data_path[0]}")
+    cache_dir = os.path.join(args.data_cache_path or os.path.join(_REPO_ROOT, "data", "cache"), "index")
+    return build_gpt_datasets(
+        data_path,
+        args.split,
+        train_val_test_num_samples,
+        args.seq_length,
+        args.seed,
+        cache_dir,
+        eod_mask_loss=args.eod_mask_loss,
+        eod_token=tokenizer.eod,
+    )
+
+
+def loss_func(loss_mask, output_tensor):
+    """Sum of the masked per-token losses; the schedule normalizes over the global batch."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum()
+    report = torch.stack([loss_sum.detach(), num_tokens.detach()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output_tensor = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output_tensor, partial(loss_func, batch["loss_mask"])
+
+
+if __name__ == "__main__":
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step)

