@@ -142,22 +142,18 @@ class FsdpContext:
                 state = unit._fsdp_state
                 if state.trainable_groups and not state.reduced_this_backward:
                     state.post_backward()  # unused parameters: their gradient counts as zero
-            for work in self._pending_reductions:
-                work.wait()
-            self._pending_reductions.clear()
-            for unit in self.units:
-                state = unit._fsdp_state
-                state.wait_pending_unshard()
-                state.reshard()
-                for group in state.groups:
-                    group.expose_grads()
-                state.reset_backward_state()
+            self._settle_backward(lambda group: group.expose_grads())
         finally:
             self._backward_callback_queued = False
 
     def _recover_from_aborted_backward(self) -> None:
         """A backward raised before its end-of-backward callback ran: settle the
         reductions it issued and return every unit to its resting state."""
+        self._settle_backward(lambda group: group.discard_partial_backward())
+        self._backward_callback_queued = False
+
+    def _settle_backward(self, per_group) -> None:
+        """Wait for every issued reduction, reshard every unit, then ``per_group(group)``."""
         for work in self._pending_reductions:
             work.wait()
         self._pending_reductions.clear()
@@ -165,10 +161,9 @@ class FsdpContext:
             state = unit._fsdp_state
             state.wait_pending_unshard()
             state.reshard()
-            state.reset_backward_state()
             for group in state.groups:
-                group.discard_partial_backward()
-        self._backward_callback_queued = False
+                per_group(group)
+            state.reset_backward_state()
 
     def reshard_all(self) -> None:
         """Reshard every unit (e.g. after a forward without gradients)."""
