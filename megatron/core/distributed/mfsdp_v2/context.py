@@ -22,6 +22,9 @@ _ACTIVE_CONTEXT: contextvars.ContextVar[Optional["FsdpContext"]] = contextvars.C
     "mfsdp_v2_active_context", default=None
 )
 
+# Units whose gradient reductions may be in flight at once during backward.
+MAX_REDUCTIONS_IN_FLIGHT = 2
+
 NOT_FINALIZED_MESSAGE = (
     "This FSDP unit's fully_shard_context has not been finalized. Exit fully_shard_context "
     "(leave the `with` block that wrapped the model) before running forward or microbatch; "
@@ -51,7 +54,7 @@ class FsdpContext:
         self.counter = CollectiveCounter()
         # Set by fully_shard_optimizer(precision_aware=True): .grad keeps main_grads_dtype.
         self.precision_aware_grads = False
-        self._pending_reductions: List[CollectiveWork] = []
+        self._pending_reductions: List[List[CollectiveWork]] = []  # one batch per unit, oldest first
         self._backward_callback_queued = False
         self._group_owner = {}  # id(ParameterGroup) -> unit
         self._managed_params = {}  # id(original or sharded param) -> unit
@@ -133,7 +136,16 @@ class FsdpContext:
             state.post_backward()
 
     def _add_reductions(self, works: List[CollectiveWork]) -> None:
-        self._pending_reductions.extend(works)
+        """Track a unit's reductions; complete those issued two units earlier.
+
+        A reduction in flight keeps its input (a gathered-layout copy of the unit's
+        gradients) alive. Holding every unit's until the end of backward would cost about
+        the unsharded model in memory; two in flight still overlap with compute."""
+        if works:
+            self._pending_reductions.append(list(works))
+        while len(self._pending_reductions) > MAX_REDUCTIONS_IN_FLIGHT:
+            for work in self._pending_reductions.pop(0):
+                work.wait()
 
     def _finish_backward(self) -> None:
         """End of backward: reduce what never got gradients, wait, reshard, expose grads."""
@@ -154,8 +166,9 @@ class FsdpContext:
 
     def _settle_backward(self, per_group) -> None:
         """Wait for every issued reduction, reshard every unit, then ``per_group(group)``."""
-        for work in self._pending_reductions:
-            work.wait()
+        for batch in self._pending_reductions:
+            for work in batch:
+                work.wait()
         self._pending_reductions.clear()
         for unit in self.units:
             state = unit._fsdp_state

@@ -156,6 +156,16 @@ class ParameterGroup:
         self._own_unsharded = {}  # index -> contiguous storage for tensors spanning shards
         self._unshard_versions = None
 
+        # Fixed per group, used on every step: computed once.
+        S = self.layout.shard_numel
+        self._padding_ranges = [
+            (s * S + used, S - used)
+            for s, used in ((s, self.layout.used_numel(s)) for s in range(self.layout.num_shards))
+            if used < S
+        ]
+        self._num_trainable = sum(1 for p in self.fsdp_parameters if p.requires_grad)
+        self._spanning = [p for p in self.fsdp_parameters if not self.layout.is_contiguous_in_gathered(p.index)]
+
         self._fill_from_originals(originals)
         self._build_parameters()
         if strategy.param_sharded:
@@ -177,6 +187,7 @@ class ParameterGroup:
         self._fresh = [False] * len(self.fsdp_parameters)
         self._received = set()
         self._grads_reduced = False  # a reduction reached reduced_grad since .grad was last set
+        self._grad_views: Optional[List[DTensor]] = None
         self.reduced_this_backward = False
 
     # Construction ---------------------------------------------------------------------
@@ -308,17 +319,17 @@ class ParameterGroup:
             _alloc_storage(self.unsharded)
             for t in self._own_unsharded.values():
                 _alloc_storage(t)
-        spanning = [p for p in self.fsdp_parameters if not self.layout.is_contiguous_in_gathered(p.index)]
-
-        def copy_out() -> None:
-            for p in spanning:
-                self.layout.copy_out(self.unsharded, p.index, self._own_unsharded[p.index])
-
         self.is_unsharded = True
         return comm.all_gather(
             self.unsharded, self.model_weight, self.inner_group,
-            device=device, stream=stream, post_ops=[copy_out] if spanning else [], counter=ctx.counter,
+            device=device, stream=stream, post_ops=[self._copy_out_spanning] if self._spanning else [],
+            counter=ctx.counter,
         )
+
+    def _copy_out_spanning(self) -> None:
+        """Assemble the tensors whose rows the shard padding splits (all-gather post-op)."""
+        for p in self._spanning:
+            self.layout.copy_out(self.unsharded, p.index, self._own_unsharded[p.index])
 
     def _unsharded_tensors_and_versions(self):
         tensors = (self.unsharded,) + tuple(self._own_unsharded.values())
@@ -366,7 +377,7 @@ class ParameterGroup:
 
     # Gradients ----------------------------------------------------------------------------
     def all_grads_received(self) -> bool:
-        return len(self._received) == sum(1 for p in self.fsdp_parameters if p.requires_grad)
+        return len(self._received) == self._num_trainable
 
     def reduce_grads(self, is_last_microbatch: bool) -> List[comm.CollectiveWork]:
         """Reduce this backward's gradients into main_grad (missing gradients count as zero)."""
@@ -391,18 +402,29 @@ class ParameterGroup:
         divisor = self.inner_size * self.grad_divisor
         works: List[comm.CollectiveWork] = []
         if strategy.grad_sharded:
-            flat = torch.zeros(self.layout.gathered_numel, dtype=self.precision.grad_comm, device=self.main_grad.device)
+            comm_dtype = self.precision.grad_comm
+            flat = torch.empty(self.layout.gathered_numel, dtype=comm_dtype, device=self.main_grad.device)
             self._take_grads_into(flat)
-            with device.stream(ctx.reduce_scatter_stream):
-                out = torch.empty(self.layout.shard_numel, dtype=self.precision.grad_comm, device=flat.device)
             # HFSDP accumulates a local partial sum here and reduces it on the outer axis
             # later; every other strategy accumulates straight into the reduced gradient.
             direct = self.main_grad is self.reduced_grad
-            works.append(comm.reduce_scatter(
-                out, flat, self.inner_group, device=device, stream=ctx.reduce_scatter_stream,
-                divisor=divisor, post_ops=[self._accumulate_op(out, self.main_grad, overwrite=direct)],
-                counter=ctx.counter,
-            ))
+            trainable = [p for p in self.fsdp_parameters if p.requires_grad]
+            if direct and comm_dtype == self.main_grad.dtype and all(self._overwrite[p.index] for p in trainable):
+                # Every slice starts fresh (the usual step after zero_grad()): reduce straight
+                # into main_grad, with no extra buffer and no accumulate pass.
+                self._overwrite = [False] * len(self.fsdp_parameters)
+                works.append(comm.reduce_scatter(
+                    self.main_grad, flat, self.inner_group, device=device, stream=ctx.reduce_scatter_stream,
+                    divisor=divisor, counter=ctx.counter,
+                ))
+            else:
+                with device.stream(ctx.reduce_scatter_stream):
+                    out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=flat.device)
+                works.append(comm.reduce_scatter(
+                    out, flat, self.inner_group, device=device, stream=ctx.reduce_scatter_stream,
+                    post_ops=[self._accumulate_op(out, self.main_grad, overwrite=direct, scale=1 / divisor)],
+                    counter=ctx.counter,
+                ))
             if self.outer_group is not None and is_last_microbatch:
                 works.append(self._outer_reduce(works[-1]))
             self._grads_reduced = self.outer_group is None or is_last_microbatch
@@ -498,18 +520,25 @@ class ParameterGroup:
         )
 
     def _take_grads_into(self, flat: torch.Tensor, accumulate: bool = False, scale: float = 1) -> None:
-        """Move each unsharded gradient into its place in a gathered-layout buffer."""
+        """Move each unsharded gradient into its place in a gathered-layout buffer.
+
+        Copy mode fills an uninitialized buffer: every element is written once, by a
+        gradient or, for shard padding and parameters without a gradient, by a zero."""
         with torch.no_grad():
+            if not accumulate:
+                for offset, numel in self._padding_ranges:
+                    flat.narrow(0, offset, numel).zero_()
             for p in self.fsdp_parameters:
                 grad = p.unsharded_param.grad
+                pieces = self.layout.gathered_slices(flat, p.index)
+                restart = accumulate and self._overwrite[p.index] and self.reduced_grad is self.main_grad
+                if grad is None or restart:
+                    # no_shard restarts its reduced gradient (this very buffer) from zero.
+                    for piece in pieces:
+                        piece.zero_()
                 if grad is None:
                     continue
                 if accumulate:
-                    pieces = self.layout.gathered_slices(flat, p.index)
-                    if self._overwrite[p.index] and self.reduced_grad is self.main_grad:
-                        # no_shard: the reduced gradient *is* this buffer; restart it from zero.
-                        for piece in pieces:
-                            piece.zero_()
                     for piece, src in zip(pieces, self.layout.source_chunks(grad, p.index)):
                         piece.add_(src, alpha=scale)
                 else:
@@ -518,10 +547,10 @@ class ParameterGroup:
         if accumulate and self.reduced_grad is self.main_grad:
             self._overwrite = [False] * len(self.fsdp_parameters)
 
-    def _accumulate_op(self, reduced: torch.Tensor, target: torch.Tensor, overwrite: bool):
-        """Post-op: add a reduced shard into ``target``; with ``overwrite``, first zero the
-        slices of parameters whose gradient was reset (``target`` is then laid out like
-        main_weight)."""
+    def _accumulate_op(self, reduced: torch.Tensor, target: torch.Tensor, overwrite: bool, scale: float = 1.0):
+        """Post-op: add ``scale`` x a reduced shard into ``target``; with ``overwrite``, first
+        zero the slices of parameters whose gradient was reset (``target`` is then laid out
+        like main_weight)."""
         zeroed = []
         if overwrite:
             zeroed = [p for p in self.fsdp_parameters if self._overwrite[p.index]]
@@ -530,7 +559,7 @@ class ParameterGroup:
         def op() -> None:
             for p in zeroed:
                 self._optim_view(target, p).zero_()
-            target.add_(reduced.to(target.dtype))
+            target.add_(reduced.to(target.dtype), alpha=scale)
 
         return op
 
@@ -541,16 +570,19 @@ class ParameterGroup:
         self._grads_reduced = False
         self._fresh = [False] * len(self.fsdp_parameters)
         main_dtype = self.precision.main_params
-        for p in self.fsdp_parameters:
-            placements = self._optimizer_placements(p)
-            local = self._optim_view(self.reduced_grad, p)
+        if self._grad_views is None:  # reduced_grad is persistent: build its DTensor views once
+            self._grad_views = [
+                self._dtensor(self._optim_view(self.reduced_grad, p), p, self._optimizer_placements(p))
+                for p in self.fsdp_parameters
+            ]
+        for p, view in zip(self.fsdp_parameters, self._grad_views):
             # ``.main_grad`` is always the reduced gradient itself, in main_grads_dtype.
-            p.sharded_param.main_grad = self._dtensor(local, p, placements)
-            if local.dtype == main_dtype:
-                p.sharded_param.grad = p.sharded_param.main_grad
+            p.sharded_param.main_grad = view
+            if view.dtype == main_dtype:
+                p.sharded_param.grad = view
             elif not self.context.precision_aware_grads:
                 # torch optimizers need .grad in the parameter's dtype: a cast copy.
-                p.sharded_param.grad = self._dtensor(local.to(main_dtype), p, placements)
+                p.sharded_param.grad = self._dtensor(view.to_local().to(main_dtype), p, self._optimizer_placements(p))
             # precision-aware optimizers read .main_grad; .grad stays unset.
 
     # Optimizer step ---------------------------------------------------------------------
