@@ -80,3 +80,15 @@ def test_zero_size_parameters_are_accepted():
     assert shapes == {"empty_rows": (0, 5), "empty_cols": (3, 0), "weight": (4, 2)}
     model(torch.ones(2, 2)).backward()
     assert model.empty_rows.grad.to_local().numel() == 0
+
+
+def test_at_most_two_units_reductions_are_in_flight_during_backward():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    ctx = wrap(model, list(model) + [model])
+    in_flight = []
+    # By the time layer 0's backward runs, layers 5..1 have all issued their reductions.
+    model[0].register_full_backward_hook(lambda m, gi, go: in_flight.append(len(ctx._pending_reductions)))
+    model(torch.randn(3, 8, requires_grad=True)).sum().backward()
+    assert in_flight == [2]
+    assert ctx._pending_reductions == []  # the end of backward settled everything
