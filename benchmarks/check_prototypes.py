@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""Correctness check of the prototypes in prototypes.py: the patched engine must train
+exactly like the stock engine.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/check_prototypes.py
+    python -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/check_prototypes.py
+
+For ZeRO-3, ZeRO-2 (and HSDP at 4 ranks), fp32 and bf16-with-fp32-main, 1 and 3
+microbatches, ``zero_grad(set_to_none=True)`` and ``False``: a stock and a patched copy of
+one GPT train 3 steps on the same data; losses, local weights and local gradients must
+agree (bitwise for power-of-two world sizes, where x/N and x*(1/N) are the same number).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import compare_dp as cd  # noqa: E402
+import prototypes  # noqa: E402
+from megatron.core.distributed.mfsdp_v2 import microbatch  # noqa: E402
+
+PROTOS = ["reduce_direct", "cached_grads", "py_trims", "bounded_reduce", "lazy_grads", "bounded_reduce1"]
+
+
+def train(c, batches, micro: int, set_to_none: bool):
+    losses = []
+    for inputs, labels in batches:
+        total = 0.0
+        for i, (x, y) in enumerate(zip(inputs.chunk(micro), labels.chunk(micro))):
+            with microbatch(c.ctx, is_last=i == micro - 1):
+                loss = c.model(x, labels=y).mean() / micro
+                loss.backward()
+            total += loss.item()
+        grads = [p.grad.to_local().clone() if p.grad is not None else None for p in c.model.parameters()]
+        c.optimizer.step()
+        c.optimizer.zero_grad(set_to_none=set_to_none)
+        losses.append(total)
+    weights = [p.to_local().detach().clone() for p in c.model.parameters()]
+    return losses, weights, grads
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    meshes = cd.Meshes()
+    spec = cd.ModelSpec(layers=2, hidden=64, heads=2, vocab=128, seq=16, micro_batch=6)
+    names = ["mfsdp_zero3", "mfsdp_zero2"] + (["mfsdp_hsdp"] if meshes.hsdp is not None else [])
+    exact = (dist.get_world_size() & (dist.get_world_size() - 1)) == 0
+    failures = 0
+    for name, dtype_name, micro, set_to_none in itertools.product(names, ("fp32", "bf16"), (1, 3), (True, False)):
+        dtype = cd.DTYPES[dtype_name]
+        ref = cd.build_reference(spec, 7, dtype)
+        batches = cd.make_batches(spec, 3, 8)
+        stock = cd.build(name, ref, dtype, meshes, cd.Options())
+        patched = cd.build(name + "+" + "+".join(PROTOS), ref, dtype, meshes, cd.Options())
+        a = train(stock, batches, micro, set_to_none)
+        b = train(patched, batches, micro, set_to_none)
+        ok = True
+        for x, y in zip(a[1] + a[2], b[1] + b[2]):
+            if x is None or y is None:
+                ok &= x is None and y is None
+            elif exact:
+                ok &= torch.equal(x, y)
+            else:
+                ok &= torch.allclose(x, y, rtol=1e-6, atol=1e-9)
+        ok &= a[0] == b[0] if exact else all(abs(u - v) <= 1e-6 * abs(u) for u, v in zip(a[0], b[0]))
+        flag = torch.tensor([0 if ok else 1])
+        dist.all_reduce(flag)
+        if dist.get_rank() == 0:
+            print(f"{'ok  ' if flag.item() == 0 else 'FAIL'} {name} {dtype_name} micro={micro} set_to_none={set_to_none}",
+                  flush=True)
+        failures += int(flag.item() != 0)
+        del stock, patched, ref
+    dist.destroy_process_group()
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

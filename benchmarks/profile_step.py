@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Profile a few training steps of one or more contenders with torch.profiler (CPU).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/profile_step.py \
+        --contenders mfsdp_zero3,fsdp2 --out benchmarks/results/profile
+
+Per contender: the operator table (self CPU time, calls) of rank 0, the time per
+phase (forward, backward, optimizer), and a Chrome trace (``<out>/<name>_rank0.json``;
+open it in chrome://tracing or Perfetto). Contenders are built from one reference init,
+as in compare_dp.py, and profiled one after the other after ``--warmup`` interleaved rounds.
+``--prototype NAME`` applies a benchmark-only engine prototype (see prototypes.py) to the
+MFSDP contenders, so its effect can be profiled before anyone changes the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import compare_dp as cd  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--contenders", default="mfsdp_zero3,fsdp2")
+    p.add_argument("--dtype", default="fp32", choices=tuple(cd.DTYPES))
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--no-trace", action="store_true")
+    p.add_argument("--shapes", action="store_true", help="group the operator table by input shape")
+    p.add_argument("--prototype", default="", help="comma-separated prototypes.py patches for MFSDP")
+    for key in ("layers", "hidden", "heads", "vocab", "seq", "micro_batch"):
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=None)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    if args.prototype:
+        import prototypes
+
+        prototypes.apply(args.prototype.split(","))
+    dtype = cd.DTYPES[args.dtype]
+    spec = cd.resolve_spec(args, args.dtype)
+    meshes = cd.Meshes()
+    opts = cd.Options()
+    ref = cd.build_reference(spec, args.seed, dtype)
+    contenders = [cd.build(n, ref, dtype, meshes, opts) for n in args.contenders.split(",")]
+    batches = cd.make_batches(spec, args.warmup + args.steps, args.seed + 1)
+    cd.run_interleaved(contenders, batches, args.warmup, 0, memory_step=-1)
+    os.makedirs(args.out, exist_ok=True)
+    summary = {}
+    for c in contenders:
+        dist.barrier()
+        phases = []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
+            for i in range(args.steps):
+                r = c.step(*batches[args.warmup + i])
+                phases.append(r)
+        if dist.get_rank() == 0:
+            table = prof.key_averages(group_by_input_shape=args.shapes).table(sort_by="self_cpu_time_total", row_limit=args.rows)
+            print(f"\n===== {c.name} ({args.dtype}, N={dist.get_world_size()}, {args.steps} profiled steps) =====")
+            print("phases (s): " + ", ".join(
+                f"step {r['step']:.3f} fwd {r['forward']:.3f} bwd {r['backward']:.3f} opt {r['optimizer']:.3f}"
+                for r in phases))
+            print(table)
+            ops = {e.key: {"self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
+                   for e in prof.key_averages()}
+            summary[c.name] = {"phases": phases, "ops": ops}
+            if not args.no_trace:
+                prof.export_chrome_trace(os.path.join(args.out, f"{c.name}_{args.dtype}_n{dist.get_world_size()}_rank0.json"))
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.out, f"profile_{args.dtype}_n{dist.get_world_size()}.json"), "w") as f:
+            json.dump({"model": spec.describe(), "prototype": args.prototype, "loadavg": os.getloadavg(),
+                       "contenders": summary}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
