@@ -84,8 +84,8 @@ def check_cache_name(name: str) -> str:
     return name
 
 
-def atomic_save_npy(path: str, array: np.ndarray) -> None:
-    """np.save to a temp file in the same directory, then rename into place.
+def _atomic_write(path: str, mode: str, write) -> None:
+    """``write(file)`` into a temp file in the same directory, then rename into place.
 
     Several ranks may build the same index at once; each writes its own temp file and
     the rename is atomic, so a reader sees either no file or a complete one.
@@ -93,8 +93,8 @@ def atomic_save_npy(path: str, array: np.ndarray) -> None:
     directory, filename = os.path.split(path)
     temp = os.path.join(directory, f".{filename}.tmp-{os.getpid()}")
     try:
-        with open(temp, "wb") as f:
-            np.save(f, array, allow_pickle=False)
+        with open(temp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            write(f)
         os.replace(temp, path)
     except BaseException:
         try:
@@ -102,21 +102,14 @@ def atomic_save_npy(path: str, array: np.ndarray) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def atomic_save_npy(path: str, array: np.ndarray) -> None:
+    _atomic_write(path, "wb", lambda f: np.save(f, array, allow_pickle=False))
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    directory, filename = os.path.split(path)
-    temp = os.path.join(directory, f".{filename}.tmp-{os.getpid()}")
-    try:
-        with open(temp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(temp, path)
-    except BaseException:
-        try:
-            os.remove(temp)
-        except FileNotFoundError:
-            pass
-        raise
+    _atomic_write(path, "w", lambda f: f.write(text))
 
 
 def load_cached_arrays(paths: Dict[str, str]) -> Optional[Dict[str, np.ndarray]]:
