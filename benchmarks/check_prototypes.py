@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Correctness check of the prototypes in prototypes.py: the patched engine must train
-exactly like the stock engine.
+exactly like the stock engine. With ``--engine-rev REV`` the engine at git revision REV
+(engine_snapshot.py) is checked against the working tree's the same way, so an engine
+change that must not change numerics is proven to train bit for bit like its predecessor.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/check_prototypes.py
-    python -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/check_prototypes.py
+    python -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/check_prototypes.py --engine-rev HEAD
 
 For ZeRO-3, ZeRO-2 (and HSDP at 4 ranks), fp32 and bf16-with-fp32-main, 1 and 3
 microbatches, ``zero_grad(set_to_none=True)`` and ``False``: a stock and a patched copy of
@@ -26,9 +28,8 @@ sys.path.insert(0, HERE)
 
 import compare_dp as cd  # noqa: E402
 import prototypes  # noqa: E402
-from megatron.core.distributed.mfsdp_v2 import microbatch  # noqa: E402
 
-PROTOS = ["reduce_direct", "cached_grads", "py_trims", "bounded_reduce", "lazy_grads", "bounded_reduce1"]
+PROTOS = ["inflight0", "inflight1", "no_fwd_prefetch"]
 
 
 def train(c, batches, micro: int, set_to_none: bool):
@@ -36,7 +37,7 @@ def train(c, batches, micro: int, set_to_none: bool):
     for inputs, labels in batches:
         total = 0.0
         for i, (x, y) in enumerate(zip(inputs.chunk(micro), labels.chunk(micro))):
-            with microbatch(c.ctx, is_last=i == micro - 1):
+            with c.engine.microbatch(c.ctx, is_last=i == micro - 1):
                 loss = c.model(x, labels=y).mean() / micro
                 loss.backward()
             total += loss.item()
@@ -49,6 +50,12 @@ def train(c, batches, micro: int, set_to_none: bool):
 
 
 def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--engine-rev", default=None, help="also check the engine at this git revision against the tree's")
+    args = p.parse_args()
+    variants = ["+" + "+".join(PROTOS)] + ([f"@{args.engine_rev}"] if args.engine_rev else [])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     meshes = cd.Meshes()
@@ -56,12 +63,13 @@ def main() -> None:
     names = ["mfsdp_zero3", "mfsdp_zero2"] + (["mfsdp_hsdp"] if meshes.hsdp is not None else [])
     exact = (dist.get_world_size() & (dist.get_world_size() - 1)) == 0
     failures = 0
-    for name, dtype_name, micro, set_to_none in itertools.product(names, ("fp32", "bf16"), (1, 3), (True, False)):
+    for variant, name, dtype_name, micro, set_to_none in itertools.product(
+            variants, names, ("fp32", "bf16"), (1, 3), (True, False)):
         dtype = cd.DTYPES[dtype_name]
         ref = cd.build_reference(spec, 7, dtype)
         batches = cd.make_batches(spec, 3, 8)
         stock = cd.build(name, ref, dtype, meshes, cd.Options())
-        patched = cd.build(name + "+" + "+".join(PROTOS), ref, dtype, meshes, cd.Options())
+        patched = cd.build(name + variant, ref, dtype, meshes, cd.Options())
         a = train(stock, batches, micro, set_to_none)
         b = train(patched, batches, micro, set_to_none)
         ok = True
@@ -76,8 +84,8 @@ def main() -> None:
         flag = torch.tensor([0 if ok else 1])
         dist.all_reduce(flag)
         if dist.get_rank() == 0:
-            print(f"{'ok  ' if flag.item() == 0 else 'FAIL'} {name} {dtype_name} micro={micro} set_to_none={set_to_none}",
-                  flush=True)
+            print(f"{'ok  ' if flag.item() == 0 else 'FAIL'} {name}{variant} {dtype_name} micro={micro} "
+                  f"set_to_none={set_to_none}", flush=True)
         failures += int(flag.item() != 0)
         del stock, patched, ref
     dist.destroy_process_group()

@@ -264,8 +264,9 @@ class Contender:
     """One wrapped model, its optimizer and how to run a step."""
 
     def __init__(self, name: str, model: nn.Module, optimizer, dtype: torch.dtype, kind: str, ctx=None,
-                 autocast: bool = False, shard_size: int = 1):
+                 autocast: bool = False, shard_size: int = 1, engine=mfsdp_v2):
         self.name = name
+        self.engine = engine  # the MFSDP package (the working tree's, or a snapshot at a revision)
         self.model = model
         self.optimizer = optimizer
         self.dtype = dtype
@@ -279,7 +280,7 @@ class Contender:
 
     def _forward_scope(self):
         if self.kind == "mfsdp":
-            return microbatch(self.ctx, is_last=True)
+            return self.engine.microbatch(self.ctx, is_last=True)
         if self.autocast:
             return torch.autocast("cpu", dtype=self.dtype)
         return contextlib.nullcontext()
@@ -328,13 +329,14 @@ class Contender:
         return {"weights": weights, "grads": grads, "optimizer": opt, "total": weights + grads + opt, "detail": detail}
 
 
-def _mfsdp_policy(dtype: torch.dtype) -> Optional[MixedPrecisionPolicy]:
+def _mfsdp_policy(dtype: torch.dtype, engine=mfsdp_v2) -> Optional[MixedPrecisionPolicy]:
     if dtype == torch.float32:
         return None
     # Same numerics as FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) over
     # fp32 parameters: bf16 compute and all-gather, bf16 reduce-scatter, fp32 gradients,
     # fp32 main weights.
-    return MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32, grad_comm_dtype=dtype)
+    return engine.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+                                       grad_comm_dtype=dtype)
 
 
 def _set_prefetch_depth(ctx, depth: int) -> None:
@@ -355,19 +357,21 @@ def _set_prefetch_depth(ctx, depth: int) -> None:
     ctx._prefetch_after = prefetch_after
 
 
-def build_mfsdp(name: str, ref: nn.Module, dtype: torch.dtype, placements: Placements, mesh, opts: Options,
-                shard_size: int) -> Contender:
+def build_mfsdp(name: str, ref: nn.Module, dtype: torch.dtype, placements: Callable, mesh, opts: Options,
+                shard_size: int, engine=mfsdp_v2) -> Contender:
+    """``placements(engine.Placements)`` gives the placements, so a snapshot engine gets its own."""
     model = copy.deepcopy(ref)
     if dtype != torch.float32:
         model = model.to(dtype)
-    policy = _mfsdp_policy(dtype)
-    with fully_shard_context(device="cpu") as ctx:
+    policy = _mfsdp_policy(dtype, engine)
+    placements = placements(engine.Placements)
+    with engine.fully_shard_context(device="cpu") as ctx:
         for layer in model.decoder.layers:
-            fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=policy)
-        fully_shard(model, mesh=mesh, placements=placements, mixed_precision_policy=policy)
+            engine.fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=policy)
+        engine.fully_shard(model, mesh=mesh, placements=placements, mixed_precision_policy=policy)
     _set_prefetch_depth(ctx, opts.mfsdp_prefetch)
-    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=opts.lr, foreach=opts.foreach))
-    return Contender(name, model, optimizer, dtype, "mfsdp", ctx=ctx, shard_size=shard_size)
+    optimizer = engine.fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=opts.lr, foreach=opts.foreach))
+    return Contender(name, model, optimizer, dtype, "mfsdp", ctx=ctx, shard_size=shard_size, engine=engine)
 
 
 def build_fsdp2(name: str, ref: nn.Module, dtype: torch.dtype, mesh, opts: Options) -> Contender:
@@ -405,15 +409,26 @@ def build_plain(ref: nn.Module, dtype: torch.dtype, opts: Options) -> Contender:
 
 
 def base_name(name: str) -> str:
-    return name.split("+", 1)[0]
+    """The contender without its prototypes (``+name``) or engine revision (``@rev``)."""
+    return name.split("+", 1)[0].split("@", 1)[0]
 
 
-def build(name: str, ref: nn.Module, dtype: torch.dtype, meshes: Meshes, opts: Options) -> Contender:
+def build(name: str, ref: nn.Module, dtype: torch.dtype, meshes: Meshes, opts: Options, engine=mfsdp_v2) -> Contender:
+    if "@" in name.split("+", 1)[0]:  # an MFSDP contender on the engine of an older revision
+        import engine_snapshot
+
+        head, _, rest = name.partition("@")
+        rev, plus, protos = rest.partition("+")
+        c = build(head + plus + protos, ref, dtype, meshes, opts, engine=engine_snapshot.load(rev))
+        if c.kind != "mfsdp":
+            raise ValueError(f"an engine revision applies to MFSDP contenders only, not {head!r}")
+        c.name = name
+        return c
     if "+" in name:  # an MFSDP contender with benchmark-only prototypes (prototypes.py)
         import prototypes
 
         base, *protos = name.split("+")
-        c = build(base, ref, dtype, meshes, opts)
+        c = build(base, ref, dtype, meshes, opts, engine)
         if c.kind != "mfsdp":
             raise ValueError(f"prototypes apply to MFSDP contenders only, not {base!r}")
         prototypes.apply_to_context(c.ctx, protos)
@@ -421,19 +436,19 @@ def build(name: str, ref: nn.Module, dtype: torch.dtype, meshes: Meshes, opts: O
         c.name = name
         return c
     if name == "mfsdp_zero3":
-        return build_mfsdp(name, ref, dtype, Placements.zero3(), meshes.flat, opts, world())
+        return build_mfsdp(name, ref, dtype, lambda P: P.zero3(), meshes.flat, opts, world(), engine)
     if name == "mfsdp_zero2":
-        return build_mfsdp(name, ref, dtype, Placements.zero2(), meshes.flat, opts, world())
+        return build_mfsdp(name, ref, dtype, lambda P: P.zero2(), meshes.flat, opts, world(), engine)
     if name == "mfsdp_hsdp":
         if meshes.hsdp is None:
             raise ValueError("mfsdp_hsdp needs an even world size of at least 4 (a 2 x N/2 mesh).")
-        return build_mfsdp(name, ref, dtype, Placements.hsdp("outer", "inner"), meshes.hsdp, opts, 2)
+        return build_mfsdp(name, ref, dtype, lambda P: P.hsdp("outer", "inner"), meshes.hsdp, opts, 2, engine)
     if name == "fsdp2":
         return build_fsdp2(name, ref, dtype, meshes.flat, opts)
     if name == "ddp":
         return build_ddp(name, ref, dtype, opts)
     if name == "mfsdp_no_shard":
-        return build_mfsdp(name, ref, dtype, Placements.no_shard(), meshes.flat, opts, 1)
+        return build_mfsdp(name, ref, dtype, lambda P: P.no_shard(), meshes.flat, opts, 1, engine)
     raise ValueError(f"unknown contender {name!r}; choose from {ALL_CONTENDERS}")
 
 
@@ -625,10 +640,11 @@ class HookTimer:
         self._undo.append(lambda: setattr(owner, name, original))
 
     def install(self, contender: Contender):
-        from megatron.core.distributed.mfsdp_v2 import context as ctx_mod
-        from megatron.core.distributed.mfsdp_v2 import module as module_mod
-        from megatron.core.distributed.mfsdp_v2 import parameter_group as pg_mod
-        from megatron.core.distributed.mfsdp_v2 import work as work_mod
+        from engine_snapshot import submodule
+
+        ctx_mod, module_mod, pg_mod, work_mod = (
+            submodule(contender.engine, name) for name in ("context", "module", "parameter_group", "work")
+        )
 
         # Hooks looked up at call time: patch the classes.
         self._patch_attr(module_mod.UnitState, "_pre_backward")
@@ -671,7 +687,7 @@ def profile_python_self_time(c: Contender, batch) -> dict:
     wall = time.perf_counter() - t
     prof.disable()
     stats = pstats.Stats(prof)
-    engine_dir = _ENGINE_DIRS.get(c.kind)
+    engine_dir = os.path.dirname(c.engine.__file__) if c.kind == "mfsdp" else _ENGINE_DIRS.get(c.kind)
     engine, dtensor, top = 0.0, 0.0, []
     for (filename, line, fn), (cc, nc, tottime, cumtime, callers) in stats.stats.items():
         if engine_dir and engine_dir in filename:
@@ -831,7 +847,7 @@ def mode_compare(args, spec: ModelSpec, dtype: torch.dtype, meshes: Meshes, opts
         results[c.name]["collectives"] = count_collectives(c, batches[rounds], ref, meshes, opts)
     if "mfsdp_no_shard" not in names and not args.no_count_no_shard:
         # Bytes only (the issue's no_shard = 2x target): one counted step, then dropped.
-        probe = build_mfsdp("mfsdp_no_shard", ref, dtype, Placements.no_shard(), meshes.flat, opts, 1)
+        probe = build_mfsdp("mfsdp_no_shard", ref, dtype, lambda P: P.no_shard(), meshes.flat, opts, 1)
         dist.barrier()
         results["mfsdp_no_shard"] = {
             "collectives": count_collectives(probe, batches[rounds], ref, meshes, opts),
@@ -1047,7 +1063,7 @@ def mode_overlap(args, spec: ModelSpec, dtype: torch.dtype, meshes: Meshes, opts
     ref = build_reference(spec, args.seed, dtype)
     variants = []
     for name, depth in (("mfsdp_zero3_prefetch1", 1), ("mfsdp_zero3_noprefetch", 0), ("mfsdp_zero3_prefetch2", 2)):
-        variants.append(build_mfsdp(name, ref, dtype, Placements.zero3(), meshes.flat,
+        variants.append(build_mfsdp(name, ref, dtype, lambda P: P.zero3(), meshes.flat,
                                     dataclasses.replace(opts, mfsdp_prefetch=depth), world()))
     for name, fwd in (("fsdp2", False), ("fsdp2_fwd_prefetch", True)):
         variants.append(build_fsdp2(name, ref, dtype, meshes.flat, dataclasses.replace(opts, fsdp2_forward_prefetch=fwd)))

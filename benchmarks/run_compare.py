@@ -93,11 +93,10 @@ def main(argv=None) -> None:
     p.add_argument("--overlap", action="store_true", help="prefetch/overlap figure (fp32, every world size)")
     p.add_argument("--optimizations", action="store_true",
                    help="before/after run of the engine prototypes (prototypes.py) against the stock engine")
-    p.add_argument("--prototypes", default="lazy_grads,bounded_reduce1,lazy_grads+bounded_reduce1,no_fwd_prefetch",
-                   help="variants measured by --optimizations (comma-separated; '+' combines prototypes); "
-                        "all of them together (without the no_* probes) is added as the last variant. "
-                        "Engine commit 8760f34 adopted reduce_direct, bounded_reduce, cached_grads and py_trims: "
-                        "to measure those against an older engine pass them here")
+    p.add_argument("--prototypes", default="inflight0,inflight1,no_fwd_prefetch",
+                   help="variants of ZeRO-3 measured by --optimizations against the stock engine, comma-separated: "
+                        "prototypes.py names ('+' combines them) and '@REV' for the engine at git revision REV "
+                        "(engine_snapshot.py), e.g. @HEAD~1 for the engine before the last commit")
     p.add_argument("--allocators", default=None,
                    help="comma-separated --malloc settings for an allocator-sensitivity run (N=2, fp32, "
                         "ZeRO-3 / FSDP2 / DDP, with peak RSS), e.g. default,mmap64k")
@@ -148,10 +147,7 @@ def main(argv=None) -> None:
     optim = {}
     if args.optimizations:
         variants = args.prototypes.split(",")
-        names = ["mfsdp_zero3"] + [f"mfsdp_zero3+{v}" for v in variants]
-        union = list(dict.fromkeys(p for v in variants for p in v.split("+") if not p.startswith("no_")))
-        if len(union) > 1 and "+".join(union) not in variants:
-            names.append("mfsdp_zero3+" + "+".join(union))
+        names = ["mfsdp_zero3"] + [f"mfsdp_zero3{v}" if v.startswith("@") else f"mfsdp_zero3+{v}" for v in variants]
         names.append("fsdp2")
         for n in world_sizes:
             worker = ["--mode", "compare", "--dtypes", args.dtypes, "--contenders", ",".join(names), "--no-profile",

@@ -178,9 +178,15 @@ def test_gathered_views_and_slices(shapes, n):
             assert len(slices) == n and all(torch.equal(s, t.reshape(1)) for s in slices)
         elif len(slices):
             assert torch.equal(torch.cat(slices), t.reshape(-1))
-        spans = len({p.shard for p in layout.pieces[index]}) > 1 and not _is_scalar(shape)
-        assert layout.is_contiguous_in_gathered(index) == (not spans)
-        if spans:
+        # Split = some shard padding lies between two consecutive pieces (re-derived here
+        # from the pieces' positions; a tensor spanning full shards stays unbroken).
+        S = layout.shard_numel
+        pieces = layout.pieces[index]
+        split = not _is_scalar(shape) and any(
+            b.shard * S + b.offset != a.shard * S + a.offset + a.numel for a, b in zip(pieces, pieces[1:])
+        )
+        assert layout.is_contiguous_in_gathered(index) == (not split)
+        if split:
             with pytest.raises(ValueError):
                 layout.gathered_view(gathered, index)
         else:
@@ -188,6 +194,29 @@ def test_gathered_views_and_slices(shapes, n):
             assert view.shape == torch.Size(shape) and torch.equal(view, t)
             if view.numel():
                 assert view.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr()
+
+
+def test_tensor_spanning_full_shards_is_a_view_and_padding_split_is_not():
+    # 8 rows of 8 over 2 shards: shard 0 is full, so the tensor runs on unbroken.
+    layout = FlatLayout([(8, 8)], 2)
+    assert len(layout.pieces[0]) == 2 and layout.padding_numel(0) == 0
+    assert layout.is_contiguous_in_gathered(0)
+    gathered = torch.arange(float(layout.gathered_numel))
+    view = layout.gathered_view(gathered, 0)
+    assert view.data_ptr() == gathered.data_ptr() and torch.equal(view.reshape(-1), gathered)
+    # (2,) then 3 rows of 5 over 2 shards (S = 10): shard 0 holds the vector and one row,
+    # then 3 elements of padding, so the matrix is split by that padding.
+    layout = FlatLayout([(2,), (3, 5)], 2)
+    assert layout.shard_numel == 10 and layout.padding_numel(0) == 3
+    assert layout.is_contiguous_in_gathered(0) and not layout.is_contiguous_in_gathered(1)
+    matrix = torch.arange(15.0).reshape(3, 5)
+    gathered = torch.full((20,), float("nan"))
+    layout.copy_in(matrix, gathered, 1)
+    with pytest.raises(ValueError, match="copy_out"):
+        layout.gathered_view(gathered, 1)
+    out = torch.empty(3, 5)
+    layout.copy_out(gathered, 1, out)
+    assert torch.equal(out, matrix)
 
 
 def test_empty_shards():

@@ -22,8 +22,9 @@ _ACTIVE_CONTEXT: contextvars.ContextVar[Optional["FsdpContext"]] = contextvars.C
     "mfsdp_v2_active_context", default=None
 )
 
-# Units whose gradient reductions may be in flight at once during backward.
-MAX_REDUCTIONS_IN_FLIGHT = 2
+# Units whose gradient reductions may be in flight at once during backward (the default
+# of FsdpContext.max_reductions_in_flight).
+MAX_REDUCTIONS_IN_FLIGHT = 1
 
 NOT_FINALIZED_MESSAGE = (
     "This FSDP unit's fully_shard_context has not been finalized. Exit fully_shard_context "
@@ -55,6 +56,10 @@ class FsdpContext:
         # Set by fully_shard_optimizer(precision_aware=True): .grad keeps main_grads_dtype.
         self.precision_aware_grads = False
         self._pending_reductions: List[List[CollectiveWork]] = []  # one batch per unit, oldest first
+        # Each reduction in flight keeps its input (the unit's gradients in gathered layout)
+        # alive: more overlap of communication with backward compute, more peak memory.
+        # 0 completes every reduction before backward continues.
+        self.max_reductions_in_flight = MAX_REDUCTIONS_IN_FLIGHT
         self._backward_callback_queued = False
         self._group_owner = {}  # id(ParameterGroup) -> unit
         self._managed_params = {}  # id(original or sharded param) -> unit
@@ -136,14 +141,15 @@ class FsdpContext:
             state.post_backward()
 
     def _add_reductions(self, works: List[CollectiveWork]) -> None:
-        """Track a unit's reductions; complete those issued two units earlier.
+        """Track a unit's reductions; complete those beyond ``max_reductions_in_flight``.
 
         A reduction in flight keeps its input (a gathered-layout copy of the unit's
         gradients) alive. Holding every unit's until the end of backward would cost about
-        the unsharded model in memory; two in flight still overlap with compute."""
+        the unsharded model in memory; one in flight (FSDP2's rule) still overlaps a
+        unit's reduction with the next unit's backward."""
         if works:
             self._pending_reductions.append(list(works))
-        while len(self._pending_reductions) > MAX_REDUCTIONS_IN_FLIGHT:
+        while len(self._pending_reductions) > self.max_reductions_in_flight:
             for work in self._pending_reductions.pop(0):
                 work.wait()
 

@@ -8,8 +8,9 @@ lets its slice of each tensor be a ``Shard(0)`` DTensor local view. Regions may 
 uneven; a rank may own zero rows of a tensor, or nothing at all.
 
 The gathered buffer (``num_shards * shard_numel``) is the concatenation of the regions. A
-tensor that sits inside one region is a plain view of it; a tensor whose rows span
-regions is split by the padding between them and is assembled by a copy.
+tensor whose pieces are adjacent there (it sits inside one region, or it spans regions
+that are full up to the boundary) is a plain view of it; only a tensor that the padding
+at the end of a region splits is assembled by a copy.
 
 0-d tensors have no dim 0 to shard: they are *replicated*, one copy at the start of every
 shard. Writing the same gradient into every copy makes a reduce-scatter hand each rank
@@ -60,6 +61,13 @@ class FlatLayout:
         for tensor_pieces in self.pieces:
             for piece in tensor_pieces:
                 self.pieces_by_shard[piece.shard].append(piece)
+        self._contiguous = [
+            self.replicated[index] or all(
+                b.shard * self.shard_numel + b.offset == a.shard * self.shard_numel + a.offset + a.numel
+                for a, b in zip(tensor_pieces, tensor_pieces[1:])
+            )
+            for index, tensor_pieces in enumerate(self.pieces)
+        ]
 
     # Construction ---------------------------------------------------------------------
     def _fill(self, capacity: int):
@@ -167,18 +175,20 @@ class FlatLayout:
         return view.view((end - start,) + tuple(shape[1:]))
 
     def is_contiguous_in_gathered(self, index: int) -> bool:
-        return len(self.pieces[index]) <= 1 or self.replicated[index]
+        """Whether tensor ``index`` is one unbroken range of the gathered buffer (no shard
+        padding between its pieces), so that it can be a view of it."""
+        return self._contiguous[index]
 
     def gathered_view(self, gathered: torch.Tensor, index: int) -> torch.Tensor:
-        """Tensor ``index`` as a view of the gathered buffer (only if it sits in one shard)."""
-        pieces = self.pieces[index][:1] if self.replicated[index] else self.pieces[index]
-        if len(pieces) > 1:
-            raise ValueError("tensor spans shards; assemble it with copy_out instead")
+        """Tensor ``index`` as a view of the gathered buffer (only if it is contiguous there)."""
+        if not self._contiguous[index]:
+            raise ValueError("shard padding splits this tensor; assemble it with copy_out instead")
+        pieces = self.pieces[index]
         shape = self.shapes[index]
         if not pieces:
             return gathered.narrow(0, 0, 0).view(shape)
         start = pieces[0].shard * self.shard_numel + pieces[0].offset
-        return gathered.narrow(0, start, pieces[0].numel).view(shape)
+        return gathered.narrow(0, start, self.numels[index]).view(shape)
 
     def gathered_slices(self, gathered: torch.Tensor, index: int) -> List[torch.Tensor]:
         """The flat pieces of tensor ``index`` inside the gathered buffer, in row order

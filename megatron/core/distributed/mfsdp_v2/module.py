@@ -161,10 +161,12 @@ class UnitState:
         context = self.context
         self.reduced_this_backward = True
         with context.device_handle.nvtx_range(f"mfsdp.post_backward {self.name}"):
-            for group in self.trainable_groups:
-                context._add_reductions(group.reduce_grads(context.is_last_microbatch))
+            # Free the unsharded weights before the reduce buffers are filled and launched
+            # (the gradients are separate tensors): the two never need to coexist.
             self.wait_pending_unshard()
             self.reshard()
+            for group in self.trainable_groups:
+                context._add_reductions(group.reduce_grads(context.is_last_microbatch))
 
     def init_parameters(self, init_fn) -> None:
         """Run an initializer on this unit's parameters in unsharded form and keep each

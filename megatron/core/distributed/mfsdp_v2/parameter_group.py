@@ -187,6 +187,12 @@ class ParameterGroup:
         self._fresh = [False] * len(self.fsdp_parameters)
         self._received = set()
         self._grads_reduced = False  # a reduction reached reduced_grad since .grad was last set
+        # Sharded gradients: each unsharded gradient is moved into the reduce-scatter input
+        # as soon as autograd has accumulated it, so the unit never holds its gradients and
+        # that input at the same time.
+        self._stash_grads = self.requires_grad and strategy.grad_sharded
+        self._reduce_input: Optional[torch.Tensor] = None
+        self._stashed: set = set()
         self._grad_views: Optional[List[DTensor]] = None
         self.reduced_this_backward = False
 
@@ -284,6 +290,8 @@ class ParameterGroup:
     def _make_grad_hook(self, p: FsdpParameter):
         def hook(param: torch.Tensor) -> None:
             self._received.add(p.index)
+            if self._stash_grads:
+                self._stash_grad(p)
             self.context._on_grad_ready(self)
 
         return hook
@@ -379,6 +387,25 @@ class ParameterGroup:
     def all_grads_received(self) -> bool:
         return len(self._received) == self._num_trainable
 
+    def _stash_grad(self, p: FsdpParameter) -> None:
+        """Move ``p``'s fresh unsharded gradient into the pending reduce-scatter input."""
+        grad = p.unsharded_param.grad
+        if grad is None:
+            return
+        with torch.no_grad():
+            if self._reduce_input is None:
+                self._reduce_input = torch.empty(
+                    self.layout.gathered_numel, dtype=self.precision.grad_comm, device=self.main_grad.device
+                )
+            if p.index in self._stashed:  # a second gradient in this backward (reentrant graphs)
+                for piece, src in zip(self.layout.gathered_slices(self._reduce_input, p.index),
+                                      self.layout.source_chunks(grad, p.index)):
+                    piece.add_(src)
+            else:
+                self.layout.copy_in(grad, self._reduce_input, p.index)
+                self._stashed.add(p.index)
+        p.unsharded_param.grad = None
+
     def reduce_grads(self, is_last_microbatch: bool) -> List[comm.CollectiveWork]:
         """Reduce this backward's gradients into main_grad (missing gradients count as zero)."""
         if not self.requires_grad:
@@ -403,8 +430,11 @@ class ParameterGroup:
         works: List[comm.CollectiveWork] = []
         if strategy.grad_sharded:
             comm_dtype = self.precision.grad_comm
-            flat = torch.empty(self.layout.gathered_numel, dtype=comm_dtype, device=self.main_grad.device)
-            self._take_grads_into(flat)
+            flat, self._reduce_input = self._reduce_input, None
+            if flat is None:
+                flat = torch.empty(self.layout.gathered_numel, dtype=comm_dtype, device=self.main_grad.device)
+            self._take_grads_into(flat, skip=self._stashed)
+            self._stashed = set()
             # HFSDP accumulates a local partial sum here and reduces it on the outer axis
             # later; every other strategy accumulates straight into the reduced gradient.
             direct = self.main_grad is self.reduced_grad
@@ -492,6 +522,7 @@ class ParameterGroup:
     def discard_partial_backward(self) -> None:
         """Forget gradients of an aborted backward that were never reduced."""
         self._received.clear()
+        self._reduce_input, self._stashed = None, set()
         for p in self.fsdp_parameters:
             p.unsharded_param.grad = None
 
@@ -519,16 +550,20 @@ class ParameterGroup:
             counter=self.context.counter,
         )
 
-    def _take_grads_into(self, flat: torch.Tensor, accumulate: bool = False, scale: float = 1) -> None:
+    def _take_grads_into(self, flat: torch.Tensor, accumulate: bool = False, scale: float = 1,
+                         skip: frozenset = frozenset()) -> None:
         """Move each unsharded gradient into its place in a gathered-layout buffer.
 
         Copy mode fills an uninitialized buffer: every element is written once, by a
-        gradient or, for shard padding and parameters without a gradient, by a zero."""
+        gradient or, for shard padding and parameters without a gradient, by a zero.
+        Parameters in ``skip`` were already stashed there by the gradient hook."""
         with torch.no_grad():
             if not accumulate:
                 for offset, numel in self._padding_ranges:
                     flat.narrow(0, offset, numel).zero_()
             for p in self.fsdp_parameters:
+                if p.index in skip:
+                    continue
                 grad = p.unsharded_param.grad
                 pieces = self.layout.gathered_slices(flat, p.index)
                 restart = accumulate and self._overwrite[p.index] and self.reduced_grad is self.main_grad

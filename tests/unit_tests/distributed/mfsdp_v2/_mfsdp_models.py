@@ -191,6 +191,39 @@ class Checkpointed(nn.Module):
         return [self.blocks[0], self.blocks[1].inner, self.blocks[1], self]
 
 
+class _TwoSegments(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(H, H)
+        self.shared = nn.Linear(H, H)
+
+    def _segment(self, x):
+        return torch.tanh(self.shared(x))
+
+    def forward(self, x):
+        x = self.first(x)
+        for _ in range(2):
+            x = checkpoint(self._segment, x, use_reentrant=True)
+        return x
+
+
+class SharedAcrossSegments(nn.Module):
+    """One unit runs the same layer in two reentrant checkpoint segments. Each segment's
+    backward is its own autograd graph, so ``shared``'s gradient arrives twice in one
+    backward, both times before ``first``'s (the unit is reduced only after that)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unit = _TwoSegments()
+        self.head = nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.head(self.unit(x))
+
+    def units(self):
+        return [self.unit, self]
+
+
 class UnusedBranch(nn.Module):
     """``unused`` is a unit the forward never calls; ``b.spare`` is an unused parameter
     inside a unit whose other parameters do get gradients."""
@@ -284,6 +317,7 @@ CASES: Dict[str, Case] = {
     "tied": Case("tied", Tied, tokens=True),
     "checkpoint_reentrant": Case("checkpoint_reentrant", lambda: Checkpointed(True)),
     "checkpoint_nonreentrant": Case("checkpoint_nonreentrant", lambda: Checkpointed(False)),
+    "shared_across_reentrant_segments": Case("shared_across_reentrant_segments", SharedAcrossSegments),
     "unused_branch": Case("unused_branch", UnusedBranch),
     "tiny": Case("tiny", Tiny, in_features=2, out_features=1),
     "scalar_parameter": Case("scalar_parameter", Scaled),

@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -82,13 +83,24 @@ def test_zero_size_parameters_are_accepted():
     assert model.empty_rows.grad.to_local().numel() == 0
 
 
-def test_at_most_two_units_reductions_are_in_flight_during_backward():
+@pytest.mark.parametrize("limit", [None, 0, 1, 2])
+def test_reductions_in_flight_are_bounded_during_backward(limit):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    reference = copy.deepcopy(model)
     ctx = wrap(model, list(model) + [model])
+    assert ctx.max_reductions_in_flight == 1  # the default: FSDP2's rule
+    if limit is not None:
+        ctx.max_reductions_in_flight = limit
     in_flight = []
     # By the time layer 0's backward runs, layers 5..1 have all issued their reductions.
     model[0].register_full_backward_hook(lambda m, gi, go: in_flight.append(len(ctx._pending_reductions)))
-    model(torch.randn(3, 8, requires_grad=True)).sum().backward()
-    assert in_flight == [2]
+    x = torch.randn(3, 8, requires_grad=True)
+    model(x).sum().backward()
+    assert in_flight == [1 if limit is None else limit]
     assert ctx._pending_reductions == []  # the end of backward settled everything
+    reference(x).sum().backward()
+    for layer, ref in zip(model, reference):
+        group = layer.parameter_groups[0]
+        start, end, _ = group.layout.local_piece(0, group.shard_index)
+        torch.testing.assert_close(layer.weight.grad.to_local(), ref.weight.grad[start:end])

@@ -288,3 +288,37 @@ def test_scalar_parameter_is_replicated_in_main_weight():
     torch.nn.functional.mse_loss(model(local_rows(x)), local_rows(y)).backward()
     # Every rank holds the full, averaged gradient of the scalar.
     torch.testing.assert_close(scale.grad.to_local(), reference.block.scale.grad)
+
+
+def _spanning_views_and_splits(model):
+    """Unshard a one-unit model; check every parameter's values and whether it is a view of
+    the gathered buffer; return (views spanning shards, padding-split copies)."""
+    reference = {name: p.detach().clone() for name, p in model.named_parameters()}
+    wrap(model, [model])
+    group = model.parameter_groups[0]
+    model.unshard()
+    gathered = group.unsharded.untyped_storage()
+    S = group.layout.shard_numel
+    views = splits = 0
+    for p in group.fsdp_parameters:
+        pieces = group.layout.pieces[p.index]
+        split = any(b.shard * S + b.offset != a.shard * S + a.offset + a.numel for a, b in zip(pieces, pieces[1:]))
+        param = p.unsharded_param
+        torch.testing.assert_close(param.detach(), reference[p.fqns[0]])
+        assert (param.untyped_storage().data_ptr() == gathered.data_ptr()) == (not split), p.fqns
+        views += len(pieces) > 1 and not split
+        splits += split
+    model.reshard()
+    return views, splits
+
+
+def test_unsharded_parameters_are_views_of_the_gathered_buffer_unless_padding_splits_them():
+    # Tensors that run across shard boundaries with no padding in between must be views of
+    # the gathered buffer (no copy, no extra memory); only padding-split ones get storage of
+    # their own. The shapes were chosen (from the row layout) so that at 2 and 4 ranks the
+    # first model has tensors spanning full shards and the second one padding-split ones.
+    torch.manual_seed(0)
+    views, _ = _spanning_views_and_splits(nn.Sequential(nn.Linear(H, 3 * H), nn.Linear(3 * H, H)))
+    assert views >= (world() > 1)
+    _, splits = _spanning_views_and_splits(nn.Sequential(nn.Linear(H, 3 * H), nn.Linear(3 * H, H), nn.Linear(3 * H, 3)))
+    assert splits >= (world() > 1)

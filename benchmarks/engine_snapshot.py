@@ -1,0 +1,58 @@
+"""The MFSDP v2 engine as it was at a git revision, importable next to the working tree's.
+
+An engine change is measured before/after in *one* interleaved run: the benchmark builds
+contender ``mfsdp_zero3@<rev>`` with the engine files of ``<rev>`` (extracted with
+``git show`` into a temporary package ``mfsdp_v2_at_<rev>``) and ``mfsdp_zero3`` with the
+working tree's. The engine package imports nothing from the rest of the repository, so
+the two copies do not interfere: each has its own classes, hooks and contexts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+from types import ModuleType
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE_DIR = "megatron/core/distributed/mfsdp_v2"
+
+
+def _git(*args: str) -> bytes:
+    return subprocess.run(["git", "-C", REPO, *args], check=True, capture_output=True).stdout
+
+
+def resolve(rev: str) -> str:
+    try:
+        return _git("rev-parse", "--short", f"{rev}^{{commit}}").decode().strip()
+    except subprocess.CalledProcessError as error:
+        raise ValueError(f"unknown git revision {rev!r} for an engine snapshot: {error.stderr.decode().strip()}") from None
+
+
+def load(rev: str) -> ModuleType:
+    """Import the engine package at ``rev`` (once per process) and return it."""
+    short = resolve(rev)
+    name = f"mfsdp_v2_at_{short}"
+    if name in sys.modules:
+        return sys.modules[name]
+    package_dir = os.path.join(tempfile.mkdtemp(prefix=f"mfsdp_engine_{short}_"), name)
+    os.makedirs(package_dir)
+    for path in _git("ls-tree", "--name-only", f"{short}:{ENGINE_DIR}").decode().split():
+        if path.endswith(".py"):
+            with open(os.path.join(package_dir, path), "wb") as f:
+                f.write(_git("show", f"{short}:{ENGINE_DIR}/{path}"))
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(package_dir, "__init__.py"), submodule_search_locations=[package_dir]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def submodule(engine: ModuleType, name: str) -> ModuleType:
+    """``engine.<name>`` (context, module, parameter_group, work) for either copy."""
+    return importlib.import_module(f"{engine.__name__}.{name}")
