@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 import compare_dp as cd  # noqa: E402
 import prototypes  # noqa: E402
 
-PROTOS = ["inflight0", "inflight1", "no_fwd_prefetch"]
+PROTOS = ["inflight0", "inflight2", "no_fwd_prefetch"]
 
 
 def train(c, batches, micro: int, set_to_none: bool):

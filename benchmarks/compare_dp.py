@@ -82,7 +82,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Default model configs. bf16 matmuls on a CPU without AVX512-BF16/AMX run through a scalar
 # fallback (~50x slower than fp32 here, see README), so the bf16 default is smaller.
 DEFAULT_CONFIGS = {
-    "fp32": dict(layers=8, hidden=384, heads=6, vocab=8192, seq=128, micro_batch=2),
+    "fp32": dict(layers=8, hidden=640, heads=10, vocab=16384, seq=128, micro_batch=2),  # 50.0M parameters
     "bf16": dict(layers=4, hidden=128, heads=4, vocab=2048, seq=64, micro_batch=2),
 }
 SMOKE_CONFIG = dict(layers=2, hidden=32, heads=2, vocab=128, seq=16, micro_batch=2)
@@ -649,6 +649,9 @@ class HookTimer:
         # Hooks looked up at call time: patch the classes.
         self._patch_attr(module_mod.UnitState, "_pre_backward")
         self._patch_attr(ctx_mod.FsdpContext, "_on_grad_ready")
+        if hasattr(pg_mod.ParameterGroup, "_stash_grad"):
+            # Gradient hooks move each gradient into the reduce buffer before _on_grad_ready.
+            self._patch_attr(pg_mod.ParameterGroup, "_stash_grad")
         self._patch_attr(ctx_mod.FsdpContext, "_finish_backward")
         self._patch_attr(pg_mod.ParameterGroup, "sync_model_weight")
         self._patch_attr(work_mod.CollectiveWork, "_complete_on_host", is_wait=True)
@@ -936,12 +939,58 @@ def set_malloc(setting: str) -> bool:
         return False
 
 
-def rss_phase(args, dtypes: List[torch.dtype], threads: int) -> dict:
-    """Peak RSS per contender, each in its own process: this rank forks one child per
-    (dtype, contender) *before* it joins any process group or runs any torch op, so every
-    child starts from the same process image (imports only) and owns its peak RSS. The
-    children of all ranks form their own gloo group through a FileStore."""
+def run_forked(store: str, malloc: str, threads: int, work: Callable[[], dict]) -> Optional[dict]:
+    """Run ``work()`` in a child forked from this rank *before* the rank joins any process
+    group or runs any torch op, so every child starts from the same process image (imports
+    only) and owns its peak RSS. The children of all ranks form their own gloo group
+    through a FileStore at ``store``. Returns rank 0's result (None on other ranks)."""
     rank_, world_ = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    result_file = store + ".json"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            import datetime
+
+            malloc_ok = set_malloc(malloc)
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank_, world_size=world_,
+                                    timeout=datetime.timedelta(seconds=600))
+            torch.set_num_threads(threads)
+            result = work()
+            result["malloc"] = {"setting": malloc, "applied": malloc_ok,
+                                "inherited_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}
+            if rank_ == 0:
+                with open(result_file, "w") as f:
+                    json.dump(result, f)
+            dist.barrier()
+            dist.destroy_process_group()
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise RuntimeError(f"child process ({os.path.basename(store)}) failed with status {status}")
+    if rank_ != 0:
+        return None
+    with open(result_file) as f:
+        result = json.load(f)
+    os.remove(result_file)
+    if os.path.exists(store):
+        os.remove(store)
+    return result
+
+
+def rss_phase(args, dtypes: List[torch.dtype], threads: int) -> dict:
+    """Peak RSS per contender, each in its own forked process (run_forked)."""
+    world_ = int(os.environ["WORLD_SIZE"])
     run_id = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}_{os.environ.get('MASTER_PORT', '0')}"
     out: Dict[str, Dict[str, dict]] = {}
     for dtype in dtypes:
@@ -949,46 +998,11 @@ def rss_phase(args, dtypes: List[torch.dtype], threads: int) -> dict:
         names = args.contenders or default_contenders(world_)
         for name in names:
             store = f"/tmp/mfsdp_bench_rss_{run_id}_{dtype_name(dtype)}_{name}"
-            result_file = store + ".json"
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:  # child
-                code = 1
-                try:
-                    import datetime
-
-                    malloc_ok = set_malloc(args.rss_malloc)
-                    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank_, world_size=world_,
-                                            timeout=datetime.timedelta(seconds=600))
-                    torch.set_num_threads(threads)
-                    result = measure_rss(args, spec, dtype, Meshes(), Options(lr=args.lr, foreach=not args.no_foreach), name)
-                    result["malloc"] = {"setting": args.rss_malloc, "applied": malloc_ok,
-                                        "inherited_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}
-                    if rank_ == 0:
-                        with open(result_file, "w") as f:
-                            json.dump(result, f)
-                    dist.barrier()
-                    dist.destroy_process_group()
-                    code = 0
-                except BaseException:
-                    import traceback
-
-                    traceback.print_exc()
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            _, status = os.waitpid(pid, 0)
-            if status != 0:
-                raise RuntimeError(f"peak-RSS child for {name} ({dtype_name(dtype)}) failed with status {status}")
-            if rank_ == 0:
-                with open(result_file) as f:
-                    out.setdefault(dtype_name(dtype), {})[name] = json.load(f)
-                os.remove(result_file)
-                if os.path.exists(store):
-                    os.remove(store)
-                r = out[dtype_name(dtype)][name]
+            opts = Options(lr=args.lr, foreach=not args.no_foreach)
+            r = run_forked(store, args.rss_malloc, threads,
+                           lambda: measure_rss(args, spec, dtype, Meshes(), opts, name))
+            if r is not None:
+                out.setdefault(dtype_name(dtype), {})[name] = r
                 print(f"[compare_dp {time.strftime('%H:%M:%S')}] peak RSS {dtype_name(dtype)} {name}: "
                       f"{r['peak_rss_max'] / 2**20:.1f} MiB/rank (+{r['peak_over_start_max'] / 2**20:.1f} over start)", flush=True)
     return out

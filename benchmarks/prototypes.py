@@ -3,8 +3,8 @@ and the stock engine run side by side in one interleaved run (contender
 ``mfsdp_zero3+inflight0`` next to ``mfsdp_zero3``). ``apply(names)`` installs them on the
 classes instead (profile_step.py).
 
-inflight0, inflight1
-    ``FsdpContext.max_reductions_in_flight`` = 0 or 1 instead of the engine's 2: each
+inflight0, inflight2
+    ``FsdpContext.max_reductions_in_flight`` = 0 or 2 instead of the engine's 1: each
     reduction in flight keeps its input (the unit's gradients in gathered layout) alive,
     so fewer in flight lowers the backward's peak memory and overlaps less communication
     with compute.
@@ -24,7 +24,7 @@ import types
 
 CONTEXT_SETTINGS = {
     "inflight0": {"max_reductions_in_flight": 0},
-    "inflight1": {"max_reductions_in_flight": 1},
+    "inflight2": {"max_reductions_in_flight": 2},
 }
 
 

@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     p.add_argument("--overlap", action="store_true", help="prefetch/overlap figure (fp32, every world size)")
     p.add_argument("--optimizations", action="store_true",
                    help="before/after run of the engine prototypes (prototypes.py) against the stock engine")
-    p.add_argument("--prototypes", default="inflight0,inflight1,no_fwd_prefetch",
+    p.add_argument("--prototypes", default="inflight0,inflight2,no_fwd_prefetch",
                    help="variants of ZeRO-3 measured by --optimizations against the stock engine, comma-separated: "
                         "prototypes.py names ('+' combines them) and '@REV' for the engine at git revision REV "
                         "(engine_snapshot.py), e.g. @HEAD~1 for the engine before the last commit")
