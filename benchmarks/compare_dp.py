@@ -64,14 +64,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from megatron.core.distributed import mfsdp_v2  # noqa: E402
-from megatron.core.distributed.mfsdp_v2 import (  # noqa: E402
-    MixedPrecisionPolicy,
-    Placements,
-    fully_shard,
-    fully_shard_context,
-    fully_shard_optimizer,
-    microbatch,
-)
+from megatron.core.distributed.mfsdp_v2 import MixedPrecisionPolicy  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.model_stats import flops_per_token, num_parameters  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
