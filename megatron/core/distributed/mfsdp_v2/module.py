@@ -10,8 +10,9 @@ Lifecycle of one unit in a training step (ZeRO-3):
    prefetches nor reshards.
 3. pre_backward (hook on the unit's outputs): unshard again, prefetch the next unit in
    backward order.
-4. post_backward (all trainable parameters of the unit have their gradient): reduce the
-   gradients into ``main_grad``, free the unsharded storage.
+4. post_backward (all trainable parameters of the unit have their gradient, each already
+   moved into the reduce buffer by its gradient hook): free the unsharded storage, then
+   reduce-scatter into ``main_grad``.
 5. end of backward (context callback): reduce any unit whose gradients never arrived,
    wait for all reductions, reshard everything, point ``.grad`` at the reduced shards.
 
