@@ -425,7 +425,6 @@ def build(name: str, ref: nn.Module, dtype: torch.dtype, meshes: Meshes, opts: O
         if c.kind != "mfsdp":
             raise ValueError(f"prototypes apply to MFSDP contenders only, not {base!r}")
         prototypes.apply_to_context(c.ctx, protos)
-        prototypes.apply_to_optimizer(c.optimizer, c.ctx, protos)
         c.name = name
         return c
     if name == "mfsdp_zero3":

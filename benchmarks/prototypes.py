@@ -52,11 +52,6 @@ def apply_to_context(ctx, names) -> None:
             setattr(ctx, method, types.MethodType(fn, ctx))
 
 
-def apply_to_optimizer(optimizer, ctx, names) -> None:
-    """No current variant changes the optimizer (kept for variants that release state)."""
-    _check(names)
-
-
 def apply(names) -> None:
     """Install the variants on the engine's classes (every context in the process)."""
     from megatron.core.distributed.mfsdp_v2 import context as ctx_mod
