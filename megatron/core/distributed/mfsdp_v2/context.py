@@ -15,16 +15,15 @@ from typing import Iterator, List, Optional
 
 import torch
 
+from .backward import BackwardCoordinator
 from .device import DeviceHandle, resolve_device
-from .work import CollectiveCounter, CollectiveWork
+from .module import Phase
+from .optimizer import watch_plain_optimizers
+from .work import CollectiveCounter
 
 _ACTIVE_CONTEXT: contextvars.ContextVar[Optional["FsdpContext"]] = contextvars.ContextVar(
     "mfsdp_v2_active_context", default=None
 )
-
-# Units whose gradient reductions may be in flight at once during backward (the default
-# of FsdpContext.max_reductions_in_flight).
-MAX_REDUCTIONS_IN_FLIGHT = 1
 
 NOT_FINALIZED_MESSAGE = (
     "This FSDP unit's fully_shard_context has not been finalized. Exit fully_shard_context "
@@ -53,18 +52,21 @@ class FsdpContext:
         self.finalized = False
         self.is_last_microbatch = True
         self.counter = CollectiveCounter()
-        # Set by fully_shard_optimizer(precision_aware=True): .grad keeps main_grads_dtype.
-        self.precision_aware_grads = False
-        self._pending_reductions: List[List[CollectiveWork]] = []  # one batch per unit, oldest first
-        # Each reduction in flight keeps its input (the unit's gradients in gathered layout)
-        # alive: more overlap of communication with backward compute, more peak memory.
-        # 0 completes every reduction before backward continues.
-        self.max_reductions_in_flight = MAX_REDUCTIONS_IN_FLIGHT
-        self._backward_callback_queued = False
-        self._group_owner = {}  # id(ParameterGroup) -> unit
+        self.backward = BackwardCoordinator(self.units, self.device_handle)
         self._managed_params = {}  # id(original or sharded param) -> unit
         self._sharded_param_ids = set()
         self._param_group = {}  # id(sharded param) -> ParameterGroup
+
+    @property
+    def max_reductions_in_flight(self) -> int:
+        """Units whose gradient reductions may still run while backward continues (>= 0)."""
+        return self.backward.max_reductions_in_flight
+
+    @max_reductions_in_flight.setter
+    def max_reductions_in_flight(self, value: int) -> None:
+        if int(value) != value or value < 0:
+            raise ValueError(f"max_reductions_in_flight must be a whole number >= 0, got {value!r}.")
+        self.backward.max_reductions_in_flight = int(value)
 
     def __repr__(self) -> str:
         return f"FsdpContext(device={self.device}, units={len(self.units)}, finalized={self.finalized})"
@@ -72,8 +74,6 @@ class FsdpContext:
     # Construction ---------------------------------------------------------------------
     def _register(self, unit) -> None:
         self.units.append(unit)
-        for group in unit._fsdp_state.groups:
-            self._group_owner[id(group)] = unit
 
     def _finalize(self) -> None:
         """Find roots, name units and build the static prefetch orders."""
@@ -85,9 +85,10 @@ class FsdpContext:
                     inside_other.add(id(sub))
         self.roots = [u for u in self.units if id(u) not in inside_other]
         for root in self.roots:
+            root._fsdp_state.is_root = True
             for name, sub in root.named_modules():
                 if id(sub) in unit_ids:
-                    sub._fsdp_state.name = name
+                    sub._fsdp_state.set_name(name)
         self.forward_order = []
         self.backward_order = []
         for root in self.roots:
@@ -108,81 +109,27 @@ class FsdpContext:
         for child in reversed(children) if reverse else children:
             self._collect(child, unit_ids, out, reverse)
 
+    def group_of(self, param):
+        """The ParameterGroup that owns a sharded parameter, or None."""
+        return self._param_group.get(id(param))
+
     def check_finalized(self) -> None:
         if not self.finalized:
             raise RuntimeError(NOT_FINALIZED_MESSAGE)
 
     # Prefetch -------------------------------------------------------------------------
-    def _prefetch_after(self, unit, order: List, index_attr: str) -> None:
-        index = getattr(unit._fsdp_state, index_attr) + 1
+    def _prefetch_after(self, index: int, order: List) -> None:
         # A unit whose gradients were already reduced in this backward (it ran earlier than
         # the static order predicts) needs no parameters any more: gathering it again would
         # keep it unsharded until the end of backward.
-        if index < len(order) and not order[index]._fsdp_state.reduced_this_backward:
+        if index < len(order) and order[index]._fsdp_state.phase is not Phase.POST_BACKWARD:
             order[index]._fsdp_state.issue_unshard()
 
-    def prefetch_forward(self, unit) -> None:
-        self._prefetch_after(unit, self.forward_order, "forward_index")
+    def prefetch_forward(self, state) -> None:
+        self._prefetch_after(state.forward_index + 1, self.forward_order)
 
-    def prefetch_backward(self, unit) -> None:
-        self._prefetch_after(unit, self.backward_order, "backward_index")
-
-    # Backward bookkeeping -------------------------------------------------------------
-    def _ensure_backward_callback(self) -> None:
-        if not self._backward_callback_queued:
-            self._backward_callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
-    def _on_grad_ready(self, group) -> None:
-        self._ensure_backward_callback()
-        unit = self._group_owner[id(group)]
-        state = unit._fsdp_state
-        if not state.reduced_this_backward and all(g.all_grads_received() for g in state.trainable_groups):
-            state.post_backward()
-
-    def _add_reductions(self, works: List[CollectiveWork]) -> None:
-        """Track a unit's reductions; complete those beyond ``max_reductions_in_flight``.
-
-        A reduction in flight keeps its input (a gathered-layout copy of the unit's
-        gradients) alive. Holding every unit's until the end of backward would cost about
-        the unsharded model in memory; one in flight (FSDP2's rule) still overlaps a
-        unit's reduction with the next unit's backward."""
-        if works:
-            self._pending_reductions.append(list(works))
-        while len(self._pending_reductions) > self.max_reductions_in_flight:
-            for work in self._pending_reductions.pop(0):
-                work.wait()
-
-    def _finish_backward(self) -> None:
-        """End of backward: reduce what never got gradients, wait, reshard, expose grads."""
-        try:
-            for unit in self.units:
-                state = unit._fsdp_state
-                if state.trainable_groups and not state.reduced_this_backward:
-                    state.post_backward()  # unused parameters: their gradient counts as zero
-            self._settle_backward(lambda group: group.expose_grads())
-        finally:
-            self._backward_callback_queued = False
-
-    def _recover_from_aborted_backward(self) -> None:
-        """A backward raised before its end-of-backward callback ran: settle the
-        reductions it issued and return every unit to its resting state."""
-        self._settle_backward(lambda group: group.discard_partial_backward())
-        self._backward_callback_queued = False
-
-    def _settle_backward(self, per_group) -> None:
-        """Wait for every issued reduction, reshard every unit, then ``per_group(group)``."""
-        for batch in self._pending_reductions:
-            for work in batch:
-                work.wait()
-        self._pending_reductions.clear()
-        for unit in self.units:
-            state = unit._fsdp_state
-            state.wait_pending_unshard()
-            state.reshard()
-            for group in state.groups:
-                per_group(group)
-            state.reset_backward_state()
+    def prefetch_backward(self, state) -> None:
+        self._prefetch_after(state.backward_index + 1, self.backward_order)
 
     def reshard_all(self) -> None:
         """Reshard every unit (e.g. after a forward without gradients)."""
@@ -225,6 +172,7 @@ def fully_shard_context(
         _ACTIVE_CONTEXT.reset(token)
     # Reached only on a clean exit: a scope left through an exception stays unfinalized.
     context._finalize()
+    watch_plain_optimizers(context)
 
 
 def current_fully_shard_context() -> Optional[FsdpContext]:

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .context import current_fully_shard_context
 from .mixed_precision import MixedPrecisionPolicy, check_supported_dtype
 from .module import FsdpModule, UnitState, fsdp_class_for
-from .parameter_group import FsdpParameter, ParameterGroup
+from .parameter_group import CommResources, FsdpParameter, ParameterGroup
 from .placements import Placements, decode_strategy
 
 
@@ -105,6 +105,9 @@ def fully_shard(
     by_key: Dict[Tuple[torch.dtype, bool], List] = {}
     for param, slots in owned:
         by_key.setdefault((param.dtype, param.requires_grad), []).append((param, slots))
+    resources = CommResources(
+        context.device_handle, context.allgather_stream, context.reduce_scatter_stream, context.counter
+    )
     groups: List[ParameterGroup] = []
     for (dtype, _), members in by_key.items():
         fsdp_params = [
@@ -114,7 +117,7 @@ def fully_shard(
         groups.append(
             ParameterGroup(
                 type(module).__name__, fsdp_params, [p for p, _ in members], mesh, strategy,
-                policy.resolve(dtype), context.device, context, grad_divisor,
+                policy.resolve(dtype), context.device, resources, grad_divisor,
             )
         )
 

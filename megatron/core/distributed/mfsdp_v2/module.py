@@ -1,6 +1,8 @@
 """The FsdpModule mixin and the per-unit state machine behind its hooks.
 
-Lifecycle of one unit in a training step (ZeRO-3):
+Every unit has a ``phase`` (``FsdpModule.Phase``); all transitions go through one setter
+that checks them against ``_ALLOWED_TRANSITIONS``. Lifecycle of one unit in a training
+step (ZeRO-3):
 
 1. pre_forward: wait for this unit's all-gather (issue it if no prefetch did), swap in
    the unsharded parameters, prefetch the next unit in the static forward order.
@@ -13,8 +15,10 @@ Lifecycle of one unit in a training step (ZeRO-3):
 4. post_backward (all trainable parameters of the unit have their gradient, each already
    moved into the reduce buffer by its gradient hook): free the unsharded storage, then
    reduce-scatter into ``main_grad``.
-5. end of backward (context callback): reduce any unit whose gradients never arrived,
-   wait for all reductions, reshard everything, point ``.grad`` at the reduced shards.
+   Frozen parameters of the unit stay gathered until the gradients of the unit's inputs
+   exist (its backward is really over), or until the end of backward.
+5. end of backward (backward.py): reduce any unit whose gradients never arrived, wait
+   for all reductions, reshard everything, point ``.grad`` at the reduced shards.
 
 The unsharded parameters are persistent ``nn.Parameter`` objects whose storage is
 allocated at unshard and freed at reshard: autograd graphs built in forward (and the
@@ -23,12 +27,14 @@ graphs that non-reentrant checkpointing replays) keep referring to the same obje
 
 from __future__ import annotations
 
+import enum
 from typing import List, Optional
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .profiling import hook_range, unit_label
 from .work import CollectiveWork
 
 
@@ -52,17 +58,41 @@ class _InputGradientHook(torch.autograd.Function):
 
 
 def _on_input_gradients(callback, inputs):
-    """Route the tensors of ``inputs`` that require grad through _InputGradientHook."""
+    """Route the tensors of ``inputs`` that require grad through _InputGradientHook.
+
+    Returns ``(inputs, hooked)``; nothing is hooked when no input requires grad."""
     leaves, spec = tree_flatten(inputs)
     positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
-        return inputs
+        return inputs, False
     outputs = _InputGradientHook.apply(callback, *[leaves[i] for i in positions])
     if len(positions) == 1:
         outputs = (outputs,)
     for i, tensor in zip(positions, outputs):
         leaves[i] = tensor
-    return tree_unflatten(leaves, spec)
+    return tree_unflatten(leaves, spec), True
+
+
+class Phase(enum.Enum):
+    """Where a unit is in its step (``FsdpModule.Phase``)."""
+
+    RESTING = enum.auto()  # between steps (a root may still hold its forward's weights)
+    FORWARD = enum.auto()  # between pre_forward and post_forward
+    BACKWARD = enum.auto()  # between pre_backward and post_backward; recomputation runs inside it
+    POST_BACKWARD = enum.auto()  # this backward reduced its gradients (or it has none to reduce)
+
+
+# (old, new) pairs the hooks may take. Reaching RESTING at the end of a backward
+# (finished or aborted) goes through UnitState.rest(), from any phase.
+_ALLOWED_TRANSITIONS = {
+    (Phase.RESTING, Phase.FORWARD),
+    (Phase.FORWARD, Phase.RESTING),
+    (Phase.RESTING, Phase.BACKWARD),
+    (Phase.BACKWARD, Phase.POST_BACKWARD),
+    # Gradients that arrive, or are settled as unused, without a pre-backward hook
+    # (no output of the unit required grad).
+    (Phase.RESTING, Phase.POST_BACKWARD),
+}
 
 
 class UnitState:
@@ -76,13 +106,45 @@ class UnitState:
         self.strategy = strategy
         self.groups = groups
         self.trainable_groups = [g for g in groups if g.requires_grad]
+        self.frozen_groups = [g for g in groups if not g.requires_grad]
         self.grad_divisor = grad_divisor
         self.name: Optional[str] = None
+        self.is_root = False
         self.forward_index = -1
         self.backward_index = -1
         self.pending_unshard: List[CollectiveWork] = []
-        self.reduced_this_backward = False
-        self.pre_backward_done = False
+        self._phase = Phase.RESTING
+        # Forward calls whose input gradients have not come back yet: frozen groups stay
+        # gathered until then (a unit called twice needs them for both backwards).
+        self._input_grads_pending = 0
+        self.set_name(None)
+        for group in self.trainable_groups:
+            group.on_grad_ready = self._on_grad_ready
+
+    def set_name(self, name: Optional[str]) -> None:
+        self.name = name
+        label = unit_label(name)
+        self.range_names = {hook: f"MFSDP {label} {hook}" for hook in
+                            ("pre_forward", "post_forward", "pre_backward", "post_backward")}
+
+    # Lifecycle ----------------------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @phase.setter
+    def phase(self, new: Phase) -> None:
+        if (self._phase, new) not in _ALLOWED_TRANSITIONS:
+            raise RuntimeError(
+                f"FSDP unit {unit_label(self.name)!r}: invalid phase transition {self._phase.name} -> "
+                f"{new.name}. This is an engine bug (or hooks were called by hand); please report it."
+            )
+        self._phase = new
+
+    def rest(self) -> None:
+        """End of a backward (finished or aborted): back to RESTING from any phase."""
+        self._phase = Phase.RESTING
+        self._input_grads_pending = 0
 
     # Unshard / reshard ------------------------------------------------------------------
     def issue_unshard(self) -> None:
@@ -103,43 +165,58 @@ class UnitState:
         for group in self.groups:
             group.use_unsharded()
 
-    def reshard(self) -> None:
-        for group in self.groups:
+    def reshard(self, groups=None) -> None:
+        for group in self.groups if groups is None else groups:
             group.reshard()
 
     # Hooks ------------------------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):
-        self.context.check_finalized()
+        context = self.context
+        context.check_finalized()
         recomputing = _in_backward()
-        if not recomputing and self.context._backward_callback_queued:
-            self.context._recover_from_aborted_backward()
-        with self.context.device_handle.nvtx_range(f"mfsdp.pre_forward {self.name}"):
+        if not recomputing:
+            if context.backward.callback_queued:
+                context.backward.recover_from_aborted_backward()
+            if self._phase is Phase.FORWARD:
+                self.rest()  # an earlier forward of this unit raised before post_forward
+        with hook_range(self.range_names["pre_forward"], context.device_handle):
+            if self._phase is Phase.RESTING:
+                self.phase = Phase.FORWARD  # a recomputation inside BACKWARD keeps BACKWARD
             self.unshard()
             if not recomputing:
-                self.context.prefetch_forward(self.module)
-        if not self.trainable_groups and self.groups and torch.is_grad_enabled():
-            # A frozen unit has no gradient hook to tell when its backward is over: watch
-            # the gradients flowing into its inputs instead, and reshard then.
-            args, kwargs = _on_input_gradients(self._frozen_backward_done, (args, kwargs))
+                context.prefetch_forward(self)
+        non_reentrant_recompute = recomputing and self._phase is not Phase.FORWARD
+        if self.frozen_groups and torch.is_grad_enabled() and not non_reentrant_recompute:
+            # Frozen parameters have no gradient hook to tell when the unit's backward no
+            # longer needs them: watch the gradients flowing into its inputs instead.
+            (args, kwargs), hooked = _on_input_gradients(self._input_gradients_done, (args, kwargs))
+            self._input_grads_pending += int(hooked)
         return args, kwargs
 
-    def _frozen_backward_done(self) -> None:
-        self.reduced_this_backward = True  # nothing to reduce; keeps prefetch away too
+    def _input_gradients_done(self) -> None:
+        self._input_grads_pending -= 1
+        if self._input_grads_pending > 0:
+            return
+        if not self.trainable_groups and self._phase is not Phase.POST_BACKWARD:
+            self.phase = Phase.POST_BACKWARD  # nothing to reduce; keeps prefetch away too
         self.wait_pending_unshard()
-        self.reshard()
+        self.reshard(self.frozen_groups)
 
     def post_forward(self, module, args, kwargs, output):
         recomputing = _in_backward()
         grad_enabled = torch.is_grad_enabled()
-        if grad_enabled:
-            self._register_pre_backward_hooks(output)
-        if recomputing:
-            return output  # the backward that follows still needs the parameters
-        if self.module in self.context.roots:
-            if not grad_enabled:
-                self.context.reshard_all()  # no backward will come: release everything
-            return output
-        self.reshard()
+        with hook_range(self.range_names["post_forward"], self.context.device_handle):
+            if grad_enabled:
+                self._register_pre_backward_hooks(output)
+            if self._phase is Phase.FORWARD:
+                self.phase = Phase.RESTING
+            if recomputing:
+                return output  # the backward that follows still needs the parameters
+            if self.is_root:
+                if not grad_enabled:
+                    self.context.reshard_all()  # no backward will come: release everything
+                return output
+            self.reshard()
         return output
 
     def _register_pre_backward_hooks(self, output) -> None:
@@ -150,24 +227,37 @@ class UnitState:
 
     def _pre_backward(self, grad):
         context = self.context
-        context._ensure_backward_callback()
-        if not self.pre_backward_done:
-            self.pre_backward_done = True
-            with context.device_handle.nvtx_range(f"mfsdp.pre_backward {self.name}"):
-                self.unshard()
-                context.prefetch_backward(self.module)
+        context.backward.ensure_final_callback()
+        if self._phase is not Phase.RESTING:
+            return grad  # another output of this unit already started its backward
+        with hook_range(self.range_names["pre_backward"], context.device_handle):
+            self.phase = Phase.BACKWARD
+            self.unshard()
+            context.prefetch_backward(self)
         return grad
+
+    def _on_grad_ready(self, group) -> None:
+        """A trainable parameter's gradient was accumulated (called by its group)."""
+        self.context.backward.ensure_final_callback()
+        if self._phase is not Phase.POST_BACKWARD and all(g.all_grads_received() for g in self.trainable_groups):
+            self.post_backward()
+
+    def reduce_if_pending(self) -> None:
+        """End of backward: a unit whose gradients never (all) came reduces now."""
+        if self.trainable_groups and self._phase is not Phase.POST_BACKWARD:
+            self.post_backward()
 
     def post_backward(self) -> None:
         context = self.context
-        self.reduced_this_backward = True
-        with context.device_handle.nvtx_range(f"mfsdp.post_backward {self.name}"):
+        self.phase = Phase.POST_BACKWARD
+        with hook_range(self.range_names["post_backward"], context.device_handle):
             # Free the unsharded weights before the reduce buffers are filled and launched
-            # (the gradients are separate tensors): the two never need to coexist.
+            # (the gradients are separate tensors): the two never need to coexist. Frozen
+            # groups may still be needed by the rest of this unit's backward.
             self.wait_pending_unshard()
-            self.reshard()
+            self.reshard(self.trainable_groups)
             for group in self.trainable_groups:
-                context._add_reductions(group.reduce_grads(context.is_last_microbatch))
+                context.backward.add_reductions(group.reduce_grads(context.is_last_microbatch))
 
     def init_parameters(self, init_fn) -> None:
         """Run an initializer on this unit's parameters in unsharded form and keep each
@@ -189,10 +279,6 @@ class UnitState:
         finally:
             self.reshard()
 
-    def reset_backward_state(self) -> None:
-        self.reduced_this_backward = False
-        self.pre_backward_done = False
-
 
 def _owned_submodules(unit: nn.Module):
     """``unit`` and its submodules, without those that belong to nested units."""
@@ -213,7 +299,13 @@ class FsdpModule:
     FsdpModule)`` tells whether it is an FSDP unit.
     """
 
+    Phase = Phase
     _fsdp_state: UnitState
+
+    @property
+    def phase(self) -> Phase:
+        """This unit's lifecycle phase (RESTING between steps)."""
+        return self._fsdp_state.phase
 
     @property
     def context(self):
@@ -225,15 +317,15 @@ class FsdpModule:
         return self._fsdp_state.name
 
     @property
-    def parameter_groups(self):
-        return self._fsdp_state.groups
+    def parameter_groups(self) -> tuple:
+        return tuple(self._fsdp_state.groups)
 
     @property
     def placements(self):
         return self._fsdp_state.placements
 
     def is_root(self) -> bool:
-        return self in self._fsdp_state.context.roots
+        return self._fsdp_state.is_root
 
     def unshard(self) -> None:
         """Gather this unit's parameters now (e.g. to inspect them outside forward)."""
@@ -270,11 +362,34 @@ class FsdpModule:
                 main_grad.to_local().zero_()
 
     def _apply(self, fn, recurse=True):
-        raise RuntimeError(
-            f"{type(self).__name__} is an FSDP unit: its parameters live in sharded flat buffers, so "
-            "changing their dtype or device (model.to(...), .float(), .cuda(), ...) after "
-            "fully_shard is not supported. Call model.to(...) before fully_shard, inside the scope."
-        )
+        """``model.to(...)`` and friends: move everything but this unit's parameters.
+
+        The unit's parameters live in flat buffers on the context's device: a conversion
+        that would change their dtype or device raises; one that would not (e.g.
+        ``model.to(device)`` after sharding a child on that device) leaves them alone and
+        applies to buffers, unwrapped submodules and nested units as usual."""
+        state = self._fsdp_state
+        kinds = {(g.main_weight.dtype, g.main_weight.device) for g in state.groups}
+        kinds |= {(g.dtype, g.main_weight.device) for g in state.groups}
+        for dtype, device in kinds:
+            probe = fn(torch.empty(0, dtype=dtype, device=device))
+            if probe.dtype != dtype or probe.device != device:
+                raise RuntimeError(
+                    f"{type(self).__name__} is an FSDP unit: its parameters live in sharded flat buffers "
+                    f"({dtype} on {device}), so changing their dtype or device (model.to(...), .float(), "
+                    ".cuda(), ...) after fully_shard is not supported. Call model.to(...) before fully_shard, "
+                    "inside the scope."
+                )
+        slots = [(module, attr) for group in state.groups for p in group.fsdp_parameters for module, attr in p.slots]
+        saved = [(module, attr, module._parameters[attr]) for module, attr in slots]
+        for module, attr, _ in saved:
+            module._parameters[attr] = None  # nn.Module._apply skips None entries
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for module, attr, param in saved:
+                module._parameters[attr] = param
+        return self
 
     def persistent_bytes(self) -> dict:
         total: dict = {}

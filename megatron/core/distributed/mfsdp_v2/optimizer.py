@@ -1,18 +1,24 @@
-"""Hooking a plain ``torch.optim`` optimizer to the engine, and grad-norm clipping over shards."""
+"""Hooking a plain ``torch.optim`` optimizer to the engine, and grad-norm clipping over shards.
+
+After every ``step()`` the compute weights must be refreshed from the updated main weights
+(a cast and, for ZeRO-1/2 and HFSDP, an all-gather). ``fully_shard_optimizer`` does it
+through the optimizer's own step hooks, as upstream does. An optimizer built over sharded
+parameters without it is caught by one global step hook per context, so its updates reach
+the model as well instead of being silently lost (mixed precision, ZeRO-1/2).
+"""
 
 from __future__ import annotations
 
-import functools
+import weakref
 from typing import Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .context import FsdpContext
 
-
-def _find_groups(optimizer: torch.optim.Optimizer, context: Optional[FsdpContext]):
+def _find_groups(optimizer: torch.optim.Optimizer, context=None):
     """The context owning the optimizer's parameters and their groups, or raise."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if not params:
@@ -38,19 +44,24 @@ def _find_groups(optimizer: torch.optim.Optimizer, context: Optional[FsdpContext
             "The given context does not own the optimizer's parameters; pass the context the "
             "model was wrapped in (or omit context= to find it from the parameters)."
         )
+    return found, _groups_in(params, found)
+
+
+def _groups_in(params, context) -> List:
+    """The parameter groups of ``context`` that own any of ``params``, in first-seen order."""
     groups, seen = [], set()
     for p in params:
-        group = found._param_group[id(p)]
-        if id(group) not in seen:
+        group = context.group_of(p)
+        if group is not None and id(group) not in seen:
             seen.add(id(group))
             groups.append(group)
-    return found, groups
+    return groups
 
 
 def fully_shard_optimizer(
     optimizer: torch.optim.Optimizer,
     *,
-    context: Optional[FsdpContext] = None,
+    context=None,
     precision_aware: bool = False,
 ) -> torch.optim.Optimizer:
     """Hook ``optimizer`` (built over the sharded ``model.parameters()``) to the engine.
@@ -63,28 +74,43 @@ def fully_shard_optimizer(
         raise ValueError("fully_shard_optimizer was already applied to this optimizer.")
     found, groups = _find_groups(optimizer, context)
     found.check_finalized()
-    found.precision_aware_grads = bool(precision_aware)
-    original_step = optimizer.step
+    for group in groups:
+        group.precision_aware_grads = bool(precision_aware)
 
-    @functools.wraps(original_step)
-    def step(closure=None, **kwargs):
-        if closure is not None:
+    def refuse_closure(opt, args, kwargs):
+        # ``args`` starts with the optimizer itself; a closure is its next argument.
+        if kwargs.get("closure") is not None or (len(args) > 1 and args[1] is not None):
             raise NotImplementedError(
                 "optimizer.step(closure) is not supported with MFSDP v2: run forward/backward "
                 "yourself, then call optimizer.step()."
             )
-        result = original_step(**kwargs)
-        works = []
-        for group in groups:
-            works.extend(group.sync_model_weight())
-        for work in works:
-            work.wait()
-        return result
 
-    optimizer.step = step
+    def sync_after_step(opt, args, kwargs):
+        for group in groups:
+            group.sync_model_weight_from_main_weight()
+
+    optimizer.register_step_pre_hook(refuse_closure)
+    optimizer.register_step_post_hook(sync_after_step)
     optimizer._mfsdp_context = found
     optimizer._mfsdp_groups = groups
     return optimizer
+
+
+def watch_plain_optimizers(context) -> None:
+    """Refresh the compute weights after any optimizer step that updated ``context``'s
+    parameters without ``fully_shard_optimizer`` (one global hook, removed with the context)."""
+    context_ref = weakref.ref(context)
+
+    def after_any_step(optimizer, args, kwargs):
+        ctx = context_ref()
+        if ctx is None or getattr(optimizer, "_mfsdp_context", None) is not None:
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for group in _groups_in(params, ctx):
+            group.sync_model_weight_from_main_weight()
+
+    handle = register_optimizer_step_post_hook(after_any_step)
+    weakref.finalize(context, handle.remove)
 
 
 @torch.no_grad()

@@ -17,7 +17,8 @@ slice of every tensor is whole rows and a ``Shard(0)`` DTensor view.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+import dataclasses
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,17 @@ from . import work as comm
 from .layout import FlatLayout
 from .mixed_precision import ResolvedPrecision
 from .placements import Strategy
+from .row_shard import NestedRowShard, RowShard
+
+
+@dataclasses.dataclass(frozen=True)
+class CommResources:
+    """What a group is given by its context: the device, the two streams, the counter."""
+
+    device: Any  # DeviceHandle
+    allgather_stream: Any
+    reduce_scatter_stream: Any
+    counter: comm.CollectiveCounter
 
 
 class FsdpParameter:
@@ -90,7 +102,7 @@ class ParameterGroup:
         strategy: Strategy,
         precision: ResolvedPrecision,
         device,
-        context,
+        resources: "CommResources",
         grad_divisor: float,
     ):
         self.fsdp_parameters: List[FsdpParameter] = list(params)
@@ -99,8 +111,12 @@ class ParameterGroup:
         self.dtype = precision.compute
         self.mesh = mesh
         self.strategy = strategy
-        self.context = context
-        self.device = context.device_handle
+        self.resources = resources
+        self.device = resources.device
+        # Set by the owning unit: called when one of this group's gradients was accumulated.
+        self.on_grad_ready: Callable[["ParameterGroup"], None] = lambda group: None
+        # Set by fully_shard_optimizer(precision_aware=True): .grad keeps main_grads_dtype.
+        self.precision_aware_grads = False
         self.grad_divisor = grad_divisor
         self.inner_group = mesh.get_group(strategy.inner_dim)
         self.outer_group = mesh.get_group(strategy.outer_dim) if strategy.outer_dim is not None else None
@@ -176,7 +192,7 @@ class ParameterGroup:
         self.main_grad: Optional[torch.Tensor] = None
         self.reduced_grad: Optional[torch.Tensor] = None
         if self.requires_grad:
-            with self.device.stream(context.reduce_scatter_stream):
+            with self.device.stream(resources.reduce_scatter_stream):
                 self.main_grad = torch.zeros(S if strategy.grad_sharded else G, dtype=precision.main_grads, device=device)
                 if self.outer_layout is not None or (not strategy.grad_sharded and strategy.optim_sharded):
                     self.reduced_grad = torch.zeros(optim_numel, dtype=precision.main_grads, device=device)
@@ -194,7 +210,6 @@ class ParameterGroup:
         self._reduce_input: Optional[torch.Tensor] = None
         self._stashed: set = set()
         self._grad_views: Optional[List[DTensor]] = None
-        self.reduced_this_backward = False
 
     # Construction ---------------------------------------------------------------------
     def _fill_from_originals(self, originals: Sequence[nn.Parameter]) -> None:
@@ -271,12 +286,25 @@ class ParameterGroup:
         )
 
     def _optimizer_placements(self, p: FsdpParameter):
+        """Placements that describe ``p``'s optimizer shard truthfully (see row_shard.py)."""
         if self.layout.replicated[p.index]:  # 0-d: a copy on every rank
             return (Replicate(),) * (1 if self.outer_group is None else 2)
-        inner = Shard(0) if self.strategy.optim_sharded else Replicate()
+        if not self.strategy.optim_sharded:
+            inner = Replicate()
+        elif self.outer_layout is not None:
+            inner = NestedRowShard()
+        else:
+            inner = RowShard([end - start for start, end, _ in
+                              (self.layout.local_piece(p.index, s) for s in range(self.layout.num_shards))])
         if self.outer_group is None:
             return (inner,)
-        return (Shard(0) if self.outer_layout is not None else Replicate(), inner)
+        if self.outer_layout is None:
+            return (Replicate(), inner)
+        # HFSDP: this rank's rows and their global offset, from both levels of the layout.
+        inner_start, _, _ = self.layout.local_piece(p.index, self.shard_index)
+        j = self._outer_index.get(p.index)
+        start, end, _ = (0, 0, 0) if j is None else self.outer_layout.local_piece(j, self.outer_rank)
+        return (NestedRowShard(end - start, inner_start + start), inner)
 
     def _build_parameters(self) -> None:
         for p in self.fsdp_parameters:
@@ -292,7 +320,7 @@ class ParameterGroup:
             self._received.add(p.index)
             if self._stash_grads:
                 self._stash_grad(p)
-            self.context._on_grad_ready(self)
+            self.on_grad_ready(self)
 
         return hook
 
@@ -315,7 +343,7 @@ class ParameterGroup:
         """Issue the all-gather of the compute weights (ZeRO-3); None when nothing to do."""
         if self.is_unsharded:
             return None
-        ctx, device = self.context, self.device
+        ctx, device = self.resources, self.device
         stream = ctx.allgather_stream
         if device.is_cuda:
             # Reuse of freed unsharded memory must wait for the compute that last read it.
@@ -410,9 +438,8 @@ class ParameterGroup:
         """Reduce this backward's gradients into main_grad (missing gradients count as zero)."""
         if not self.requires_grad:
             return []
-        ctx, device, strategy = self.context, self.device, self.strategy
+        ctx, device, strategy = self.resources, self.device, self.strategy
         self._received.clear()
-        self.reduced_this_backward = True
         for p in self.fsdp_parameters:
             # Once per step (the first reduction after .grad was exposed): a parameter whose
             # .grad was set to None starts a fresh accumulation; a .grad that is a cast copy
@@ -494,7 +521,7 @@ class ParameterGroup:
     def _outer_reduce(self, inner_work: comm.CollectiveWork) -> comm.CollectiveWork:
         """Last microbatch: reduce over the outer axis (all-reduce for HSDP, reduce-scatter
         of the inner shard for HFSDP)."""
-        ctx, stream = self.context, self.context.reduce_scatter_stream
+        ctx, stream = self.resources, self.resources.reduce_scatter_stream
         # The outer reduction reads what the inner one wrote: order them (stream-ordered
         # on CUDA; on CPU this completes the inner reduction first).
         with self.device.stream(stream):
@@ -527,16 +554,16 @@ class ParameterGroup:
             p.unsharded_param.grad = None
 
     def _grad_was_reset(self, p: FsdpParameter) -> bool:
-        if self.context.precision_aware_grads and self.reduced_grad.dtype != self.precision.main_params:
+        if self.precision_aware_grads and self.reduced_grad.dtype != self.precision.main_params:
             return getattr(p.sharded_param, "main_grad", None) is None
         return p.sharded_param.grad is None
 
     def _all_reduce_in_comm_dtype(self, buffer: torch.Tensor, group, divisor: float) -> comm.CollectiveWork:
         """All-reduce ``buffer`` in place, communicating in grad_comm_dtype."""
-        comm_dtype, stream = self.precision.grad_comm, self.context.reduce_scatter_stream
+        comm_dtype, stream = self.precision.grad_comm, self.resources.reduce_scatter_stream
         if buffer.dtype == comm_dtype:
             return comm.all_reduce(
-                buffer, group, device=self.device, stream=stream, divisor=divisor, counter=self.context.counter
+                buffer, group, device=self.device, stream=stream, divisor=divisor, counter=self.resources.counter
             )
         comm.follow_current_stream(self.device, stream)  # the buffer may have been written there
         with self.device.stream(stream):
@@ -547,7 +574,7 @@ class ParameterGroup:
 
         return comm.all_reduce(
             wire, group, device=self.device, stream=stream, divisor=divisor, post_ops=[copy_back],
-            counter=self.context.counter,
+            counter=self.resources.counter,
         )
 
     def _take_grads_into(self, flat: torch.Tensor, accumulate: bool = False, scale: float = 1,
@@ -615,19 +642,24 @@ class ParameterGroup:
             p.sharded_param.main_grad = view
             if view.dtype == main_dtype:
                 p.sharded_param.grad = view
-            elif not self.context.precision_aware_grads:
+            elif not self.precision_aware_grads:
                 # torch optimizers need .grad in the parameter's dtype: a cast copy.
                 p.sharded_param.grad = self._dtensor(view.to_local().to(main_dtype), p, self._optimizer_placements(p))
             # precision-aware optimizers read .main_grad; .grad stays unset.
 
     # Optimizer step ---------------------------------------------------------------------
+    def sync_model_weight_from_main_weight(self) -> None:
+        """Refresh the compute weights from main_weight now (upstream's name; waits)."""
+        for work in self.sync_model_weight():
+            work.wait()
+
     def sync_model_weight(self) -> List[comm.CollectiveWork]:
         """After the optimizer updated main_weight: refresh the compute weights."""
         works: List[comm.CollectiveWork] = []
         with torch.no_grad():
             if self.outer_layout is not None:  # HFSDP: gather the outer pieces of the inner shard
                 source = self.main_weight.to(self.dtype)
-                with self.device.stream(self.context.allgather_stream):
+                with self.device.stream(self.resources.allgather_stream):
                     gathered = torch.empty(self.outer_layout.gathered_numel, dtype=self.dtype, device=source.device)
                 pieces = self.layout.pieces_by_shard[self.shard_index]
 
@@ -638,7 +670,7 @@ class ParameterGroup:
 
                 works.append(comm.all_gather(
                     gathered, source, self.outer_group, device=self.device,
-                    stream=self.context.allgather_stream, post_ops=[copy_out_inner], counter=self.context.counter,
+                    stream=self.resources.allgather_stream, post_ops=[copy_out_inner], counter=self.resources.counter,
                 ))
                 return works
             if self.strategy.param_sharded:
@@ -647,7 +679,7 @@ class ParameterGroup:
                 return works
             if self.strategy.optim_sharded:  # ZeRO-1/2: gather the updated shards
                 source = self.main_weight.to(self.dtype)
-                with self.device.stream(self.context.allgather_stream):
+                with self.device.stream(self.resources.allgather_stream):
                     gathered = torch.empty(self.layout.gathered_numel, dtype=self.dtype, device=source.device)
 
                 def copy_out() -> None:
@@ -656,7 +688,7 @@ class ParameterGroup:
 
                 works.append(comm.all_gather(
                     gathered, source, self.inner_group, device=self.device,
-                    stream=self.context.allgather_stream, post_ops=[copy_out], counter=self.context.counter,
+                    stream=self.resources.allgather_stream, post_ops=[copy_out], counter=self.resources.counter,
                 ))
             elif self.unsharded is not self.main_weight:
                 for p in self.fsdp_parameters:

@@ -149,6 +149,11 @@ def _code(p: Placement) -> str:
 def decode_strategy(placements: Placements, mesh: DeviceMesh) -> Strategy:
     """Map placements to a strategy, or raise saying which combinations exist."""
     dims = [_mesh_dim(mesh, a) for a in placements.dp_axes]
+    if len(set(dims)) != len(dims):
+        raise ValueError(
+            f"Placements.dp_axes {placements.dp_axes} names mesh dimension {dims} more than once; "
+            "list each data-parallel mesh axis once."
+        )
     if dims != sorted(dims):
         raise ValueError(
             f"Placements.dp_axes {placements.dp_axes} must follow the mesh's dimension order "

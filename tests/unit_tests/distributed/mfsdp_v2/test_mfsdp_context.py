@@ -71,7 +71,7 @@ def test_every_unit_uses_the_contexts_allgather_stream(monkeypatch):
         assert unit.context is ctx
         assert unit.context.allgather_stream is ctx.allgather_stream
         for group in unit.parameter_groups:
-            assert group.context.allgather_stream is ctx.allgather_stream
+            assert group.resources.allgather_stream is ctx.allgather_stream
 
 
 def test_every_unit_uses_the_contexts_reduce_scatter_stream(monkeypatch):
@@ -84,7 +84,7 @@ def test_every_unit_uses_the_contexts_reduce_scatter_stream(monkeypatch):
     assert ctx.reduce_scatter_stream is not ctx.allgather_stream
     for unit in ctx.units:
         for group in unit.parameter_groups:
-            assert group.context.reduce_scatter_stream is ctx.reduce_scatter_stream
+            assert group.resources.reduce_scatter_stream is ctx.reduce_scatter_stream
 
 
 def test_unified_stream_carries_both_collectives(monkeypatch):

@@ -94,11 +94,11 @@ def test_reductions_in_flight_are_bounded_during_backward(limit):
         ctx.max_reductions_in_flight = limit
     in_flight = []
     # By the time layer 0's backward runs, layers 5..1 have all issued their reductions.
-    model[0].register_full_backward_hook(lambda m, gi, go: in_flight.append(len(ctx._pending_reductions)))
+    model[0].register_full_backward_hook(lambda m, gi, go: in_flight.append(len(ctx.backward.pending_reductions)))
     x = torch.randn(3, 8, requires_grad=True)
     model(x).sum().backward()
     assert in_flight == [1 if limit is None else limit]
-    assert ctx._pending_reductions == []  # the end of backward settled everything
+    assert ctx.backward.pending_reductions == []  # the end of backward settled everything
     reference(x).sum().backward()
     for layer, ref in zip(model, reference):
         group = layer.parameter_groups[0]

@@ -249,12 +249,17 @@ def test_model_to_after_wrapping_raises(case):
     before = full_tensors(list(model.parameters()))
     for call in (
         lambda: model.to(BF16),
-        lambda: model.float(),
+        lambda: model.half(),
         lambda: model.blocks[0].to(torch.float16),
-        lambda: model.to("cpu"),
+        lambda: model.to(torch.device("meta")),
     ):
         with pytest.raises(RuntimeError, match="fully_shard"):
             call()
+    # Conversions that change nothing for the units are fine (model.to(device) after
+    # sharding on that device), and leave the sharded parameters in place.
+    params = list(model.parameters())
+    assert model.to("cpu") is model and model.float() is model
+    assert all(a is b for a, b in zip(model.parameters(), params))
     after = full_tensors(list(model.parameters()))
     assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(after, before))
 
