@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from megatron.core.distributed.mfsdp_v2 import checkpoint as engine
+from megatron.core.distributed.mfsdp_v2.checkpoint import manifest
 
 MODEL_PREFIX = engine.MODEL_PREFIX
 
@@ -267,4 +268,4 @@ def commit_output(tmp: str, path: str) -> None:
         shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
     else:
         os.replace(tmp, path)
-    engine._fsync_dir(os.path.dirname(os.path.abspath(path)))
+    manifest.fsync_dir(os.path.dirname(os.path.abspath(path)))
