@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import hashlib
 import json
 import os
 import random
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.mfsdp_v2 import checkpoint as engine
+from megatron.core.distributed.mfsdp_v2.checkpoint import manifest
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.json"
@@ -78,18 +78,12 @@ def read_tracker(root: str) -> Optional[int]:
         ) from None
 
 
-def _write_tracker(root: str, iteration: int) -> None:
-    path = os.path.join(root, TRACKER_FILENAME)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    engine._fsync_dir(root)
+def write_tracker(root: str, iteration: int) -> None:
+    """Point ``latest_checkpointed_iteration.txt`` at ``iteration`` (atomically)."""
+    manifest.write_text_atomic(os.path.join(root, TRACKER_FILENAME), str(iteration))
 
 
-def _encode(value: Any) -> Any:
+def encode_args(value: Any) -> Any:
     """Arguments -> JSON (dtypes and tuples survive the round trip; other objects become strings)."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
@@ -98,11 +92,11 @@ def _encode(value: Any) -> Any:
     if isinstance(value, torch.dtype):
         return {"__dtype__": str(value).replace("torch.", "")}
     if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v) for v in value]}
+        return {"__tuple__": [encode_args(v) for v in value]}
     if isinstance(value, list):
-        return [_encode(v) for v in value]
+        return [encode_args(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _encode(v) for k, v in value.items()}
+        return {str(k): encode_args(v) for k, v in value.items()}
     return {"__repr__": repr(value)}
 
 
@@ -122,9 +116,9 @@ def _decode(value: Any) -> Any:
     return value
 
 
-def _write_common(path: str, content: Dict[str, Any]) -> None:
-    digest = hashlib.sha256(engine._canonical(content)).hexdigest()
-    engine.write_json_atomic(path, {"content": content, "sha256": digest})
+def write_common(path: str, content: Dict[str, Any]) -> None:
+    """Write ``common.json`` (``content`` and its checksum), atomically."""
+    manifest.write_json_atomic(path, {"content": content, "sha256": manifest.json_digest(content)})
 
 
 def _read_common(path: str) -> Dict[str, Any]:
@@ -135,7 +129,7 @@ def _read_common(path: str) -> Dict[str, Any]:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise RuntimeError(f"{path} is corrupt or truncated ({type(e).__name__}: {e}); "
                            "restore it or load an older checkpoint.") from None
-    if hashlib.sha256(engine._canonical(content)).hexdigest() != digest:
+    if manifest.json_digest(content) != digest:
         raise RuntimeError(f"{path} is corrupt: its content does not match its checksum; "
                            "restore it or load an older checkpoint.")
     return content
@@ -370,7 +364,7 @@ def save_checkpoint(
         torch.save(_rng_state(), f)
         f.flush()
         os.fsync(f.fileno())
-    rng_entry = {rng_name: dict(zip(("bytes", "sha256"), engine._file_digest(rng_path)))}
+    rng_entry = {rng_name: dict(zip(("bytes", "sha256"), manifest.file_digest(rng_path)))}
 
     common = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -380,7 +374,7 @@ def save_checkpoint(
                  "global_batch_size": getattr(args, "global_batch_size", None)},
         "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
         "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
-        "args": _encode(dict(vars(args))),
+        "args": encode_args(dict(vars(args))),
         "use_mfsdp": _is_mfsdp(module),
         "world_size": _world(),
         "has_optimizer": optimizer is not None,
@@ -424,9 +418,9 @@ def _commit(root: str, iteration: int, tmp: str, final: str, common: Dict[str, A
     entries = _all_gather(rng_entry, group)
     if _rank() == 0:
         common = dict(common, rng_files={k: v for part in entries for k, v in part.items()})
-        _write_common(os.path.join(tmp, COMMON_FILENAME), common)
-        engine._fsync_dir(os.path.join(tmp, RNG_DIRNAME))
-        engine._fsync_dir(tmp)
+        write_common(os.path.join(tmp, COMMON_FILENAME), common)
+        manifest.fsync_dir(os.path.join(tmp, RNG_DIRNAME))
+        manifest.fsync_dir(tmp)
         delay = _commit_delay(iteration)
         if delay > 0:
             print(f"> [test hook] checkpoint {tmp} complete; pausing {delay} s before the rename", flush=True)
@@ -437,10 +431,10 @@ def _commit(root: str, iteration: int, tmp: str, final: str, common: Dict[str, A
         if os.path.isdir(final):  # saving the same iteration again: keep the old copy until the swap
             os.replace(final, old)
         os.replace(tmp, final)
-        engine._fsync_dir(root)
+        manifest.fsync_dir(root)
         if os.path.isdir(old):
             shutil.rmtree(old)
-        _write_tracker(root, iteration)
+        write_tracker(root, iteration)
     _barrier(group)
 
 
@@ -493,7 +487,7 @@ def load_checkpoint(
         rng_name = _rng_filename(_rank())
         expected = common.get("rng_files", {}).get(rng_name)
         if expected is not None:
-            message = engine._check_file(path, rng_name, expected)
+            message = manifest.check_file(path, rng_name, expected)
             if message:
                 error = message
             else:

@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from megatron.core.distributed.mfsdp_v2 import checkpoint as engine
+from megatron.core.distributed.mfsdp_v2.checkpoint import manifest
 
 MODEL_PREFIX = engine.MODEL_PREFIX
 
@@ -47,14 +48,14 @@ class MfsdpCheckpoint(Checkpoint):
         from megatron.training import checkpointing
 
         self.common: Optional[Dict[str, Any]] = None
-        if os.path.isfile(os.path.join(path, engine.MANIFEST_NAME)) and iteration is None:
+        if os.path.isfile(os.path.join(path, manifest.MANIFEST_NAME)) and iteration is None:
             self.path = path
             if os.path.isfile(os.path.join(path, checkpointing.COMMON_FILENAME)):
                 self.path, self.common = checkpointing.load_common(path)
         else:
             self.path, self.common = checkpointing.load_common(path, iteration)
-        self.manifest = engine.read_manifest(self.path)
-        self._tensors = engine.checkpoint_tensors(self.manifest)
+        self.manifest = manifest.read_manifest(self.path)
+        self._tensors = manifest.checkpoint_tensors(self.manifest)
 
     @property
     def args(self) -> Dict[str, Any]:
@@ -76,7 +77,7 @@ class MfsdpCheckpoint(Checkpoint):
         return self._tensors[self._key(key)]
 
     def verify(self) -> None:
-        errors = engine.verify_files(self.path, self.manifest)
+        errors = manifest.verify_files(self.path, self.manifest)
         if errors:
             raise engine.CheckpointError(errors[0])
 
@@ -232,11 +233,11 @@ def open_checkpoint(path: str, iteration: Optional[int] = None) -> Checkpoint:
         raise ValueError(f"{path!r}: unknown file type (expected .safetensors, .bin or .pt).")
     if os.path.isfile(os.path.join(path, "config.json")):
         return HuggingFaceCheckpoint(path)
-    if (os.path.isfile(os.path.join(path, engine.MANIFEST_NAME))
+    if (os.path.isfile(os.path.join(path, manifest.MANIFEST_NAME))
             or os.path.isfile(os.path.join(path, checkpointing.TRACKER_FILENAME)) or iteration is not None):
         return MfsdpCheckpoint(path, iteration)
     raise ValueError(
-        f"{path!r} is not a checkpoint: no {checkpointing.TRACKER_FILENAME}, {engine.MANIFEST_NAME} or "
+        f"{path!r} is not a checkpoint: no {checkpointing.TRACKER_FILENAME}, {manifest.MANIFEST_NAME} or "
         "config.json (an incomplete save leaves no manifest)."
     )
 
@@ -267,4 +268,4 @@ def commit_output(tmp: str, path: str) -> None:
         shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
     else:
         os.replace(tmp, path)
-    engine._fsync_dir(os.path.dirname(os.path.abspath(path)))
+    manifest.fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -200,13 +200,13 @@ def convert(opts) -> str:
                 "checkpoint_version": checkpointing.CHECKPOINT_VERSION, "iteration": 0,
                 "consumed_train_samples": 0, "data": {"consumed_train_samples": 0},
                 "num_floating_point_operations_so_far": 0.0, "opt_param_scheduler": None,
-                "args": checkpointing._encode(model_args), "use_mfsdp": True, "world_size": 1,
+                "args": checkpointing.encode_args(model_args), "use_mfsdp": True, "world_size": 1,
                 "has_optimizer": False, "model_only": True, "rng_files": {},
                 "converted_from": os.path.abspath(opts.input),
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
-            checkpointing._write_common(os.path.join(iteration_dir, checkpointing.COMMON_FILENAME), common)
-            checkpointing._write_tracker(tmp, 0)
+            checkpointing.write_common(os.path.join(iteration_dir, checkpointing.COMMON_FILENAME), common)
+            checkpointing.write_tracker(tmp, 0)
         except BaseException:
             _remove(tmp)
             raise

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.core.distributed.mfsdp_v2 import checkpoint as engine
+from megatron.core.distributed.mfsdp_v2.checkpoint import manifest
+from megatron.core.distributed.mfsdp_v2.checkpoint import save as engine_save
 from megatron.core.optimizer import OptimizerConfig, OptimizerParamScheduler, get_megatron_optimizer
 from megatron.training import checkpointing
 from megatron.training.checkpointing import (
@@ -66,7 +67,7 @@ def test_layout_and_contents(tmp_path, args):
     assert path == checkpoint_dir(str(tmp_path), 2)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", TRACKER_FILENAME]
     names = sorted(os.listdir(path))
-    assert names == [".metadata", "__0_0.distcp", "common.json", engine.MANIFEST_NAME, "rng"]
+    assert names == [".metadata", "__0_0.distcp", "common.json", manifest.MANIFEST_NAME, "rng"]
     _, common = load_common(str(tmp_path))
     assert common["iteration"] == 2 and common["consumed_train_samples"] == 4
     assert common["data"]["consumed_train_samples"] == 4
@@ -141,13 +142,11 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, args, monkeyp
     def dies(*a, **k):
         raise KeyboardInterrupt("killed while writing")
 
-    # Killed while the engine writes data, and (second attempt) just before the rename.
-    for target in ("_write", "_fsync_dir"):
+    # Killed while the engine writes data, and (second attempt) at the first directory fsync
+    # (the engine's manifest is in place, the iteration directory is not yet renamed).
+    for module, target in ((engine_save, "write_checkpoint"), (manifest, "fsync_dir")):
         with monkeypatch.context() as m:
-            if target == "_write":
-                m.setattr(engine, "_write", dies)
-            else:
-                m.setattr(checkpointing.engine, "_fsync_dir", dies)
+            m.setattr(module, target, dies)
             with pytest.raises(KeyboardInterrupt):
                 save_checkpoint(2, model, opt, sched, args)
         assert read_tracker(str(tmp_path)) == 1
@@ -181,7 +180,7 @@ def test_corrupt_files_are_named_before_the_model_is_touched(args, victim):
     steps(model, opt, sched, 2)
     path = save_checkpoint(2, model, opt, sched, args)
     name = {"data": "__0_0.distcp", "common": "common.json", "rng": "rng/rank_00000.pt",
-            "manifest": engine.MANIFEST_NAME}[victim]
+            "manifest": manifest.MANIFEST_NAME}[victim]
     target = os.path.join(path, name)
     blob = bytearray(open(target, "rb").read())
     blob[len(blob) // 2] ^= 0x01

@@ -35,8 +35,8 @@ __all__ = [
 
 
 def __getattr__(name):
-    # save_checkpoint / load_checkpoint live in checkpoint.py, imported on first use:
-    # torch.distributed.checkpoint adds most of a second to every import of the engine.
+    # save_checkpoint / load_checkpoint live in the checkpoint/ package, imported on first
+    # use: torch.distributed.checkpoint adds most of a second to every import of the engine.
     if name in ("save_checkpoint", "load_checkpoint"):
         from . import checkpoint
 

@@ -9,12 +9,8 @@ import torch.distributed as dist
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megatron.core.distributed.mfsdp_v2 import fully_shard_optimizer, load_checkpoint, save_checkpoint
-from megatron.core.distributed.mfsdp_v2.checkpoint import (
-    MANIFEST_NAME,
-    CheckpointError,
-    CheckpointMismatchError,
-    read_manifest,
-)
+from megatron.core.distributed.mfsdp_v2.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from megatron.core.distributed.mfsdp_v2.checkpoint.manifest import MANIFEST_NAME, read_manifest
 
 from _ckpt_helpers import (
     Odd,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.mfsdp_v2 import MixedPrecisionPolicy, fully_shard_optimizer, load_checkpoint, save_checkpoint
-from megatron.core.distributed.mfsdp_v2.checkpoint import read_manifest
+from megatron.core.distributed.mfsdp_v2.checkpoint.manifest import read_manifest
 
 from _ckpt_helpers import (
     Odd,

@@ -1,0 +1,217 @@
+"""``load_checkpoint``: check everything on every rank, agree, then load in place.
+
+A load asks DCP, for each tensor, for exactly the rows the loading rank holds in its own
+layout, so any checkpoint loads into any world size and strategy, or a plain model.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import engine_view
+from .agreement import resolve_comm
+from .dcp_adapter import read_state
+from .errors import CheckpointError, CheckpointMismatchError, OptimizerMismatchError
+from .manifest import check_sizes, checkpoint_tensors, read_manifest, verify_files
+from .state import (
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
+    check_optimizer_belongs,
+    model_state,
+    named_tensors,
+    optimizer_params,
+    optimizer_state,
+    param_names,
+    restore_optimizer_json,
+)
+
+
+def load_checkpoint(
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    checkpoint_dir: str,
+    *,
+    sync_model_weights: bool = True,
+    process_group: Optional[dist.ProcessGroup] = None,
+    verify: bool = True,
+) -> Dict[str, Any]:
+    """Load a checkpoint written by ``save_checkpoint`` (any world size, any strategy)
+    into ``model`` (and ``optimizer`` unless None), in place.
+
+    Every check happens before anything is modified: the manifest, the size and sha256 of
+    every data file (``verify=False`` skips the hashing, not the size check), every tensor
+    name and shape against the model and optimizer. The optimizer's state is created if it
+    has none yet. With ``sync_model_weights`` the compute weights are refreshed from the
+    loaded main weights (collective for ZeRO-1/2 and HFSDP). Returns the manifest's
+    ``extra`` metadata.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_checkpoint expects an nn.Module, got {type(model).__name__}.")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}.")
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    contexts = engine_view.contexts_of(model)
+    comm = resolve_comm(engine_view.unit_meshes(contexts), process_group)
+    names = check_optimizer_belongs(model, optimizer) if optimizer is not None else param_names(model)
+
+    # 1. The manifest (every rank reads it; all must succeed).
+    manifest, error = None, None
+    try:
+        manifest = read_manifest(checkpoint_dir)
+    except CheckpointError as e:
+        error = str(e)
+    comm.agree(error)
+
+    # 2. Names and shapes, model and optimizer.
+    saved = checkpoint_tensors(manifest)
+    wanted_model = {MODEL_PREFIX + fqn: tuple(t.shape) for fqn, t, _ in named_tensors(model)}
+    comm.agree(_compare(saved, wanted_model, MODEL_PREFIX, "model"), CheckpointMismatchError)
+    error = None if optimizer is None else _optimizer_mismatch(manifest.get("optimizer"), optimizer, names, saved)
+    comm.agree(error, OptimizerMismatchError)
+
+    # 3. File integrity: each rank checks a share of the files, then all agree.
+    if verify:
+        errors = verify_files(checkpoint_dir, manifest, share=(comm.rank, comm.size))
+    else:
+        errors = check_sizes(checkpoint_dir, manifest)
+    comm.agree(errors[0] if errors else None)
+
+    # 4. Load in place.
+    engine_view.reshard_all(contexts)
+    if optimizer is not None:
+        with_state = {k[len(OPTIMIZER_PREFIX):].rsplit(".", 1)[0] for k in saved if k.startswith(OPTIMIZER_PREFIX)}
+        with_state |= set(manifest["optimizer"].get("scalar_state", {}))
+        _initialize_optimizer_state(optimizer, names, with_state)
+    engine = engine_view.sharded_parameters(contexts)
+    state = model_state(model, engine)
+    if optimizer is not None:
+        tensors, _ = optimizer_state(optimizer, engine, names)
+        state.update({k: v for k, v in tensors.items() if k in saved})
+    read_state(state, checkpoint_dir, manifest, group=comm.group, no_dist=comm.no_dist)
+    if optimizer is not None:
+        restore_optimizer_json(optimizer, names, manifest["optimizer"])
+    if sync_model_weights:
+        sync_compute_weights(model)
+    return manifest.get("extra", {})
+
+
+def sync_compute_weights(model: nn.Module) -> None:
+    """Refresh every unit's compute weights from its main weights (after writing them)."""
+    engine_view.sync_compute_weights(engine_view.contexts_of(model))
+
+
+# --------------------------------------------------------------------------------------
+# Checks (each returns a message, or None)
+# --------------------------------------------------------------------------------------
+
+
+def _fmt_list(names: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(repr(n) for n in list(names)[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _compare(saved: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], wanted: Dict[str, Tuple[int, ...]],
+             prefix: str, what: str) -> Optional[str]:
+    """A message describing missing / unexpected / differently shaped tensors, or None."""
+    saved_keys = {k for k in saved if k.startswith(prefix)}
+    missing = sorted(set(wanted) - saved_keys)
+    unexpected = sorted(saved_keys - set(wanted))
+    shapes = [
+        f"tensor '{key[len(prefix):]}' has shape {tuple(saved[key][0])} in the checkpoint but "
+        f"{tuple(wanted[key])} in the {what}"
+        for key in sorted(set(wanted) & saved_keys) if tuple(saved[key][0]) != tuple(wanted[key])
+    ]
+    problems = []
+    if missing:
+        problems.append(f"the checkpoint lacks: {_fmt_list([m[len(prefix):] for m in missing])}")
+    if unexpected:
+        problems.append(f"the {what} lacks: {_fmt_list([u[len(prefix):] for u in unexpected])}")
+    if shapes:
+        problems.append("; ".join(shapes[:3]) + (f" (and {len(shapes) - 3} more)" if len(shapes) > 3 else ""))
+    if not problems:
+        return None
+    return (f"the checkpoint does not match the {what}: " + "; ".join(problems)
+            + f". Build the {what} with the configuration the checkpoint was saved with.")
+
+
+def _optimizer_mismatch(saved_optimizer, optimizer, names, saved) -> Optional[str]:
+    """Why the checkpoint's optimizer state does not fit ``optimizer``, or None."""
+    if saved_optimizer is None:
+        return "the checkpoint holds no optimizer state; load it with optimizer=None (model weights only)."
+    if saved_optimizer["class"] != type(optimizer).__name__:
+        return (f"the checkpoint holds {saved_optimizer['class']} state but the optimizer is "
+                f"{type(optimizer).__name__}; use the same optimizer class or load without the optimizer.")
+    error = _check_param_groups(saved_optimizer["param_groups"], optimizer, names)
+    if error is not None:
+        return error
+    wanted = _optimizer_keys_after_init(optimizer, names, saved)
+    in_optimizer = {names[id(p)] for p in optimizer_params(optimizer)}
+    return _compare({k: v for k, v in saved.items() if k.startswith(OPTIMIZER_PREFIX)
+                     and k[len(OPTIMIZER_PREFIX):].rsplit(".", 1)[0] in in_optimizer},
+                    wanted, OPTIMIZER_PREFIX, "optimizer")
+
+
+def _check_param_groups(saved_groups, optimizer, names) -> Optional[str]:
+    if len(saved_groups) != len(optimizer.param_groups):
+        return (f"the checkpoint's optimizer has {len(saved_groups)} parameter groups but this one has "
+                f"{len(optimizer.param_groups)}; build the optimizer the same way as when saving.")
+    for index, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        current = [names[id(p)] for p in group["params"]]
+        if sorted(saved["params"]) != sorted(current):
+            diff = sorted(set(saved["params"]) ^ set(current))
+            return (f"optimizer parameter group {index} holds different parameters than in the checkpoint "
+                    f"(differing: {_fmt_list(diff)}); build the optimizer the same way as when saving.")
+    return None
+
+
+def _optimizer_keys_after_init(optimizer, names, saved) -> Dict[str, Tuple[int, ...]]:
+    """The optimizer tensor keys the load will fill, predicted from the checkpoint for
+    parameters whose state is not initialized yet."""
+    wanted = {}
+    for p in optimizer_params(optimizer):
+        fqn = names[id(p)]
+        state = optimizer.state.get(p)
+        if state:
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    wanted[f"{OPTIMIZER_PREFIX}{fqn}.{key}"] = tuple(value.shape)
+            continue
+        prefix = f"{OPTIMIZER_PREFIX}{fqn}."
+        for key, (shape, _) in saved.items():
+            if key.startswith(prefix) and "." not in key[len(prefix):]:
+                wanted[key] = tuple(shape)
+    return wanted
+
+
+# --------------------------------------------------------------------------------------
+# Optimizer state to load into
+# --------------------------------------------------------------------------------------
+
+
+def _initialize_optimizer_state(optimizer: torch.optim.Optimizer, names: Dict[int, str], with_state: set) -> None:
+    """Create the state tensors (zeros) of the parameters named in ``with_state`` that have
+    none yet, without changing any parameter: one step with zero gradients at learning
+    rate 0, through the optimizer class's own step (not the engine's weight-sync wrapper)."""
+    params = [p for p in optimizer_params(optimizer)
+              if p.requires_grad and not optimizer.state.get(p) and names[id(p)] in with_state]
+    if not params:
+        return
+    saved_grads = {id(p): p.grad for p in params}
+    saved_lrs = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in optimizer.param_groups:
+            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+        with torch.no_grad():
+            engine_view.step_without_engine_sync(optimizer)
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs):
+            group["lr"] = lr
+        for p in params:
+            p.grad = saved_grads[id(p)]

@@ -1,0 +1,207 @@
+"""A model and its optimizer as one flat state: DCP entries plus JSON, and back.
+
+Keys: ``model.<fqn>`` for parameters and persistent buffers (the first name of a tied
+parameter), ``optimizer.state.<fqn>.<name>`` for optimizer state tensors (``exp_avg``,
+``step``, ...). A tensor is stored in the dtype the rank holds it in: the main weights
+and optimizer state of an MFSDP model (fp32 by default), the parameter dtype of a plain
+model. Non-tensor optimizer state and the parameter groups' hyper-parameters are JSON in
+the manifest.
+
+The entries are ``ChunkedTensor`` views of the live tensors, so the same state serves a
+save (DCP reads them) and a load (DCP writes into them).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .dcp_adapter import ChunkedTensor, whole
+from .engine_view import ShardedRows, local_rows
+from .manifest import dtype_from_name, dtype_name
+
+MODEL_PREFIX = "model."
+OPTIMIZER_PREFIX = "optimizer.state."
+
+
+# --------------------------------------------------------------------------------------
+# Names
+# --------------------------------------------------------------------------------------
+
+
+def named_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor, bool]]:
+    """(fqn, tensor, is_parameter): parameters under their first name, then persistent buffers."""
+    out = [(name, p, True) for name, p in model.named_parameters()]
+    seen = {id(p) for _, p, _ in out}
+    for module_name, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is None or name in module._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((f"{module_name}.{name}" if module_name else name, buf, False))
+    return out
+
+
+def param_names(model: nn.Module) -> Dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def check_optimizer_belongs(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[int, str]:
+    """The model's parameter names; raises if the optimizer steps a tensor the model lacks."""
+    names = param_names(model)
+    for index, p in enumerate(optimizer_params(optimizer)):
+        if id(p) not in names:
+            raise ValueError(
+                f"optimizer parameter #{index} (shape {tuple(p.shape)}) is not a parameter of the model; "
+                "pass the optimizer built over this model's parameters (after fully_shard)."
+            )
+    return names
+
+
+# --------------------------------------------------------------------------------------
+# Tensors
+# --------------------------------------------------------------------------------------
+
+
+def _pieces_like(rows: ShardedRows, local: torch.Tensor, what: str) -> List[Tuple[Tuple[int, ...], torch.Tensor]]:
+    """The chunk list of a tensor laid out like the parameter ``rows`` describes (its main
+    weight view, or an optimizer state of the same layout)."""
+    shape = rows.shape
+    if len(shape) == 0:
+        return [((), local.reshape(()))] if local.numel() == 1 else []
+    count = rows.row_end - rows.row_start
+    expected = (count,) + tuple(shape[1:])
+    if tuple(local.shape) != expected:
+        raise RuntimeError(
+            f"internal error: the local piece of {what} has shape {tuple(local.shape)} but the engine's "
+            f"layout says rows [{rows.row_start}, {rows.row_end}) of {tuple(shape)}; please report this."
+        )
+    if count == 0:
+        return []
+    return [((rows.row_start,) + (0,) * (len(shape) - 1), local)]
+
+
+def _sharded(rows: ShardedRows, tensor, what: str) -> ChunkedTensor:
+    local = local_rows(tensor)
+    return ChunkedTensor(rows.shape, local.dtype, local.device, _pieces_like(rows, local, what))
+
+
+def model_state(model: nn.Module, engine: Dict[int, ShardedRows]) -> Dict[str, torch.Tensor]:
+    """DCP entries of every parameter and persistent buffer (``engine``: the managed ones)."""
+    state: Dict[str, torch.Tensor] = {}
+    for fqn, tensor, _ in named_tensors(model):
+        rows = engine.get(id(tensor))
+        if rows is not None:
+            state[MODEL_PREFIX + fqn] = _sharded(rows, tensor, f"'{fqn}'")
+        elif isinstance(tensor, DTensor):
+            state[MODEL_PREFIX + fqn] = tensor.detach()  # not ours: torch's even sharding is right
+        else:
+            state[MODEL_PREFIX + fqn] = whole(tensor)
+    return state
+
+
+def optimizer_state(optimizer, engine: Dict[int, ShardedRows],
+                    names: Dict[int, str]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, Any]]]:
+    """Tensor state as DCP entries, plus JSON-able scalar state per fqn."""
+    tensors: Dict[str, torch.Tensor] = {}
+    scalars: Dict[str, Dict[str, Any]] = {}
+    for p in optimizer_params(optimizer):
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        fqn = names[id(p)]
+        rows = engine.get(id(p))
+        for key, value in state.items():
+            name = f"{OPTIMIZER_PREFIX}{fqn}.{key}"
+            if isinstance(value, DTensor) and rows is not None and tuple(value.shape) == tuple(p.shape):
+                tensors[name] = _sharded(rows, value, f"optimizer state '{fqn}.{key}'")
+            elif isinstance(value, DTensor):
+                tensors[name] = value.detach()
+            elif isinstance(value, torch.Tensor):
+                # A plain tensor is the same on every rank (e.g. Adam's `step`), or the whole
+                # state of a plain model's parameter.
+                tensors[name] = whole(value)
+            else:
+                scalars.setdefault(fqn, {})[key] = _to_json(value, f"optimizer state '{fqn}.{key}'")
+    return tensors, scalars
+
+
+# --------------------------------------------------------------------------------------
+# JSON: parameter groups and non-tensor state
+# --------------------------------------------------------------------------------------
+
+
+def optimizer_json(optimizer, names: Dict[int, str], scalars: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """The manifest's ``optimizer`` entry: class, parameter groups, non-tensor state."""
+    groups = []
+    for index, group in enumerate(optimizer.param_groups):
+        entry = {"params": [names[id(p)] for p in group["params"]]}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            try:
+                entry[key] = _to_json(value, f"param_groups[{index}]['{key}']")
+            except TypeError as e:
+                warnings.warn(f"{e}; it is not saved in the checkpoint.", stacklevel=3)  # the caller of save_checkpoint
+        groups.append(entry)
+    return {"class": type(optimizer).__name__, "param_groups": groups, "scalar_state": scalars}
+
+
+def restore_optimizer_json(optimizer, names: Dict[int, str], saved_optimizer: Dict[str, Any]) -> None:
+    """Put the manifest's hyper-parameters and non-tensor state back into ``optimizer``."""
+    for saved, group in zip(saved_optimizer["param_groups"], optimizer.param_groups):
+        for key, value in saved.items():
+            if key == "params":
+                continue
+            value = _from_json(value)
+            if isinstance(group.get(key), torch.Tensor) and not isinstance(value, torch.Tensor):
+                group[key].fill_(value)
+            else:
+                group[key] = value
+    by_name = {names[id(p)]: p for p in optimizer_params(optimizer)}
+    for fqn, entries in saved_optimizer.get("scalar_state", {}).items():
+        p = by_name.get(fqn)
+        if p is not None:
+            optimizer.state[p].update({k: _from_json(v) for k, v in entries.items()})
+
+
+def _to_json(value: Any, what: str) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return {"__float__": repr(value)}
+    if isinstance(value, (list, tuple)):
+        items = [_to_json(v, what) for v in value]
+        return {"__tuple__": items} if isinstance(value, tuple) else items
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not isinstance(value, DTensor):
+        return {"__tensor__": value.item(), "dtype": dtype_name(value.dtype)}
+    if isinstance(value, torch.dtype):
+        return {"__dtype__": dtype_name(value)}
+    raise TypeError(f"{what} has a value of type {type(value).__name__} that cannot be stored as JSON")
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    if isinstance(value, dict):
+        if "__tuple__" in value:
+            return tuple(_from_json(v) for v in value["__tuple__"])
+        if "__float__" in value:
+            return float(value["__float__"])
+        if "__tensor__" in value:
+            return torch.tensor(value["__tensor__"], dtype=dtype_from_name(value["dtype"]))
+        if "__dtype__" in value:
+            return dtype_from_name(value["__dtype__"])
+        return {k: _from_json(v) for k, v in value.items()}
+    return value
