@@ -317,9 +317,8 @@ class ParameterGroup:
             return None
         ctx, device = self.context, self.device
         stream = ctx.allgather_stream
-        if device.is_cuda:
-            # Reuse of freed unsharded memory must wait for the compute that last read it.
-            stream.wait_stream(device.current_stream())
+        # Reuse of freed unsharded memory must wait for the compute that last read it.
+        device.stream_waits_for_current(stream)
         # Refilling the unsharded storage is not a mutation autograd should see: the graph
         # saved these tensors at forward and expects the same values at backward.
         self._unshard_versions = self._unsharded_tensors_and_versions()
