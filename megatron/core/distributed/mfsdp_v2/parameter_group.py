@@ -182,6 +182,8 @@ class ParameterGroup:
                     self.reduced_grad = torch.zeros(optim_numel, dtype=precision.main_grads, device=device)
                 else:
                     self.reduced_grad = self.main_grad
+            # Their zero-fill ran on the reduce-scatter stream; compute writes them too (no_shard, ZeRO-1).
+            self.device.current_waits_for(context.reduce_scatter_stream)
         # Parameters whose next reduction overwrites instead of accumulating.
         self._overwrite = [False] * len(self.fsdp_parameters)
         self._fresh = [False] * len(self.fsdp_parameters)
