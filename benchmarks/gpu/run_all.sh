@@ -6,6 +6,8 @@
 #
 # Budget: under 8 minutes in total (every stage has its own time limit, and the whole
 # script stops at 7m30s). Stages:
+#   0. the stream protocol on simulated streams (CPU/gloo, 2 ranks, the stream checker):
+#      the protocol the GPU is about to run, checked first (under 2 minutes)
 #   1. the engine's CUDA tests: pytest -m cuda over tests/unit_tests (if any are marked)
 #   2. gpu_checks.py: CUDA parity (engine on CUDA vs unwrapped reference and vs the engine
 #      on CPU/gloo), prefetch overlap from a profiler trace, bf16 with fp32 main weights,
@@ -46,6 +48,15 @@ else
 fi
 
 status=0
+echo "=== 0. stream protocol on simulated streams (stream checker, CPU, 2 ranks) ==="
+streams_log="$out_dir/stream_protocol.log"
+OMP_NUM_THREADS=1 timeout 120 python -m torch.distributed.run --standalone --nproc-per-node 2 \
+    --local-ranks-filter 0 -m pytest -q -p no:cacheprovider \
+    tests/unit_tests/distributed/strategies/test_strategy_streams.py >"$streams_log" 2>&1
+streams_rc=$?
+tail -n 2 "$streams_log"
+if [ "$streams_rc" -ne 0 ]; then status=1; fi
+
 echo "=== 1. engine CUDA tests (pytest -m cuda) ==="
 pytest_log="$out_dir/pytest_cuda.log"
 if [ "$dry_run" -eq 1 ]; then
@@ -65,14 +76,21 @@ timeout "$(left)" python -m torch.distributed.run --standalone --nproc-per-node 
 checks_rc=$?
 if [ "$checks_rc" -ne 0 ]; then status=1; fi
 
-# Record the pytest stage in the same JSON.
-python - "$json" "$pytest_rc" "$pytest_log" <<'PY'
+# Record the pytest stages in the same JSON.
+python - "$json" "$pytest_rc" "$pytest_log" "$streams_rc" "$streams_log" <<'PY'
 import json, os, sys
-path, rc, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+path, rc, log, streams_rc, streams_log = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
 data = json.load(open(path)) if os.path.exists(path) else {"checks": {}}
 meaning = {0: "passed", 5: "no tests marked cuda", -1: "skipped (CPU dry run)", 124: "timed out"}
-tail = open(log).read().splitlines()[-5:] if os.path.exists(log) else []
-data["cuda_tests"] = {"pytest_exit_code": rc, "result": meaning.get(rc, "failed"), "log_tail": tail}
+
+
+def tail(name):
+    return open(name).read().splitlines()[-5:] if os.path.exists(name) else []
+
+
+data["cuda_tests"] = {"pytest_exit_code": rc, "result": meaning.get(rc, "failed"), "log_tail": tail(log)}
+data["stream_protocol"] = {"pytest_exit_code": streams_rc, "result": meaning.get(streams_rc, "failed"),
+                           "log_tail": tail(streams_log)}
 json.dump(data, open(path, "w"), indent=1)
 PY
 echo "[run_all] figures: $json (exit $status, ${SECONDS}s)"

@@ -4,10 +4,10 @@ group's work object records how often it is waited on."""
 import pytest
 import torch
 
-from megatron.core.distributed.mfsdp_v2.device import DeviceHandle, HostStream
+from megatron.core.distributed.mfsdp_v2.device import CpuDeviceHandle, HostStream
 from megatron.core.distributed.mfsdp_v2.work import CollectiveCounter, CollectiveWork, completed_work
 
-DEVICE = DeviceHandle(torch.device("cpu"))
+DEVICE = CpuDeviceHandle(torch.device("cpu"))
 
 
 class FakeWork:
@@ -124,4 +124,4 @@ def test_cpu_streams_are_stand_ins_with_the_cuda_interface():
     assert event.query()
     with DEVICE.stream(stream):
         pass
-    assert not DEVICE.is_cuda
+    assert not DEVICE.stream_ordered

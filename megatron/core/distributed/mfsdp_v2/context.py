@@ -16,7 +16,7 @@ from typing import Iterator, List, Optional
 import torch
 
 from .backward import BackwardCoordinator
-from .device import DeviceHandle, resolve_device
+from .device import device_handle_for, resolve_device
 from .module import Phase
 from .optimizer import watch_plain_optimizers
 from .work import CollectiveCounter
@@ -37,7 +37,7 @@ class FsdpContext:
 
     def __init__(self, device: torch.device, use_symmetric_memory: bool, unify_communication_stream: bool):
         self.device = device
-        self.device_handle = DeviceHandle(device)
+        self.device_handle = device_handle_for(device)  # tests may substitute it: device.handles_from
         self.use_symmetric_memory = use_symmetric_memory
         self.unify_communication_stream = unify_communication_stream
         # Streams are created eagerly, once, and shared by every unit of this context.

@@ -198,6 +198,8 @@ class ParameterGroup:
                     self.reduced_grad = torch.zeros(optim_numel, dtype=precision.main_grads, device=device)
                 else:
                     self.reduced_grad = self.main_grad
+            # Their zero-fill ran on the reduce-scatter stream; compute writes them too (no_shard, ZeRO-1).
+            self.device.current_waits_for(resources.reduce_scatter_stream)
         # Parameters whose next reduction overwrites instead of accumulating.
         self._overwrite = [False] * len(self.fsdp_parameters)
         self._fresh = [False] * len(self.fsdp_parameters)
@@ -345,9 +347,8 @@ class ParameterGroup:
             return None
         ctx, device = self.resources, self.device
         stream = ctx.allgather_stream
-        if device.is_cuda:
-            # Reuse of freed unsharded memory must wait for the compute that last read it.
-            stream.wait_stream(device.current_stream())
+        # Reuse of freed unsharded memory must wait for the compute that last read it.
+        device.stream_waits_for_current(stream)
         # Refilling the unsharded storage is not a mutation autograd should see: the graph
         # saved these tensors at forward and expects the same values at backward.
         self._unshard_versions = self._unsharded_tensors_and_versions()

@@ -2,18 +2,23 @@
 
 A ``CollectiveWork`` wraps the process group's work object together with the post-ops
 that must follow the collective (division after a SUM reduction, copy-out, dtype cast)
-and the stream it ran on. Its contract is the same on both devices:
+and the stream it ran on. Its contract is the same on every device handle:
 
-* ``wait()``: afterwards the *current stream* may consume the result. CUDA: the current
-  stream waits on the collective's event, the host does not block. CPU/gloo: the host
-  blocks until the collective finished and the post-ops ran.
+* ``wait()``: afterwards the *current stream* may consume the result. Stream-ordered
+  handles (CUDA, and the simulated streams of the checker): the current stream waits on
+  the collective's event, the host does not block. CPU/gloo: the host blocks until the
+  collective finished and the post-ops ran.
 * ``block_current_stream()``: the same dependency without blocking the host where the
   backend allows it (CUDA); on CPU there is no other way than to block.
 * ``get_future()``: calls ``block_current_stream()`` first, so a future never completes
   before the stream dependency exists.
 * Post-ops run exactly once, in order, after the collective and before any consumer.
 
-Averaging is SUM followed by division: AVG and PREMUL_SUM are not portable to gloo.
+Averaging: a reduction whose divisor is the group size uses ``ReduceOp.AVG`` where the
+backend has it (NCCL; gloo on torch 2.13), one pass over the output fewer. On gloo, AVG
+is bitwise equal to SUM followed by ``div_(group size)`` in fp32, bf16 and fp16 (checked at
+2, 3 and 4 ranks, and by ``test_avg_is_bitwise_sum_then_divide``), so losses do not change.
+Any other divisor (``grad_divisor``, accumulation with a scale) keeps SUM, then divides.
 """
 
 from __future__ import annotations
@@ -85,10 +90,11 @@ class CollectiveWork:
         self._event = None
         self._completed = False
         self._error: Optional[BaseException] = None
-        if device.is_cuda:
-            # On CUDA everything is stream-ordered: make the communication stream wait for
-            # the collective, enqueue the post-ops behind it, and record one event that
-            # consumers wait on. The host never blocks.
+        if device.stream_ordered:
+            # Stream-ordered (CUDA): make the communication stream wait for the collective,
+            # enqueue the post-ops behind it, and record one event that consumers wait on.
+            # The host never blocks on NCCL; on the simulated streams work.wait() blocks on
+            # gloo here, so the post-ops see the finished result.
             with device.stream(stream):
                 if work is not None:
                     work.wait()
@@ -118,7 +124,7 @@ class CollectiveWork:
 
     def wait(self) -> Optional[torch.Tensor]:
         """Make the result safe for the current stream and return it."""
-        if self._device.is_cuda:
+        if self._device.stream_ordered:
             if not self._completed:
                 self._device.current_stream().wait_event(self._event)
                 for tensor in self._keep_alive:
@@ -149,9 +155,8 @@ def completed_work(device: DeviceHandle, result: Optional[torch.Tensor] = None) 
 
 
 def follow_current_stream(device: DeviceHandle, stream) -> None:
-    """Order ``stream`` after everything already queued on the current stream (CUDA)."""
-    if device.is_cuda and stream != device.current_stream():
-        stream.wait_stream(device.current_stream())
+    """Order ``stream`` after everything already queued on the current stream."""
+    device.stream_waits_for_current(stream)
 
 
 def _launch(device: DeviceHandle, stream, fn):
@@ -196,7 +201,7 @@ def reduce_scatter(
     post_ops: Sequence[PostOp] = (),
     counter: Optional[CollectiveCounter] = None,
 ) -> CollectiveWork:
-    """Reduce-scatter with SUM, then divide by ``divisor`` (before the caller's post-ops)."""
+    """Reduce-scatter averaged over ``divisor`` (AVG, or SUM then divide; before the caller's post-ops)."""
     size = dist.get_world_size(group)
     if input.numel() != output.numel() * size:
         raise ValueError(
@@ -204,12 +209,11 @@ def reduce_scatter(
         )
     if counter is not None:
         counter.record("reduce_scatter", input.numel() * input.element_size(), size)
+    op, division = _reduction(output, group, size, divisor)
     work = _launch(
-        device,
-        stream,
-        lambda: dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True),
+        device, stream, lambda: dist.reduce_scatter_single(output, input, op=op, group=group, async_op=True)
     )
-    ops = ([_divide(output, divisor)] if divisor != 1 else []) + list(post_ops)
+    ops = division + list(post_ops)
     return CollectiveWork(work, device, stream, result=output, post_ops=ops, keep_alive=(input,))
 
 
@@ -223,15 +227,27 @@ def all_reduce(
     post_ops: Sequence[PostOp] = (),
     counter: Optional[CollectiveCounter] = None,
 ) -> CollectiveWork:
-    """In-place all-reduce with SUM, then divide by ``divisor``."""
+    """In-place all-reduce averaged over ``divisor`` (AVG, or SUM then divide)."""
     size = dist.get_world_size(group)
     if counter is not None:
         counter.record("all_reduce", tensor.numel() * tensor.element_size(), size)
-    work = _launch(
-        device, stream, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    )
-    ops = ([_divide(tensor, divisor)] if divisor != 1 else []) + list(post_ops)
+    op, division = _reduction(tensor, group, size, divisor)
+    work = _launch(device, stream, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
+    ops = division + list(post_ops)
     return CollectiveWork(work, device, stream, result=tensor, post_ops=ops)
+
+
+# Backends with ReduceOp.AVG for all-reduce and reduce-scatter: NCCL, and gloo in the torch
+# this package pins (2.13), where it is bitwise SUM then division by the group size.
+AVG_BACKENDS = ("nccl", "gloo")
+
+
+def _reduction(result: torch.Tensor, group, size: int, divisor: float):
+    """(reduce op, post-ops) that average ``result`` over ``divisor``: AVG where it is the
+    group's own average, else SUM and a division."""
+    if divisor == size and size > 1 and dist.get_backend(group) in AVG_BACKENDS:
+        return dist.ReduceOp.AVG, []
+    return dist.ReduceOp.SUM, ([_divide(result, divisor)] if divisor != 1 else [])
 
 
 def _divide(tensor: torch.Tensor, divisor: float) -> PostOp:

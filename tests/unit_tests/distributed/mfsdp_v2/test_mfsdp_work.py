@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.mfsdp_v2 import work as comm
-from megatron.core.distributed.mfsdp_v2.device import DeviceHandle
+from megatron.core.distributed.mfsdp_v2.device import CpuDeviceHandle
 
-DEVICE = DeviceHandle(torch.device("cpu"))
+DEVICE = CpuDeviceHandle(torch.device("cpu"))
 STREAM = DEVICE.new_stream("test")
 GROUP = None  # the default group
 
