@@ -15,7 +15,6 @@ agree (bitwise for power-of-two world sizes, where x/N and x*(1/N) are the same 
 
 from __future__ import annotations
 
-import copy
 import itertools
 import os
 import sys
@@ -26,10 +25,9 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import compare_dp as cd  # noqa: E402
-import prototypes  # noqa: E402
+import contenders as cd  # noqa: E402
 
-PROTOS = ["inflight0", "inflight2", "no_fwd_prefetch"]
+PROTOS = ["inflight0", "inflight2", "no_fwd_prefetch"]  # prototypes.py
 
 
 def train(c, batches, micro: int, set_to_none: bool):

@@ -40,9 +40,13 @@ def load(rev: str) -> ModuleType:
         return sys.modules[name]
     package_dir = os.path.join(tempfile.mkdtemp(prefix=f"mfsdp_engine_{short}_"), name)
     os.makedirs(package_dir)
-    for path in _git("ls-tree", "--name-only", f"{short}:{ENGINE_DIR}").decode().split():
+    # Every .py file of the package, subpackages included (e.g. checkpoint/): -r lists the
+    # files of the whole tree below the engine directory, with paths relative to it.
+    for path in _git("ls-tree", "-r", "--name-only", f"{short}:{ENGINE_DIR}").decode().splitlines():
         if path.endswith(".py"):
-            with open(os.path.join(package_dir, path), "wb") as f:
+            target = os.path.join(package_dir, path)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "wb") as f:
                 f.write(_git("show", f"{short}:{ENGINE_DIR}/{path}"))
     spec = importlib.util.spec_from_file_location(
         name, os.path.join(package_dir, "__init__.py"), submodule_search_locations=[package_dir]
@@ -54,5 +58,5 @@ def load(rev: str) -> ModuleType:
 
 
 def submodule(engine: ModuleType, name: str) -> ModuleType:
-    """``engine.<name>`` (context, module, parameter_group, work) for either copy."""
+    """``engine.<name>`` (context, module, parameter_group, work, ...) for either copy."""
     return importlib.import_module(f"{engine.__name__}.{name}")

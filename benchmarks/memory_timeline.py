@@ -8,7 +8,7 @@ step, for MFSDP v2 ZeRO-3 and PyTorch FSDP2 on the same model, side by side.
 
 Each contender runs in its own forked child (the same image, before any process group
 exists) with glibc malloc switched to one mapping per allocation of 64 KiB or more (the
-``mmap64k`` setting of compare_dp.py), so RSS follows live tensor memory. After two
+``mmap64k`` setting of rss.py), so RSS follows live tensor memory. After two
 warm-up steps, one step is recorded:
 
 * marks: RSS read at the start and end of every unit's forward (module hooks that run
@@ -41,7 +41,9 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import compare_dp as cd  # noqa: E402
+import contenders as cd  # noqa: E402
+from compare_dp import engine_version  # noqa: E402
+from rss import run_forked  # noqa: E402
 
 MiB = 2**20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -149,12 +151,12 @@ def main_worker(args) -> None:
     out = {"world_size": world, "model": spec.describe(), "contenders": {}}
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
     for name in args.contenders.split(","):
-        result = cd.run_forked(f"/tmp/mfsdp_memtl_{run_id}_{name}", "mmap64k", max(1, (os.cpu_count() or 1) // world),
+        result = run_forked(f"/tmp/mfsdp_memtl_{run_id}_{name}", "mmap64k", max(1, (os.cpu_count() or 1) // world),
                                lambda: record(name, spec, args.seed))
         if result is not None:
             out["contenders"][name] = result
     if int(os.environ["RANK"]) == 0:
-        out["environment"] = {"torch": torch.__version__, "engine": cd.engine_version()}
+        out["environment"] = {"torch": torch.__version__, "engine": engine_version()}
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.out}", flush=True)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import compare_dp as cd  # noqa: E402
+import contenders as cd  # noqa: E402
+from modes import run_interleaved  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +39,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--no-trace", action="store_true")
     p.add_argument("--shapes", action="store_true", help="group the operator table by input shape")
-    p.add_argument("--prototype", default="", help="comma-separated prototypes.py patches for MFSDP")
+    p.add_argument("--prototype", default="", help="comma-separated prototypes.py variants for the MFSDP contenders")
     for key in ("layers", "hidden", "heads", "vocab", "seq", "micro_batch"):
         p.add_argument("--" + key.replace("_", "-"), type=int, default=None)
     p.add_argument("--smoke", action="store_true")
@@ -47,18 +48,17 @@ def main() -> None:
     args = p.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-    if args.prototype:
-        import prototypes
-
-        prototypes.apply(args.prototype.split(","))
     dtype = cd.DTYPES[args.dtype]
     spec = cd.resolve_spec(args, args.dtype)
     meshes = cd.Meshes()
     opts = cd.Options()
     ref = cd.build_reference(spec, args.seed, dtype)
-    contenders = [cd.build(n, ref, dtype, meshes, opts) for n in args.contenders.split(",")]
+    # --prototype X,Y profiles MFSDP contender "name+X+Y" (prototypes.py) instead of "name".
+    suffix = "".join("+" + name for name in args.prototype.split(",") if name)
+    names = [n + suffix if n.startswith("mfsdp") else n for n in args.contenders.split(",")]
+    contenders = [cd.build(n, ref, dtype, meshes, opts) for n in names]
     batches = cd.make_batches(spec, args.warmup + args.steps, args.seed + 1)
-    cd.run_interleaved(contenders, batches, args.warmup, 0, memory_step=-1)
+    run_interleaved(contenders, batches, args.warmup, 0, memory_step=-1)
     os.makedirs(args.out, exist_ok=True)
     summary = {}
     for c in contenders:

@@ -1,0 +1,351 @@
+"""What the benchmark measures, besides the step times that ``Contender.step`` takes:
+summaries over ranks, persistent bytes, the analytic and the counted bytes per collective
+(a tap on the ``torch.distributed`` functions), time inside MFSDP's hooks (the engine's
+profiler ranges) and cProfile self time of a wrapper's Python. Peak RSS: rss.py.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import copy
+import functools
+import os
+import pstats
+import statistics
+import time
+import warnings
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from megatron.core.models.gpt.model_stats import flops_per_token
+
+if TYPE_CHECKING:  # contenders.py imports this module
+    from contenders import Contender, ModelSpec
+
+warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def world() -> int:
+    return dist.get_world_size()
+
+
+def log(msg: str) -> None:
+    if rank() == 0:
+        print(f"[compare_dp {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def storage_bytes(tensors, seen: Optional[set] = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = local(t).untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def gather_floats(values: List[float]) -> List[List[float]]:
+    """Every rank's list (same length on every rank) -> [rank][i]."""
+    t = torch.tensor(values, dtype=torch.float64)
+    out = [torch.zeros_like(t) for _ in range(world())]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def summarize(times: List[float]) -> dict:
+    s = sorted(times)
+    q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
+    return {
+        "median": statistics.median(s),
+        "min": s[0],
+        "max": s[-1],
+        "p25": q[0],
+        "p75": q[2],
+        "iqr": q[2] - q[0],
+        "mean": statistics.fmean(s),
+        "stdev": statistics.stdev(s) if len(s) > 1 else 0.0,
+        "n": len(s),
+    }
+
+
+def timing_summary(c: Contender, global_tokens: int, spec: ModelSpec) -> dict:
+    """Step time of a step = the slowest rank's time for that step."""
+    out = {}
+    for key in ("step", "forward", "backward", "optimizer", "page_faults"):
+        per_rank = gather_floats([t[key] for t in c.times])
+        slowest = [max(col) for col in zip(*per_rank)]
+        out[key] = summarize(slowest)
+        if key == "step":
+            out["step_times"] = slowest
+    med = out["step"]["median"]
+    out["tokens_per_s"] = global_tokens / med
+    out["model_tflops_per_s"] = flops_per_token(spec.config(), spec.vocab, spec.seq) * global_tokens / med / 1e12
+    return out
+
+
+def elsize(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def expected_bytes(spec: ModelSpec, dtype: torch.dtype, name: str, n: int) -> dict:
+    """Analytic bytes sent per rank per step (ring algorithm, see wire_bytes).
+
+    ``issue_rule`` is the issue's target (ZeRO-3: 3 P (N-1)/N, no_shard: 2 P (N-1)/N).
+    ``precise`` also counts that a root unit is not resharded between its forward and its
+    backward (MFSDP and FSDP2 alike), so the root's parameters (embeddings, final norm) are
+    all-gathered once per step, not twice; the layout's row padding is what is left."""
+    e = elsize(dtype)
+    p = spec.num_params()
+    p_root = spec.vocab * spec.hidden + spec.seq * spec.hidden + 2 * spec.hidden
+    p_layers = p - p_root
+    f = (n - 1) / n
+    out = {"param_numel": p, "root_numel": p_root, "param_bytes": p * e}
+    if name in ("mfsdp_zero3", "fsdp2"):
+        out.update(issue_rule="3 P (N-1)/N", issue_bytes=3 * p * e * f, precise=(2 * p_layers + p_root + p) * e * f)
+    elif name in ("mfsdp_zero2", "mfsdp_no_shard"):
+        rule = "RS + AG after the step: 2 P (N-1)/N" if name == "mfsdp_zero2" else "all-reduce: 2 P (N-1)/N"
+        out.update(issue_rule=rule, issue_bytes=2 * p * e * f, precise=2 * p * e * f)
+    elif name == "ddp":
+        out.update(issue_rule="all-reduce of fp32 grads: 2 P4 (N-1)/N", issue_bytes=2 * p * 4 * f, precise=2 * p * 4 * f)
+    elif name == "mfsdp_hsdp":
+        inner, outer = 2, n // 2
+        fi, fo = (inner - 1) / inner, (outer - 1) / outer
+        out.update(issue_rule="inner 3 P (I-1)/I + outer all-reduce of the shard 2 (P/I) (O-1)/O",
+                   issue_bytes=3 * p * e * fi + 2 * (p / inner) * e * fo,
+                   precise=(2 * p_layers + p_root + p) * e * fi + 2 * (p / inner) * e * fo)
+    return out
+
+
+def padding_bound(c: Contender) -> Optional[dict]:
+    """MFSDP: persistent bytes vs 1/N of the unsharded total; the slack must stay below one
+    row of the largest tensor per parameter group."""
+    if c.kind != "mfsdp":
+        return None
+    slack_numel, bound_numel, total_numel = 0.0, 0, 0
+    for unit in c.ctx.units:
+        for group in unit.parameter_groups:
+            layout = group.layout
+            total_numel += layout.total_numel
+            slack_numel += layout.shard_numel - layout.total_numel / layout.num_shards
+            bound_numel += max(layout.row_numels) if layout.row_numels else 0
+    return {"unsharded_numel": total_numel, "shards": c.shard_size,
+            "padding_numel_per_rank": slack_numel, "one_row_per_group_numel": bound_numel,
+            "within_bound": slack_numel < bound_numel}
+
+
+_COUNTED_FUNCTIONS = {
+    # name in torch.distributed -> (kind, which argument holds what this rank contributes)
+    "all_gather_single": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "broadcast": "broadcast",
+}
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else world()
+
+
+def wire_bytes(kind: str, input_bytes: int, size: int) -> float:
+    """Bytes one rank sends for a collective under the bandwidth-optimal (ring) algorithm.
+
+    all_gather: contributes ``input_bytes`` (its shard), sends (N-1) shards.
+    reduce_scatter: contributes ``input_bytes`` (the full buffer), sends (N-1)/N of it.
+    all_reduce: reduce-scatter + all-gather of the buffer, 2 (N-1)/N of it."""
+    if size <= 1:
+        return 0.0
+    if kind == "all_gather":
+        return input_bytes * (size - 1)
+    if kind == "reduce_scatter":
+        return input_bytes * (size - 1) / size
+    if kind == "all_reduce":
+        return 2 * input_bytes * (size - 1) / size
+    return input_bytes * (size - 1) / size
+
+
+class CollectiveTap:
+    """Wraps the torch.distributed functions FSDP2 and MFSDP call, records
+    (kind, bytes this rank contributes, group size). Only installed for a counted step."""
+
+    def __init__(self):
+        self.records: List[tuple] = []
+        self._saved: Dict[str, Callable] = {}
+
+    def _wrap(self, name: str, fn: Callable, kind: str) -> Callable:
+        import inspect
+
+        signature = inspect.signature(fn)
+        contributed = {"all_gather": ("input_tensor",), "reduce_scatter": ("input",)}.get(kind, ("tensor",))
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            tensor = next((bound.arguments[k] for k in contributed if k in bound.arguments), None)
+            nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+            self.records.append((kind, nbytes, _group_size(bound.arguments.get("group"))))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def __enter__(self):
+        for name, kind in _COUNTED_FUNCTIONS.items():
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self._saved[name] = fn
+            setattr(dist, name, self._wrap(name, fn, kind))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved.clear()
+
+
+def summarize_records(records) -> dict:
+    by_kind: Dict[str, dict] = {}
+    for kind, nbytes, size in records:
+        entry = by_kind.setdefault(kind, {"calls": 0, "input_bytes": 0, "wire_bytes": 0.0})
+        entry["calls"] += 1
+        entry["input_bytes"] += nbytes
+        entry["wire_bytes"] += wire_bytes(kind, nbytes, size)
+    total = sum(e["wire_bytes"] for e in by_kind.values())
+    return {"by_kind": by_kind, "wire_bytes_total": total}
+
+
+def count_collectives(c, batch) -> dict:
+    """One extra, untimed step with the collective tap installed.
+
+    DDP reduces from C++ (its Reducer), which no Python wrapper sees: it is counted on a
+    throw-away DDP copy with a counting communication hook that does what DDP's default
+    does (all-reduce each bucket, divide by N)."""
+    inputs, labels = batch
+    if c.kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        records = []
+        probe = DistributedDataParallel(copy.deepcopy(c.model.module), gradient_as_bucket_view=True)
+
+        def hook(state, bucket):
+            buffer = bucket.buffer()
+            records.append(("all_reduce", buffer.numel() * buffer.element_size(), world()))
+            fut = dist.all_reduce(buffer, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0].div_(world()))
+
+        probe.register_comm_hook(None, hook)
+        with torch.autocast("cpu", dtype=c.dtype, enabled=c.autocast):
+            probe(inputs, labels=labels).mean().backward()
+        del probe
+        return summarize_records(records)
+    tap = CollectiveTap()
+    engine_before = len(c.ctx.counter.records) if c.kind == "mfsdp" else 0
+    with tap:
+        c.step(inputs, labels)
+    out = summarize_records(tap.records)
+    if c.kind == "mfsdp":
+        engine_records = [(r.kind, r.bytes, r.group_size) for r in c.ctx.counter.records[engine_before:]]
+        out["engine_counter"] = summarize_records(engine_records)
+        c.ctx.counter.reset()
+    return out
+
+
+HOOK_RANGE_PREFIX = "MFSDP "
+
+
+def _outermost(events) -> list:
+    """The ranges not nested in another one of the same thread (a hook run inside another
+    hook, e.g. a unit's post_backward inside the end of backward, counts once)."""
+    out, ends = [], {}
+    for e in sorted(events, key=lambda e: (e.thread, e.time_range.start)):
+        if e.time_range.start >= ends.get(e.thread, float("-inf")):
+            out.append(e)
+            ends[e.thread] = e.time_range.end
+    return out
+
+
+def hook_overhead(c, batch, steps: int) -> Optional[dict]:
+    """Wall time inside MFSDP's hooks per step, from the engine's own profiler ranges
+    (``MFSDP <unit> <hook>`` and ``MFSDP finish_backward``, record_function in
+    profiling.py): ``steps`` untimed steps under torch.profiler (CPU), summing the outermost
+    ranges. The ranges cover the hook bodies (unshard, reshard, launching and waiting for
+    collectives, the reductions' post-ops); the per-gradient copy into the reduce buffer
+    and the optimizer's post-step sync run outside them. The profiler's per-operator
+    bookkeeping inflates every figure a little, the same for every engine. None for an
+    engine without ranges (a snapshot from before they existed)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            c.step(*batch)
+        wall = time.perf_counter() - t
+    ranges = _outermost([e for e in prof.events() if e.name.startswith(HOOK_RANGE_PREFIX)])
+    if not ranges:
+        return None
+    by_hook: Dict[str, float] = {}
+    for e in ranges:
+        hook = e.name.rsplit(" ", 1)[-1]
+        by_hook[hook] = by_hook.get(hook, 0.0) + e.time_range.elapsed_us() / 1e6 / steps
+    hook_s = sum(by_hook.values())
+    units = len(c.ctx.units)
+    return {
+        "steps": steps, "units": units, "step_wall_s": wall / steps, "source": "torch.profiler ranges 'MFSDP ...'",
+        "hook_s_per_step": hook_s, "hook_s_per_unit_per_step": hook_s / units,
+        "by_hook_s_per_step": by_hook, "ranges_per_step": len(ranges) / steps,
+    }
+
+
+_ENGINE_DIRS = {
+    "mfsdp": os.path.join("megatron", "core", "distributed", "mfsdp_v2"),
+    "fsdp2": os.path.join("torch", "distributed", "fsdp", "_fully_shard"),
+    "ddp": os.path.join("torch", "nn", "parallel"),
+}
+
+
+_DTENSOR_DIR = os.path.join("torch", "distributed", "tensor")
+
+
+def profile_python_self_time(c: Contender, batch) -> dict:
+    """cProfile one step: self time (tottime) of Python frames in the wrapper's own source
+    files, and in DTensor's. cProfile slows Python down, so these are upper bounds; use
+    them to compare engines, not as absolute costs."""
+    inputs, labels = batch
+    prof = cProfile.Profile()
+    prof.enable()
+    t = time.perf_counter()
+    c.step(inputs, labels)
+    wall = time.perf_counter() - t
+    prof.disable()
+    stats = pstats.Stats(prof)
+    engine_dir = os.path.dirname(c.engine.__file__) if c.kind == "mfsdp" else _ENGINE_DIRS.get(c.kind)
+    engine, dtensor, top = 0.0, 0.0, []
+    for (filename, line, fn), (cc, nc, tottime, cumtime, callers) in stats.stats.items():
+        if engine_dir and engine_dir in filename:
+            engine += tottime
+            top.append((tottime, f"{os.path.basename(filename)}:{line}({fn})", nc))
+        elif _DTENSOR_DIR in filename:
+            dtensor += tottime
+    top.sort(reverse=True)
+    return {
+        "profiled_step_s": wall,
+        "engine_python_self_s": engine,
+        "dtensor_python_self_s": dtensor,
+        "top_engine_functions": [{"self_s": s, "function": f, "calls": n} for s, f, n in top[:12]],
+    }
