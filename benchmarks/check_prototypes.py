@@ -6,6 +6,7 @@ change that must not change numerics is proven to train bit for bit like its pre
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/check_prototypes.py
     python -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/check_prototypes.py --engine-rev HEAD
+    ... --engine-rev main --no-prototypes    # only the engine at main against the tree's
 
 For ZeRO-3, ZeRO-2 (and HSDP at 4 ranks), fp32 and bf16-with-fp32-main, 1 and 3
 microbatches, ``zero_grad(set_to_none=True)`` and ``False``: a stock and a patched copy of
@@ -52,8 +53,11 @@ def main() -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--engine-rev", default=None, help="also check the engine at this git revision against the tree's")
+    p.add_argument("--no-prototypes", action="store_true", help="check only the engine at --engine-rev")
     args = p.parse_args()
-    variants = ["+" + "+".join(PROTOS)] + ([f"@{args.engine_rev}"] if args.engine_rev else [])
+    if args.no_prototypes and not args.engine_rev:
+        p.error("--no-prototypes leaves nothing to check without --engine-rev")
+    variants = ([] if args.no_prototypes else ["+" + "+".join(PROTOS)]) + ([f"@{args.engine_rev}"] if args.engine_rev else [])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     meshes = cd.Meshes()

@@ -212,11 +212,11 @@ def targets(compare: Dict[int, dict], all_figs) -> (str, list):
 
 
 def hooks_table(compare: Dict[int, dict]) -> str:
+    hooks = ("pre_forward", "post_forward", "pre_backward", "post_backward", "finish_backward")
     lines = [
-        "| run | contender | units | hooks ms/step (wall) | of which blocked on collectives | own ms/step (wall) "
-        "| **own CPU ms / unit / step** | own wall ms / unit / step | cProfile: engine Python self ms/unit "
-        "(FSDP2 same measure) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | contender | units | **hooks ms/step** | ms / unit / step | " + " | ".join(hooks)
+        + " | cProfile: engine Python self ms/unit (FSDP2 same measure) |",
+        "|---|---|---|---|---|" + "---|" * len(hooks) + "---|",
     ]
     for n, data in sorted(compare.items()):
         for dtype, run in data["runs"].items():
@@ -224,16 +224,15 @@ def hooks_table(compare: Dict[int, dict]) -> str:
             f2 = res.get("fsdp2", {}).get("python_profile")
             for name, r in res.items():
                 h = r.get("hooks")
-                if not h:
+                if not h or "by_hook_s_per_step" not in h:  # none, or timed before the profiler ranges
                     continue
                 prof = r.get("python_profile")
                 p = (f"{prof['engine_python_self_s_per_unit'] * 1e3:.2f} ({f2['engine_python_self_s_per_unit'] * 1e3:.2f})"
                      if prof and f2 else "–")
+                per_hook = " | ".join(f"{h['by_hook_s_per_step'].get(k, 0.0) * 1e3:.1f}" for k in hooks)
                 lines.append(
-                    f"| N={n} {dtype} | {LABELS.get(name, name)} | {h['units']} | {h['hook_s_per_step'] * 1e3:.1f} "
-                    f"| {h['wait_s_per_step'] * 1e3:.1f} | {h['own_s_per_step'] * 1e3:.1f} "
-                    f"| **{h.get('own_cpu_s_per_unit_per_step', float('nan')) * 1e3:.2f}** "
-                    f"| {h['own_s_per_unit_per_step'] * 1e3:.2f} | {p} |")
+                    f"| N={n} {dtype} | {LABELS.get(name, name)} | {h['units']} | **{h['hook_s_per_step'] * 1e3:.1f}** "
+                    f"| {h['hook_s_per_unit_per_step'] * 1e3:.2f} | {per_hook} | {p} |")
     return "\n".join(lines)
 
 
@@ -416,7 +415,7 @@ def optim_table(optim: Dict[int, dict]) -> str:
                       f"Interleaved, {run['steps']} measured rounds; load average {run['loadavg_before'][0]:.2f} -> "
                       f"{run['loadavg_after'][0]:.2f}.", "",
                       "| variant | step ms median [p25-p75] | x stock | x FSDP2 | fwd / bwd / opt ms "
-                      "| engine's own CPU ms / unit / step | page faults / step | peak RSS MiB/rank over start (x FSDP2) "
+                      "| hook ms / unit / step | page faults / step | peak RSS MiB/rank over start (x FSDP2) "
                       "| loss = stock |",
                       "|---|---|---|---|---|---|---|---|---|"]
             rss = data.get("rss", {}).get(dtype, {})
@@ -426,7 +425,7 @@ def optim_table(optim: Dict[int, dict]) -> str:
                     continue
                 t = r["timing"]
                 h = r.get("hooks")
-                own = "–" if not h else f"{h.get('own_cpu_s_per_unit_per_step', h['own_s_per_unit_per_step']) * 1e3:.2f}"
+                own = "–" if not h or "hook_s_per_unit_per_step" not in h else f"{h['hook_s_per_unit_per_step'] * 1e3:.2f}"
                 if stock is None:
                     same = "–"
                 elif r["losses"] == stock["losses"]:
@@ -511,15 +510,12 @@ def write_report(out: str, meta: Optional[dict] = None) -> List[str]:
         summary["targets"] = checks
         md += ["## Targets", "", table, "", "## Hook overhead (MFSDP's own work per unit per step)", "",
                hooks_table(compare), "",
-               "Measured with timers around MFSDP's hooks (pre/post forward, pre/post backward, the gradient hooks, "
-               "end of backward, optimizer sync) on 3 untimed steps. **Own CPU** = CPU time of the training thread inside the hooks "
-               "(`time.thread_time`): the engine's Python, launching collectives, and its own tensor work (copying "
-               "gradients into the reduce buffer, post-ops such as the division and the copy-out of padding-split "
-               "tensors); it excludes time blocked in waits and time the thread is descheduled, so it stays "
-               "meaningful at 4 ranks on 2 cores. Own wall = hook wall time minus the wall time blocked in "
-               "`CollectiveWork` waits (inflated by preemption at N=4). The cProfile column is the self time of "
-               "Python frames in the engine's source files during one profiled step (inflated by cProfile; "
-               "comparable between the two engines).",
+               "Wall time inside the engine's profiler ranges (`MFSDP <unit> <hook>`, `MFSDP finish_backward`; "
+               "torch.profiler on 3 untimed steps, outermost ranges summed): the engine's Python, unshard/reshard, "
+               "launching and waiting for collectives, the reductions' post-ops. The per-gradient copy into the "
+               "reduce buffer and the optimizer's post-step sync run outside the ranges. A snapshot engine from "
+               "before the ranges shows no row. The cProfile column is the self time of Python frames in the "
+               "engine's source files during one profiled step (inflated by cProfile; comparable between engines).",
                ""]
     if optim:
         commands = sorted({d.get("driver", {}).get("command", "") for d in optim.values()} - {""})

@@ -97,6 +97,8 @@ def main(argv=None) -> None:
                    help="variants of ZeRO-3 measured by --optimizations against the stock engine, comma-separated: "
                         "prototypes.py names ('+' combines them) and '@REV' for the engine at git revision REV "
                         "(engine_snapshot.py), e.g. @HEAD~1 for the engine before the last commit")
+    p.add_argument("--optim-extra", default="",
+                   help="more contenders for the --optimizations run, comma-separated, e.g. mfsdp_zero2,ddp")
     p.add_argument("--allocators", default=None,
                    help="comma-separated --malloc settings for an allocator-sensitivity run (N=2, fp32, "
                         "ZeRO-3 / FSDP2 / DDP, with peak RSS), e.g. default,mmap64k")
@@ -148,7 +150,7 @@ def main(argv=None) -> None:
     if args.optimizations:
         variants = args.prototypes.split(",")
         names = ["mfsdp_zero3"] + [f"mfsdp_zero3{v}" if v.startswith("@") else f"mfsdp_zero3+{v}" for v in variants]
-        names.append("fsdp2")
+        names += [name for name in args.optim_extra.split(",") if name] + ["fsdp2"]
         for n in world_sizes:
             worker = ["--mode", "compare", "--dtypes", args.dtypes, "--contenders", ",".join(names), "--no-profile",
                       "--no-count-no-shard"] + ([] if args.no_rss else ["--rss"]) + common
