@@ -17,24 +17,27 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from contenders import Meshes, ModelSpec, Options, build, build_reference, default_contenders, dtype_name, make_batches, resolve_spec
+from contenders import (Meshes, ModelSpec, Options, build, build_reference, default_contenders, dtype_name,
+                        make_batches, resolve_spec)
 from measurement import gather_floats, world
 
 
-def rss_bytes() -> int:
+def _status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (reported in kB)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def rss_bytes() -> int:
+    return _status_bytes("VmRSS")
 
 
 def hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """Peak RSS since the process started or since reset_hwm()."""
+    return _status_bytes("VmHWM")
 
 
 def reset_hwm() -> bool:
