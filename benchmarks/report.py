@@ -211,14 +211,15 @@ def targets(compare: Dict[int, dict], all_figs) -> (str, list):
     return table, checks
 
 
-def hooks_table(compare: Dict[int, dict]) -> str:
+def hooks_table(*sources: Dict[int, dict]) -> str:
+    """One row per MFSDP contender with hook times, over the comparison and the before/after runs."""
     hooks = ("pre_forward", "post_forward", "pre_backward", "post_backward", "finish_backward")
     lines = [
         "| run | contender | units | **hooks ms/step** | ms / unit / step | " + " | ".join(hooks)
         + " | cProfile: engine Python self ms/unit (FSDP2 same measure) |",
         "|---|---|---|---|---|" + "---|" * len(hooks) + "---|",
     ]
-    for n, data in sorted(compare.items()):
+    for n, data in (item for source in sources for item in sorted(source.items())):
         for dtype, run in data["runs"].items():
             res = run["results"]
             f2 = res.get("fsdp2", {}).get("python_profile")
@@ -435,7 +436,8 @@ def optim_table(optim: Dict[int, dict]) -> str:
                 base_step = stock["timing"]["step"]["median"] if stock else None
                 f2_step = f2["timing"]["step"]["median"] if f2 else None
                 faults = t.get("page_faults", {}).get("median", float("nan"))
-                label = name.replace("mfsdp_zero3", "ZeRO-3").replace("fsdp2", "FSDP2")
+                label = (name.replace("mfsdp_zero3", "ZeRO-3").replace("mfsdp_zero2", "ZeRO-2").replace("fsdp2", "FSDP2")
+                         .replace("ddp", "DDP"))
                 mine = rss.get(name, {}).get("peak_over_start_max")
                 peak = "–" if mine is None else f"{mine / MiB:.0f} ({_fmt_ratio(_ratio(mine, f2_rss))})"
                 lines.append(
@@ -509,7 +511,7 @@ def write_report(out: str, meta: Optional[dict] = None) -> List[str]:
         table, checks = targets(compare, all_figs)
         summary["targets"] = checks
         md += ["## Targets", "", table, "", "## Hook overhead (MFSDP's own work per unit per step)", "",
-               hooks_table(compare), "",
+               hooks_table(compare, optim), "",
                "Wall time inside the engine's profiler ranges (`MFSDP <unit> <hook>`, `MFSDP finish_backward`; "
                "torch.profiler on 3 untimed steps, outermost ranges summed): the engine's Python, unshard/reshard, "
                "launching and waiting for collectives, the reductions' post-ops. The per-gradient copy into the "
