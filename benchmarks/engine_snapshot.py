@@ -9,7 +9,6 @@ the two copies do not interfere: each has its own classes, hooks and contexts.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import subprocess
@@ -55,8 +54,3 @@ def load(rev: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def submodule(engine: ModuleType, name: str) -> ModuleType:
-    """``engine.<name>`` (context, module, parameter_group, work, ...) for either copy."""
-    return importlib.import_module(f"{engine.__name__}.{name}")
