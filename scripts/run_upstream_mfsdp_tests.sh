@@ -31,7 +31,7 @@ CUDA_VISIBLE_DEVICES="" PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$repo${PYTHONPATH:
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MFSDP_UPSTREAM_RESULTS="$work/results" \
     timeout "${MFSDP_UPSTREAM_TIMEOUT:-600}" python -m torch.distributed.run --standalone \
     --nproc-per-node "$nproc" --log-dir "$work/logs" --redirects 3 --tee 3 --local-ranks-filter 0 \
-    -m pytest -q -p no:cacheprovider -c "$work/pytest.ini" --rootdir "$work" --timeout 120 \
+    -m pytest -q -p no:cacheprovider -c "$work/pytest.ini" --rootdir "$work" --timeout 120 --tb=short \
     mfsdp_v2/test_context.py mfsdp_v2/test_fully_shard.py mfsdp_v2/test_checkpoint.py "$@" \
     || status=$?
 echo "=== upstream MFSDP v2 tests, gloo, $nproc ranks (pytest/torchrun exit $status) ==="
