@@ -6,7 +6,7 @@
 `export` reads the test files from UPSTREAM_GIT_DIR's HEAD with `git show` (nothing of
 upstream is vendored here), applies the textual rewrites in REWRITES, checks that each
 rewrite still matches and that no reference to upstream's package is left, and lays out
-WORK_DIR as a small pytest tree whose root conftest is ours (shim/conftest.py).
+WORK_DIR as a small pytest tree whose root conftest is ours (shim/root_conftest.py).
 `summary` merges the per-rank result files the shim writes into one line per test.
 """
 
@@ -84,7 +84,7 @@ def export(git_dir: str, work_dir: str) -> None:
     if stale:
         sys.exit(f"rewrite rules that matched nothing (upstream changed?): {stale}")
     # Our shim: the root conftest, and the helpers the rewritten imports name.
-    shutil.copy(SHIM_DIR / "conftest.py", work / "conftest.py")
+    shutil.copy(SHIM_DIR / "root_conftest.py", work / "conftest.py")
     for helper in ("profiler_utils.py", "upstream_helpers.py"):
         shutil.copy(SHIM_DIR / helper, tests / helper)
     (work / "pytest.ini").write_text("[pytest]\n")

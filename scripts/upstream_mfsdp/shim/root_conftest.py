@@ -1,4 +1,5 @@
-"""Root conftest for upstream's MFSDP v2 tests run against this package (not part of CI).
+"""Root conftest of the exported tree (copied in as conftest.py) for upstream's MFSDP v2
+tests run against this package. Not part of CI.
 
 It stands in for what upstream's top-level tests/unit_tests/conftest.py gives those tests,
 on CPU/gloo:
