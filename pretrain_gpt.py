@@ -24,6 +24,7 @@ from megatron.training import pretrain, print_rank_0  # noqa: E402
 
 def core_transformer_config_from_args(args):
     from megatron.core.transformer import TransformerConfig
+    from megatron.training.model_builder import activation_from_args
 
     return TransformerConfig(
         num_layers=args.num_layers,
@@ -36,7 +37,7 @@ def core_transformer_config_from_args(args):
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu,
-        activation_func="silu" if args.swiglu else "gelu",
+        activation_func=activation_from_args(vars(args)),
         add_bias_linear=args.add_bias_linear,
         init_method_std=args.init_method_std,
         params_dtype=args.params_dtype,
@@ -58,6 +59,7 @@ def model_provider(args):
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        unpadded_vocab_size=getattr(args, "unpadded_vocab_size", None),
     )
 
 

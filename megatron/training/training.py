@@ -57,6 +57,8 @@ def build_tokenizer_from_args(args):
         vocab_size=args.vocab_size,
     )
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
+    # The model gives the padding rows -inf logits (out of the loss and of sampling).
+    args.unpadded_vocab_size = tokenizer.vocab_size
     return tokenizer
 
 
