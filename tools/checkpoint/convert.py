@@ -317,6 +317,10 @@ def main(argv=None) -> int:
     except (FileExistsError, FileNotFoundError, ValueError, RuntimeError, KeyError) as e:
         print(f"convert.py: error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:  # an optional package: safetensors / transformers
+        print(f"convert.py: error: {e}; install the conversion extras: pip install -e '.[hf]' "
+              "(or MEGATRON_EXTRAS=hf source scripts/setup_env.sh).", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -235,6 +235,10 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError, RuntimeError, KeyError) as e:
         print(f"inspect.py: error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:  # an optional package: safetensors / transformers
+        print(f"inspect.py: error: {e}; install the conversion extras: pip install -e '.[hf]' "
+              "(or MEGATRON_EXTRAS=hf source scripts/setup_env.sh).", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
