@@ -210,3 +210,12 @@ def test_inspect_compares_with_a_hugging_face_directory(imported, tmp_path, caps
     assert inspect_tool.main([str(changed), "--compare", str(mfsdp)]) == 1
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("decoder.layers.1.mlp.linear_fc1.bias"))
     assert float(line.split()[-1]) == pytest.approx(0.5)
+
+
+def test_openai_gelu_and_swiglu_together_are_refused():
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "100", "--openai-gelu"]
+    assert parse_args(argv, world_size=1, cuda_available=False).openai_gelu
+    with pytest.raises(ValueError, match="--openai-gelu and --swiglu"):
+        parse_args(argv + ["--swiglu"], world_size=1, cuda_available=False)
