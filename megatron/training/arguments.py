@@ -145,9 +145,21 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="accepted with --use-mfsdp (sharding is set by --data-parallel-sharding-strategy)")
 
+    _add_activation_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
     return parser
+
+
+def _add_activation_args(parser):
+    g = parser.add_argument_group("activation")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="the tanh approximation of GELU (GPT-2's gelu_new; Hugging Face GPT-2 checkpoints use it)")
+
+
+def _validate_activation(args):
+    if args.openai_gelu and args.swiglu:
+        raise ValueError("--openai-gelu and --swiglu both choose the MLP activation; pass one of them.")
 
 
 def parse_args(
@@ -395,6 +407,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
 
     # --- tokenizer ---------------------------------------------------------------------------
     _validate_tokenizer(args)
+    _validate_activation(args)
 
     # --- logging and checkpointing -----------------------------------------------------------
     if args.save_interval is not None and args.save is None:

@@ -443,6 +443,20 @@ def _commit(root: str, iteration: int, tmp: str, final: str, common: Dict[str, A
 # ----------------------------------------------------------------------------------------
 
 
+def _model_mismatch(path: str, saved: Dict[str, Any], args: argparse.Namespace) -> Optional[str]:
+    """What the tensors cannot show but the model depends on: the activation. The message
+    names the flag that builds the checkpoint's model; None when they agree."""
+    from megatron.training.model_builder import ACTIVATION_FLAGS, activation_from_args
+
+    if not hasattr(args, "swiglu") or not any(k in saved for k in ("swiglu", "openai_gelu", "activation_func")):
+        return None  # a caller without model flags (a tool), or a checkpoint that does not say
+    theirs, ours = activation_from_args(saved), activation_from_args(vars(args))
+    if theirs == ours:
+        return None
+    return (f"{path} holds a model with the {theirs} activation, but these flags build {ours}; "
+            f"pass {ACTIVATION_FLAGS.get(theirs, theirs)} to build the checkpoint's model.")
+
+
 def load_checkpoint(
     model: torch.nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
@@ -473,6 +487,7 @@ def load_checkpoint(
     except RuntimeError as e:
         error = str(e)
     _agree(error)
+    _agree(_model_mismatch(path, common.get("args") or {}, args), ValueError)
 
     model_only = bool(common.get("model_only")) or finetune
     if model_only:

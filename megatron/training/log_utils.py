@@ -78,12 +78,15 @@ def perplexity(loss: float) -> float:
     return math.exp(min(20.0, loss))
 
 
-def format_validation_box(prefix: str, losses: Dict[str, float]) -> str:
-    """Megatron's boxed evaluation report, e.g. for prefix 'iteration 100 on validation set'."""
+def format_validation_box(prefix: str, losses: Dict[str, float], bits_per_character: Optional[float] = None) -> str:
+    """Megatron's boxed evaluation report, e.g. for prefix 'iteration 100 on validation set';
+    the loss in bits per character, when known, comes last."""
     s = f" validation loss at {prefix} | "
     for key, value in losses.items():
         s += "{} value: {:.6E} | ".format(key, value)
         s += "{} PPL: {:.6E} | ".format(key, perplexity(value))
+    if bits_per_character is not None:
+        s += "bits per character: {:.4f} | ".format(bits_per_character)
     rule = "-" * (len(s) + 1)
     return "\n".join([rule, s, rule])
 

@@ -16,6 +16,21 @@ import torch
 import torch.distributed as dist
 
 
+# The activation each flag combination builds, and the flags that select it.
+ACTIVATION_FLAGS = {"silu": "--swiglu", "gelu_tanh": "--openai-gelu", "gelu": "neither --swiglu nor --openai-gelu"}
+
+
+def activation_from_args(args: dict) -> str:
+    """The MLP activation that saved (or parsed) arguments build: SwiGLU's silu, the tanh
+    GELU of ``--openai-gelu`` (GPT-2's ``gelu_new``), else the exact GELU. A checkpoint
+    written by convert.py records the name itself as ``activation_func``."""
+    if args.get("swiglu"):
+        return "silu"
+    if args.get("activation_func"):
+        return args["activation_func"]
+    return "gelu_tanh" if args.get("openai_gelu") else "gelu"
+
+
 @dataclasses.dataclass
 class BuiltModel:
     model: torch.nn.Module  # what the schedule calls: the FSDP root, a DDP wrapper or the plain model

@@ -57,6 +57,8 @@ def build_tokenizer_from_args(args):
         vocab_size=args.vocab_size,
     )
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
+    # The model gives the padding rows -inf logits (out of the loss and of sampling).
+    args.unpadded_vocab_size = tokenizer.vocab_size
     return tokenizer
 
 
@@ -179,6 +181,7 @@ def pretrain(
             with torch.random.fork_rng(devices=[]):
                 train_iter = DeviceIterator(loader, device)
         trainer.valid_ds, trainer.test_ds = valid_ds, test_ds
+        trainer.tokenizer = tokenizer
 
         print_rank_0("> training ...")
         iteration = trainer.train(train_iter, iteration, consumed)
@@ -245,6 +248,8 @@ class _Trainer:
         self.last_metrics: Dict[str, float] = {}
         self.valid_ds = None
         self.test_ds = None
+        self.tokenizer = None  # for bits per character
+        self._text_sizes = {}
         self.consumed = 0
         self.skipped_iterations = 0
         self.nan_iterations = 0
@@ -405,10 +410,27 @@ class _Trainer:
         loss_sum, tokens = _all_reduce_sum(total.tolist(), self.device).tolist()
         return loss_sum / max(tokens, 1.0)
 
+    def _bits_per_character(self, dataset, loss: float) -> Optional[float]:
+        """The loss in bits per character of the evaluated text (None without text)."""
+        from megatron.training.text_metrics import bits_per_character, characters_and_tokens
+
+        if self.tokenizer is None:
+            return None
+        key = id(dataset)
+        if key not in self._text_sizes:  # the same samples at every evaluation: count once
+            self._text_sizes[key] = characters_and_tokens(dataset, self.args.eval_iters * self.args.global_batch_size,
+                                                          self.tokenizer)
+        sizes = self._text_sizes[key]
+        return bits_per_character(loss, *sizes) if sizes else None
+
     def evaluate_and_print(self, iteration: int, prefix: str, dataset, split: str) -> float:
         loss = self.evaluate(dataset)
-        print_rank_0(format_validation_box(prefix, {"lm loss": loss}))
-        self.writer.write(split, iteration, {"lm_loss": loss, "lm_loss_ppl": perplexity(loss)})
+        bpc = self._bits_per_character(dataset, loss)
+        print_rank_0(format_validation_box(prefix, {"lm loss": loss}, bits_per_character=bpc))
+        metrics = {"lm_loss": loss, "lm_loss_ppl": perplexity(loss)}
+        if bpc is not None:
+            metrics["bits_per_character"] = bpc
+        self.writer.write(split, iteration, metrics)
         self.writer.flush()
         if split == "validation":
             self.last_eval_iteration = iteration
