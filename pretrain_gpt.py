@@ -42,6 +42,8 @@ def core_transformer_config_from_args(args):
         init_method_std=args.init_method_std,
         params_dtype=args.params_dtype,
         recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         transformer_impl=args.transformer_impl,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,

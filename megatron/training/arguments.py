@@ -51,7 +51,6 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local")
-    g.add_argument("--recompute-granularity", choices=("full",), default=None)
 
     g = parser.add_argument_group("batch")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -146,6 +145,8 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
                    help="accepted with --use-mfsdp (sharding is set by --data-parallel-sharding-strategy)")
 
     _add_activation_args(parser)
+    _add_memory_args(parser)
+
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
     return parser
@@ -160,6 +161,27 @@ def _add_activation_args(parser):
 def _validate_activation(args):
     if args.openai_gelu and args.swiglu:
         raise ValueError("--openai-gelu and --swiglu both choose the MLP activation; pass one of them.")
+
+
+def _add_memory_args(parser: argparse.ArgumentParser) -> None:
+    """Flags that trade compute for memory: meta-device build and activation recompute."""
+    g = parser.add_argument_group("memory (meta-device build, activation recompute)")
+    g.add_argument("--init-model-with-meta-device", dest="init_model_with_meta_device", action="store_true",
+                   default=True, help="with --use-mfsdp: build parameters on meta, materialize per unit "
+                   "into shards (default on)")
+    g.add_argument("--no-init-model-with-meta-device", dest="init_model_with_meta_device", action="store_false",
+                   help="build the whole model on every rank before sharding")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="full: recompute whole layers; selective: the attention core only")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with full: uniform chunks of --recompute-num-layers, or the first N layers (block)")
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+
+def _validate_memory_args(args: argparse.Namespace) -> None:
+    from megatron.core.transformer.transformer_config import check_recompute
+
+    check_recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers, args.num_layers)
 
 
 def parse_args(
@@ -408,6 +430,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     # --- tokenizer ---------------------------------------------------------------------------
     _validate_tokenizer(args)
     _validate_activation(args)
+    _validate_memory_args(args)
 
     # --- logging and checkpointing -----------------------------------------------------------
     if args.save_interval is not None and args.save is None:
