@@ -77,7 +77,7 @@ def test_warmup_fraction_and_iters():
         ("--num-distributed-optimizer-instances 2", 2, "add --use-mfsdp"),
         ("--mfsdp-unify-communication-stream", 1, "add --use-mfsdp"),
         ("--use-mfsdp --megatron-fsdp-main-params-dtype bf16", 1, "add --bf16"),
-        ("--fp16", 1, "use --bf16"),
+        ("--fp16 --bf16", 1, "only one of --fp16 and --bf16"),
         ("--distributed-backend nccl", 1, "use --distributed-backend gloo on CPU"),
         ("--transformer-impl transformer_engine", 1, "use --transformer-impl local on CPU"),
         ("--lr-warmup-iters 10", 1, "warmup .* must be shorter than the decay"),
