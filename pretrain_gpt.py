@@ -25,7 +25,7 @@ from megatron.training import pretrain, print_rank_0  # noqa: E402
 def core_transformer_config_from_args(args):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -44,7 +44,15 @@ def core_transformer_config_from_args(args):
         transformer_impl=args.transformer_impl,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        kv_channels=args.kv_channels,
+        rotary_percent=args.rotary_percent,
+        apply_layernorm_1p=args.apply_layernorm_1p,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        attention_backend=args.attention_backend,
     )
+    if args.squared_relu:
+        config.activation_func = "squared_relu"
+    return config
 
 
 def model_provider(args):
@@ -99,6 +107,7 @@ def train_valid_test_datasets_provider(args, tokenizer, train_val_test_num_sampl
         cache_dir,
         eod_mask_loss=args.eod_mask_loss,
         eod_token=tokenizer.eod,
+        mmap_bin_files=args.mmap_bin_files,
     )
 
 
