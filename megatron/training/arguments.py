@@ -596,6 +596,11 @@ def _validate_fidelity(args: argparse.Namespace) -> None:
             )
     if args.apply_layernorm_1p and args.normalization != "LayerNorm":
         raise ValueError("--apply-layernorm-1p applies to LayerNorm; drop it or use --normalization LayerNorm.")
+    if args.device_type == "cpu" and args.attention_backend == "fused":
+        raise ValueError("--attention-backend fused has no CPU kernel; use auto, flash or unfused on CPU.")
+    if (args.device_type == "cpu" and args.attention_backend == "flash" and args.attention_dropout > 0):
+        raise ValueError("--attention-backend flash takes no attention dropout on CPU; add --attention-dropout 0 "
+                         "or use --attention-backend unfused/auto.")
     if args.manual_gc_interval < 0:
         raise ValueError("--manual-gc-interval must be non-negative (0: never during training).")
     if args.min_loss_scale > args.initial_loss_scale:
@@ -666,8 +671,11 @@ def _validate_paths(args: argparse.Namespace) -> None:
                        ("--log-dir", args.log_dir), ("--wandb-save-dir", args.wandb_save_dir),
                        ("--data-cache-path", args.data_cache_path)):
         _check_writable_dir(flag, path)
-    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
-                         "(or drop --tensorboard-dir; --log-dir writes metrics.jsonl without it).")
+    if args.tensorboard_dir:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"--tensorboard-dir needs the tensorboard package ({e}): pip install tensorboard "
+                             "(or drop --tensorboard-dir; --log-dir writes metrics.jsonl without it).") from None
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ValueError("--wandb-project needs the wandb package: pip install wandb (or drop --wandb-project).")

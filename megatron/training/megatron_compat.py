@@ -159,7 +159,7 @@ REJECTED: Dict[str, str] = {
 
 class _Rejected(argparse.Action):
     def __init__(self, option_strings, dest, **kwargs):
-        kwargs.update(nargs="?", default=None)
+        kwargs.update(nargs="?", default=argparse.SUPPRESS)
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -202,5 +202,5 @@ def suggest_flags(unknown: List[str], parser: argparse.ArgumentParser) -> str:
             continue
         match = difflib.get_close_matches(token.split("=", 1)[0], known, n=1, cutoff=0.75)
         if match:
-            hints.append(f"{token} -> {match[0]}")
-    return f" (did you mean: {', '.join(hints)}?)" if hints else ""
+            hints.append(match[0] if len(unknown) == 1 else f"{match[0]} for {token}")
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""

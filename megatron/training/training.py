@@ -64,10 +64,65 @@ def build_tokenizer_from_args(args):
     return tokenizer
 
 
-def _usage_error(message: str) -> None:
+class UserError(Exception):
+    """A problem with the command line or the files it names (not a bug): reported as one
+    line from rank 0 and a non-zero exit, without a traceback."""
+
+
+# What a bad data path, tokenizer, checkpoint or save path raises in the stages that read them.
+_USER_ERROR_TYPES = (ValueError, OSError, RuntimeError, ImportError)
+
+
+@contextlib.contextmanager
+def _user_errors(stage: str):
+    try:
+        yield
+    except UserError:
+        raise
+    except _USER_ERROR_TYPES as e:
+        raise UserError(f"{stage}: {e}") from e
+
+
+def _report_user_error(message: str, exit_code: int, error: BaseException) -> None:
+    """Rank 0 prints ``prog: error: message``; every rank exits with ``exit_code``.
+    MEGATRON_DEBUG_TRACEBACK=1 adds the traceback on every rank."""
+    import traceback
+
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "pretrain_gpt.py"
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    rank = dist.get_rank() if dist.is_initialized() else _env_rank()
+    debug = os.environ.get("MEGATRON_DEBUG_TRACEBACK", "0") not in ("", "0")
+    if debug:
+        traceback.print_exception(error, file=sys.stderr)
+    if rank == 0 or debug:
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    _write_torchelastic_error_file(message)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(exit_code)
+
+
+def _env_rank() -> int:
+    try:
+        from megatron.training.initialize import get_distributed_env
+
+        return get_distributed_env().rank
+    except ValueError:
+        return 0
+
+
+def _write_torchelastic_error_file(message: str) -> None:
+    # torchrun names this worker's failure with the file's message instead of "<N/A>".
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
 
 
 def _world():
@@ -115,11 +170,19 @@ def pretrain(
     try:
         args = parse_args(argv, extra_args_provider=extra_args_provider, args_defaults=args_defaults)
     except ValueError as e:
-        _usage_error(str(e))
+        _report_user_error(str(e), 2, e)
+    try:
+        return _pretrain(args, start_time, train_valid_test_datasets_provider, model_provider, forward_step_func)
+    except UserError as e:
+        _report_user_error(str(e), 1, e)
+
+
+def _pretrain(args, start_time, train_valid_test_datasets_provider, model_provider, forward_step_func):
 
     if args.deterministic_mode:
         set_deterministic_mode()
-    device = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    with _user_errors("distributed initialization"):
+        device = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     if args.exit_signal_handler:
         install_exit_signal_handler(signal.Signals[args.exit_signal])
     writer = MetricsWriter()
@@ -127,7 +190,8 @@ def pretrain(
         set_random_seed(args.seed)
         rank = dist.get_rank()
         print_rank_0(_format_args(args))
-        tokenizer = build_tokenizer_from_args(args)
+        with _user_errors("tokenizer"):
+            tokenizer = build_tokenizer_from_args(args)
         print_rank_0(
             f"> tokenizer {args.tokenizer_type}: vocab size {tokenizer.vocab_size} padded to {args.padded_vocab_size}"
         )
@@ -146,10 +210,11 @@ def pretrain(
             f"device {device.type}, {args.num_microbatches} microbatch(es) of {args.micro_batch_size} per rank per step"
         )
 
-        iteration, consumed = load_checkpoint(
-            built.model, optimizer, scheduler, args,
-            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-        )
+        with _user_errors(f"--load {args.load}"):
+            iteration, consumed = load_checkpoint(
+                built.model, optimizer, scheduler, args,
+                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+            )
         if iteration:
             print_rank_0(f"> resumed from {args.load} at iteration {iteration} ({consumed} samples consumed)")
         if iteration >= args.train_iters:
@@ -162,17 +227,19 @@ def pretrain(
                 jsonl = os.path.join(args.log_dir, "metrics.jsonl")
             elif args.tensorboard_dir:
                 jsonl = os.path.join(args.tensorboard_dir, "metrics.jsonl")
-            writer = MetricsWriter(
-                jsonl_path=jsonl,
-                tensorboard_dir=args.tensorboard_dir,
-                wandb_project=args.wandb_project,
-                wandb_exp_name=args.wandb_exp_name,
-                wandb_save_dir=args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None),
-                config=jsonable_config(args),
-                wandb_entity=args.wandb_entity,
-            )
+            with _user_errors("logging"):
+                writer = MetricsWriter(
+                    jsonl_path=jsonl,
+                    tensorboard_dir=args.tensorboard_dir,
+                    wandb_project=args.wandb_project,
+                    wandb_exp_name=args.wandb_exp_name,
+                    wandb_save_dir=args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None),
+                    config=jsonable_config(args),
+                    wandb_entity=args.wandb_entity,
+                )
 
-        train_ds, valid_ds, test_ds = _build_datasets(args, tokenizer, train_valid_test_datasets_provider)
+        with _user_errors("data"):
+            train_ds, valid_ds, test_ds = _build_datasets(args, tokenizer, train_valid_test_datasets_provider)
         print_rank_0(f"> initialization done in {time.time() - start_time:.1f} s")
 
         trainer = _Trainer(args, built, optimizer, scheduler, forward_step_func, device, writer)
@@ -532,10 +599,11 @@ class _Trainer:
 
     def save(self, iteration: int) -> None:
         start = time.time()
-        path = save_checkpoint(
-            iteration, self.built.model, self.optimizer, self.scheduler, self.args,
-            consumed_train_samples=self.consumed,
-        )
+        with _user_errors(f"--save {self.args.save}"):
+            path = save_checkpoint(
+                iteration, self.built.model, self.optimizer, self.scheduler, self.args,
+                consumed_train_samples=self.consumed,
+            )
         self.last_saved_iteration = iteration
         print_rank_0(f"> saved checkpoint at iteration {iteration} to {path} in {time.time() - start:.1f} s")
 
