@@ -145,6 +145,8 @@ REJECTED: Dict[str, str] = {
     "--check-weight-hash-across-dp-replicas-interval": "not implemented; drop it",
     "--save-retain-interval": "not implemented: every saved iteration is kept; delete old ones yourself",
     "--exit-duration-in-mins": "not implemented; use --exit-interval, or --exit-signal-handler with the scheduler's signal",
+    "--step-batch-size-schedule": "batch-size ramp-up is not supported; use a fixed --global-batch-size",
+    "--rampup-batch-size": "batch-size ramp-up is not supported; use a fixed --global-batch-size",
     "--eval-global-batch-size": "evaluation uses --global-batch-size; drop it",
     "--log-straggler": "straggler detection is not implemented; drop it",
     "--straggler-minmax-count": "straggler detection is not implemented; drop it",
