@@ -165,7 +165,8 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--megatron-fsdp-grad-comm-dtype", choices=("auto",) + tuple(_DTYPES), default=None)
     g.add_argument("--mfsdp-unify-communication-stream", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="accepted with --use-mfsdp (sharding is set by --data-parallel-sharding-strategy)")
+                   help="with --use-mfsdp: accepted (--data-parallel-sharding-strategy decides); without: "
+                        "upstream's DDP + distributed optimizer, i.e. MFSDP ZeRO-1 (optim)")
 
     _add_fidelity_args(parser)
     add_megatron_compat_args(parser)
