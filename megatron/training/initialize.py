@@ -202,12 +202,7 @@ def initialize_distributed(
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("backend nccl needs CUDA; use --distributed-backend gloo on CPU.")
-        if env.local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"local rank {env.local_rank} has no GPU (this node has {torch.cuda.device_count()}); "
-                "start one process per GPU (torchrun --nproc-per-node / srun --ntasks-per-node)."
-            )
-        device = torch.device("cuda", env.local_rank)
+        device = torch.device("cuda", local_gpu_index(env.local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -244,6 +239,20 @@ def initialize_distributed(
             **kwargs,
         )
     return device
+
+
+def local_gpu_index(local_rank: int, visible_gpus: int) -> int:
+    """The GPU of this process: its local rank, or the only visible one when the launcher
+    binds one GPU per task (``srun --gpus-per-task=1`` sets CUDA_VISIBLE_DEVICES per task)."""
+    if local_rank < visible_gpus:
+        return local_rank
+    if visible_gpus == 1:
+        return 0
+    raise RuntimeError(
+        f"local rank {local_rank} has no GPU (this process sees {visible_gpus}); "
+        "start one process per GPU (torchrun --nproc-per-node / srun --ntasks-per-node), "
+        "or bind one GPU per task (srun --gpus-per-task=1)."
+    )
 
 
 def _format_host(host: str) -> str:

@@ -6,6 +6,7 @@ from megatron.training.initialize import (
     check_rendezvous_host,
     expand_slurm_nodelist,
     get_distributed_env,
+    local_gpu_index,
     slurm_rendezvous_port,
 )
 
@@ -102,3 +103,10 @@ def test_no_launcher_is_a_world_of_one():
 def test_bad_environments_raise(environ, match):
     with pytest.raises(ValueError, match=match):
         get_distributed_env(environ)
+
+
+def test_gpu_binding_per_task_or_per_node():
+    assert local_gpu_index(3, 8) == 3  # all GPUs of the node visible: pick by local rank
+    assert local_gpu_index(3, 1) == 0  # srun --gpus-per-task=1: the task's one GPU
+    with pytest.raises(RuntimeError, match="gpus-per-task"):
+        local_gpu_index(3, 2)
