@@ -199,10 +199,9 @@ def suggest_flags(unknown: List[str], parser: argparse.ArgumentParser) -> str:
     """' (did you mean --x?)' hints for unrecognized flags, '' when nothing is close."""
     known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     hints = []
-    for token in unknown:
-        if not token.startswith("--"):
-            continue
+    flags = [token for token in unknown if token.startswith("--")]
+    for token in flags:
         match = difflib.get_close_matches(token.split("=", 1)[0], known, n=1, cutoff=0.75)
         if match:
-            hints.append(match[0] if len(unknown) == 1 else f"{match[0]} for {token}")
+            hints.append(match[0] if len(flags) == 1 else f"{match[0]} for {token}")
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
