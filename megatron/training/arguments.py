@@ -150,7 +150,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background (state staged in CPU memory)")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM: finish the iteration, save a checkpoint, exit 0")
+                   help="on --exit-signal (default SIGTERM): finish the iteration, save a checkpoint, exit 0")
 
     g = parser.add_argument_group("MFSDP (Megatron FSDP v2)")
     g.add_argument("--use-mfsdp", "--use-megatron-fsdp", dest="use_mfsdp", action="store_true")
