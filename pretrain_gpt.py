@@ -44,13 +44,15 @@ def core_transformer_config_from_args(args):
         transformer_impl=args.transformer_impl,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
-        kv_channels=args.kv_channels,
-        rotary_percent=args.rotary_percent,
-        apply_layernorm_1p=args.apply_layernorm_1p,
-        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
-        attention_backend=args.attention_backend,
+        # getattr: argument sets saved before these flags existed (older or converted
+        # checkpoints, read back by tools/generate.py) mean the defaults.
+        kv_channels=getattr(args, "kv_channels", None),
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
+        apply_layernorm_1p=getattr(args, "apply_layernorm_1p", False),
+        attention_softmax_in_fp32=getattr(args, "attention_softmax_in_fp32", False),
+        attention_backend=getattr(args, "attention_backend", "auto"),
     )
-    if args.squared_relu:
+    if getattr(args, "squared_relu", False):
         config.activation_func = "squared_relu"
     return config
 
