@@ -467,14 +467,14 @@ class _Trainer:
                 gc.collect()
             reason = None
             if args.exit_signal_handler and exit_signal_received():
-                reason = f"on signal {args.exit_signal}"
+                reason = f"on signal after iteration {iteration} ({args.exit_signal})"
             elif args.exit_interval and iteration % args.exit_interval == 0:
-                reason = f"at --exit-interval {args.exit_interval}"
+                reason = f"at --exit-interval {args.exit_interval} after iteration {iteration}"
             if reason:
                 if args.save and self.last_saved_iteration != iteration:
                     self.save(iteration)
                 finalize_async_save()
-                print_rank_0(f"> exiting {reason} after iteration {iteration}")
+                print_rank_0(f"> exiting {reason}")
                 sys.exit(0)
         return iteration
 
