@@ -26,7 +26,7 @@ def core_transformer_config_from_args(args):
     from megatron.core.transformer import TransformerConfig
     from megatron.training.model_builder import activation_from_args
 
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -47,7 +47,17 @@ def core_transformer_config_from_args(args):
         transformer_impl=args.transformer_impl,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        # getattr: argument sets saved before these flags existed (older or converted
+        # checkpoints, read back by tools/generate.py) mean the defaults.
+        kv_channels=getattr(args, "kv_channels", None),
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
+        apply_layernorm_1p=getattr(args, "apply_layernorm_1p", False),
+        attention_softmax_in_fp32=getattr(args, "attention_softmax_in_fp32", False),
+        attention_backend=getattr(args, "attention_backend", "auto"),
     )
+    if getattr(args, "squared_relu", False):
+        config.activation_func = "squared_relu"
+    return config
 
 
 def model_provider(args):
@@ -105,6 +115,7 @@ def train_valid_test_datasets_provider(args, tokenizer, train_val_test_num_sampl
         cache_dir,
         eod_mask_loss=args.eod_mask_loss,
         eod_token=tokenizer.eod,
+        mmap_bin_files=args.mmap_bin_files,
     )
 
 

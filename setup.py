@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 # only these. Extras come on demand (scripts/setup_env.sh: MEGATRON_EXTRAS=test,...).
 _HF = ["safetensors", "transformers"]  # checkpoint conversion, slow (non tokenizer.json) tokenizers
 _LOGGING = ["tensorboard", "wandb"]  # --tensorboard-dir, --wandb-project
-_TEST = ["pytest", "pytest-timeout", "psutil"] + _HF + _LOGGING
+_TEST = ["pytest", "pytest-timeout", "psutil", "sentencepiece"] + _HF + _LOGGING
 _BENCH = ["matplotlib", "psutil"]
 
 setup(

@@ -374,6 +374,9 @@ def save_checkpoint(
                  "global_batch_size": getattr(args, "global_batch_size", None)},
         "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
         "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
+        # fp16 loss scaler (trainer-attached), so a resumed run keeps its scale.
+        "grad_scaler": (optimizer.grad_scaler.state_dict()
+                        if getattr(optimizer, "grad_scaler", None) is not None else None),
         "args": encode_args(dict(vars(args))),
         "use_mfsdp": _is_mfsdp(module),
         "world_size": _world(),
@@ -533,6 +536,8 @@ def load_checkpoint(
         return 0, 0
     if load_optim and opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    if load_optim and getattr(optimizer, "grad_scaler", None) is not None and common.get("grad_scaler"):
+        optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
     if load_rng:
         if rng_state is not None:
             _set_rng_state(rng_state)

@@ -244,6 +244,7 @@ def build_optimizer(args, built: BuiltModel):
         lr_decay_steps=args.lr_decay_samples,
         lr_decay_style=args.lr_decay_style,
         weight_decay=args.weight_decay,
+        use_checkpoint_opt_param_scheduler=getattr(args, "use_checkpoint_opt_param_scheduler", False),
     )
     return optimizer, scheduler
 

@@ -18,6 +18,7 @@ _POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 _RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 _RECOMPUTE_METHODS = (None, "uniform", "block")
 _PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -108,6 +109,11 @@ class TransformerConfig:
     use_apex_fused: bool = False
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000
+    # Megatron-LM numerics options (docs/megatron_flags.md).
+    rotary_percent: float = 1.0  # fraction of each head's dimensions that RoPE rotates
+    apply_layernorm_1p: bool = False  # LayerNorm weight stored as gamma - 1 (zero-initialized)
+    attention_softmax_in_fp32: bool = False  # attention in fp32 when the inputs are bf16/fp16
+    attention_backend: str = "auto"  # SDPA kernels: auto, flash, fused, unfused/local (math)
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -189,6 +195,23 @@ class TransformerConfig:
                 f"rotary position embeddings need an even head dimension, but kv_channels is "
                 f"{self.kv_channels}; change hidden_size/num_attention_heads or set an even kv_channels."
             )
+
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}.")
+        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2 != 0):
+            raise ValueError(
+                f"rotary_percent {self.rotary_percent} rotates {self.rotary_dim} of {self.kv_channels} head "
+                "dimensions; pick a fraction that gives an even number >= 2."
+            )
+        if self.apply_layernorm_1p and self.normalization != "LayerNorm":
+            raise ValueError("apply_layernorm_1p applies to LayerNorm only; use normalization='LayerNorm' or drop it.")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Head dimensions rotated by RoPE (the first ones; the rest pass through)."""
+        return int(self.kv_channels * self.rotary_percent)
 
     @property
     def activation(self) -> Callable[[torch.Tensor], torch.Tensor]:
