@@ -135,6 +135,15 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
     args.update({k: v for k, v in (overrides or {}).items() if v is not None})
     if "embedding.word_embeddings.weight" not in shapes:
         raise ConversionError("no 'embedding.word_embeddings.weight': this is not a GPTModel checkpoint.")
+    # Trainer options that the Hugging Face GPT-2 / Llama formats cannot express: refuse
+    # rather than write a model that computes something else.
+    if args.get("apply_layernorm_1p"):
+        raise ConversionError("this checkpoint was trained with --apply-layernorm-1p (norm weights stored "
+                              "as gamma - 1), which Hugging Face GPT-2/Llama cannot express; convert a model "
+                              "trained without it.")
+    if float(args.get("rotary_percent", 1.0) or 1.0) != 1.0:
+        raise ConversionError(f"this checkpoint uses --rotary-percent {args['rotary_percent']} (partial RoPE), "
+                              "which Hugging Face Llama cannot express; convert a model trained with 1.0.")
     vocab, hidden = shapes["embedding.word_embeddings.weight"]
     layers = sorted({int(m.group(1)) for k in shapes for m in [re.match(r"decoder\.layers\.(\d+)\.", k)] if m})
     if not layers or layers != list(range(len(layers))):

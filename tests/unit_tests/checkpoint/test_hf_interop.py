@@ -219,3 +219,12 @@ def test_openai_gelu_and_swiglu_together_are_refused():
     assert parse_args(argv, world_size=1, cuda_available=False).openai_gelu
     with pytest.raises(ValueError, match="--openai-gelu and --swiglu"):
         parse_args(argv + ["--swiglu"], world_size=1, cuda_available=False)
+
+
+@pytest.mark.parametrize("option", [{"apply_layernorm_1p": True}, {"rotary_percent": 0.5}])
+def test_options_hugging_face_cannot_express_are_refused(option):
+    from tools.checkpoint.hf_conversion import ConversionError, config_from_tensors
+
+    shapes = {"embedding.word_embeddings.weight": (16, 8)}
+    with pytest.raises(ConversionError, match="cannot express"):
+        config_from_tensors(shapes, dict(num_attention_heads=2, **option))
