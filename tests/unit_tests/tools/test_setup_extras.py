@@ -16,7 +16,8 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.par
 # Import name -> distribution name, where they differ or are not obvious.
 DISTRIBUTIONS = {"torch": "torch", "numpy": "numpy", "regex": "regex", "tqdm": "tqdm", "tokenizers": "tokenizers",
                  "transformers": "transformers", "safetensors": "safetensors", "tensorboard": "tensorboard",
-                 "wandb": "wandb", "psutil": "psutil", "pytest": "pytest", "matplotlib": "matplotlib"}
+                 "wandb": "wandb", "psutil": "psutil", "pytest": "pytest", "matplotlib": "matplotlib",
+                 "sentencepiece": "sentencepiece"}
 LOCAL = {"megatron", "tools", "pretrain_gpt", "benchmarks"}
 
 
