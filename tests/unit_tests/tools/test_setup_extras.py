@@ -57,8 +57,11 @@ def test_base_install_is_what_training_needs(monkeypatch):
 def test_test_extras_cover_every_test_import(monkeypatch):
     kw = _setup_kwargs(monkeypatch)
     available = _names(kw["install_requires"]) | _names(kw["extras_require"]["test"])
+    # Test modules import helpers and other test modules by bare name.
+    test_modules = {os.path.splitext(os.path.basename(p))[0]
+                    for p in glob.glob(os.path.join(REPO, "tests/**/*.py"), recursive=True)}
     third_party = {m for m in _imported_modules("tests/**/*.py")
-                   if m not in sys.stdlib_module_names and m not in LOCAL and not m.startswith("_")}
+                   if m not in sys.stdlib_module_names and m not in LOCAL | test_modules and not m.startswith("_")}
     unknown = third_party - set(DISTRIBUTIONS)
     assert not unknown, f"map these test imports to their distributions in DISTRIBUTIONS: {unknown}"
     missing = {DISTRIBUTIONS[m] for m in third_party} - available
