@@ -10,7 +10,7 @@ the model as well instead of being silently lost (mixed precision, ZeRO-1/2).
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, List, Optional
+from typing import Iterable, List
 
 import torch
 import torch.distributed as dist

@@ -16,7 +16,6 @@ slice of every tensor is whole rows and a ``Shard(0)`` DTensor view.
 
 from __future__ import annotations
 
-import math
 import dataclasses
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -24,13 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from . import work as comm
 from .layout import FlatLayout
 from .mixed_precision import ResolvedPrecision
 from .placements import Strategy
-from .row_shard import NestedRowShard, RowShard
+from .grad_reduction import GradientReduction
+from .shard_views import ShardViews
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,7 @@ def _alloc_storage(tensor: torch.Tensor) -> None:
         storage.resize_(needed)
 
 
-class ParameterGroup:
+class ParameterGroup(ShardViews, GradientReduction):
     """Buffers and collectives for the parameters of one unit that share (dtype, requires_grad)."""
 
     def __init__(
@@ -227,87 +227,6 @@ class ParameterGroup:
                 if not self.strategy.param_sharded and self.unsharded is not self.main_weight:
                     self._unsharded_tensor(p).copy_(data)
 
-    def _inner_rows(self, full: torch.Tensor, p: FsdpParameter) -> torch.Tensor:
-        """The rows of a full tensor that this rank's inner shard holds."""
-        start, end, _ = self.layout.local_piece(p.index, self.shard_index)
-        if full.numel() == 0:
-            return full.new_empty(self._model_view_shape(p, end - start))
-        return full.reshape(self.layout.rows[p.index], -1)[start:end].reshape(self._model_view_shape(p, end - start))
-
-    def _optimizer_rows(self, full: torch.Tensor, p: FsdpParameter) -> torch.Tensor:
-        """The rows of a full tensor that this rank's optimizer shard holds."""
-        if not self.strategy.optim_sharded:
-            return full
-        inner = self._inner_rows(full, p)
-        if self.outer_layout is None:
-            return inner
-        j = self._outer_index.get(p.index)
-        if j is None:
-            return inner
-        start, end, _ = self.outer_layout.local_piece(j, self.outer_rank)
-        return inner[start:end] if inner.dim() > 0 else inner
-
-    @staticmethod
-    def _model_view_shape(p: FsdpParameter, rows: int):
-        return (rows,) + tuple(p.shape[1:]) if len(p.shape) > 0 else (() if rows == 1 else (0,))
-
-    def _optim_view(self, buffer: torch.Tensor, p: FsdpParameter) -> torch.Tensor:
-        """Parameter ``p``'s slice of a buffer laid out like main_weight."""
-        if self.outer_layout is not None:
-            j = self._outer_index.get(p.index)
-            if j is None:  # this inner shard holds no rows of p
-                return buffer.narrow(0, 0, 0).view(self._model_view_shape(p, 0))
-            view = self.outer_layout.local_view(buffer, j, self.outer_rank)
-            return view.view(self._model_view_shape(p, view.shape[0] if view.dim() else 1))
-        if self.strategy.optim_sharded:
-            return self.layout.local_view(buffer, p.index, self.shard_index)
-        return self.layout.gathered_view(buffer, p.index)  # a single shard: never split
-
-    def _main_view(self, p: FsdpParameter) -> torch.Tensor:
-        return self._optim_view(self.main_weight, p)
-
-    def _model_view(self, p: FsdpParameter) -> torch.Tensor:
-        return self.layout.local_view(self.model_weight, p.index, self.shard_index)
-
-    def _gathered_tensor(self, gathered: torch.Tensor, p: FsdpParameter) -> torch.Tensor:
-        if self.layout.is_contiguous_in_gathered(p.index):
-            return self.layout.gathered_view(gathered, p.index)
-        if p.index not in self._own_unsharded:
-            self._own_unsharded[p.index] = torch.empty(p.shape, dtype=gathered.dtype, device=gathered.device)
-        return self._own_unsharded[p.index]
-
-    def _unsharded_tensor(self, p: FsdpParameter) -> torch.Tensor:
-        if self.strategy.param_sharded or self.unsharded is self.main_weight:
-            return self._gathered_tensor(self.unsharded, p)
-        start = self._packed_offsets[p.index]
-        return self.unsharded.narrow(0, start, self.layout.numels[p.index]).view(p.shape)
-
-    def _dtensor(self, local: torch.Tensor, p: FsdpParameter, placements) -> DTensor:
-        return DTensor.from_local(
-            local, self.mesh, placements, run_check=False, shape=p.shape, stride=p.stride
-        )
-
-    def _optimizer_placements(self, p: FsdpParameter):
-        """Placements that describe ``p``'s optimizer shard truthfully (see row_shard.py)."""
-        if self.layout.replicated[p.index]:  # 0-d: a copy on every rank
-            return (Replicate(),) * (1 if self.outer_group is None else 2)
-        if not self.strategy.optim_sharded:
-            inner = Replicate()
-        elif self.outer_layout is not None:
-            inner = NestedRowShard()
-        else:
-            inner = RowShard([end - start for start, end, _ in
-                              (self.layout.local_piece(p.index, s) for s in range(self.layout.num_shards))])
-        if self.outer_group is None:
-            return (inner,)
-        if self.outer_layout is None:
-            return (Replicate(), inner)
-        # HFSDP: this rank's rows and their global offset, from both levels of the layout.
-        inner_start, _, _ = self.layout.local_piece(p.index, self.shard_index)
-        j = self._outer_index.get(p.index)
-        start, end, _ = (0, 0, 0) if j is None else self.outer_layout.local_piece(j, self.outer_rank)
-        return (NestedRowShard(end - start, inner_start + start), inner)
-
     def _build_parameters(self) -> None:
         for p in self.fsdp_parameters:
             p.sharded_param = nn.Parameter(
@@ -411,242 +330,6 @@ class ParameterGroup:
         _free_storage(self.unsharded)
         for t in self._own_unsharded.values():
             _free_storage(t)
-
-    # Gradients ----------------------------------------------------------------------------
-    def all_grads_received(self) -> bool:
-        return len(self._received) == self._num_trainable
-
-    def _stash_grad(self, p: FsdpParameter) -> None:
-        """Move ``p``'s fresh unsharded gradient into the pending reduce-scatter input."""
-        grad = p.unsharded_param.grad
-        if grad is None:
-            return
-        with torch.no_grad():
-            if self._reduce_input is None:
-                self._reduce_input = torch.empty(
-                    self.layout.gathered_numel, dtype=self.precision.grad_comm, device=self.main_grad.device
-                )
-            if p.index in self._stashed:  # a second gradient in this backward (reentrant graphs)
-                for piece, src in zip(self.layout.gathered_slices(self._reduce_input, p.index),
-                                      self.layout.source_chunks(grad, p.index)):
-                    piece.add_(src)
-            else:
-                self.layout.copy_in(grad, self._reduce_input, p.index)
-                self._stashed.add(p.index)
-        p.unsharded_param.grad = None
-
-    def reduce_grads(self, is_last_microbatch: bool) -> List[comm.CollectiveWork]:
-        """Reduce this backward's gradients into main_grad (missing gradients count as zero)."""
-        if not self.requires_grad:
-            return []
-        ctx, device, strategy = self.resources, self.device, self.strategy
-        self._received.clear()
-        for p in self.fsdp_parameters:
-            # Once per step (the first reduction after .grad was exposed): a parameter whose
-            # .grad was set to None starts a fresh accumulation; a .grad that is a cast copy
-            # (mixed precision) may have been changed in place (zero_grad(set_to_none=False),
-            # clipping), so its values become the base of the accumulation.
-            if self._fresh[p.index]:
-                continue
-            self._fresh[p.index] = True
-            if self._grad_was_reset(p):
-                self._overwrite[p.index] = True
-            elif p.sharded_param.grad is not p.sharded_param.main_grad and p.sharded_param.grad is not None:
-                with torch.no_grad():
-                    self._optim_view(self.reduced_grad, p).copy_(p.sharded_param.grad.to_local())
-        divisor = self.inner_size * self.grad_divisor
-        works: List[comm.CollectiveWork] = []
-        if strategy.grad_sharded:
-            comm_dtype = self.precision.grad_comm
-            flat, self._reduce_input = self._reduce_input, None
-            if flat is None:
-                flat = torch.empty(self.layout.gathered_numel, dtype=comm_dtype, device=self.main_grad.device)
-            self._take_grads_into(flat, skip=self._stashed)
-            self._stashed = set()
-            # HFSDP accumulates a local partial sum here and reduces it on the outer axis
-            # later; every other strategy accumulates straight into the reduced gradient.
-            direct = self.main_grad is self.reduced_grad
-            trainable = [p for p in self.fsdp_parameters if p.requires_grad]
-            if direct and comm_dtype == self.main_grad.dtype and all(self._overwrite[p.index] for p in trainable):
-                # Every slice starts fresh (the usual step after zero_grad()): reduce straight
-                # into main_grad, with no extra buffer and no accumulate pass.
-                self._overwrite = [False] * len(self.fsdp_parameters)
-                works.append(comm.reduce_scatter(
-                    self.main_grad, flat, self.inner_group, device=device, stream=ctx.reduce_scatter_stream,
-                    divisor=divisor, counter=ctx.counter,
-                ))
-            else:
-                with device.stream(ctx.reduce_scatter_stream):
-                    out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=flat.device)
-                works.append(comm.reduce_scatter(
-                    out, flat, self.inner_group, device=device, stream=ctx.reduce_scatter_stream,
-                    post_ops=[self._accumulate_op(out, self.main_grad, overwrite=direct, scale=1 / divisor)],
-                    counter=ctx.counter,
-                ))
-            if self.outer_group is not None and is_last_microbatch:
-                works.append(self._outer_reduce(works[-1]))
-            self._grads_reduced = self.outer_group is None or is_last_microbatch
-            return works
-        # Replicated gradients (no_shard, ZeRO-1): accumulate locally, reduce on the last microbatch.
-        # no_shard reduces in place, on top of what earlier backwards already reduced, and the
-        # all-reduce divides the whole buffer: so grad_divisor is applied to the new local
-        # gradients here and the all-reduce divides by the rank count only.
-        in_place = not strategy.optim_sharded
-        self._take_grads_into(self.main_grad, accumulate=True, scale=1 / self.grad_divisor if in_place else 1)
-        if not is_last_microbatch:
-            return works
-        if strategy.optim_sharded:  # ZeRO-1: reduce-scatter the local sum into the shard
-            comm_dtype = self.precision.grad_comm
-            comm.follow_current_stream(device, ctx.reduce_scatter_stream)  # main_grad was written there
-            with device.stream(ctx.reduce_scatter_stream):
-                out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=self.main_grad.device)
-                send = self.main_grad.to(comm_dtype)
-            local = self.main_grad
-
-            def clear_local() -> None:
-                local.zero_()
-
-            works.append(comm.reduce_scatter(
-                out, send, self.inner_group, device=device, stream=ctx.reduce_scatter_stream, divisor=divisor,
-                post_ops=[self._accumulate_op(out, self.reduced_grad, overwrite=True), clear_local],
-                counter=ctx.counter,
-            ))
-        else:  # no_shard: all-reduce in place. Content left from earlier steps is identical on
-            # every rank, so SUM / N returns it unchanged and new gradients are averaged onto it.
-            works.append(self._all_reduce_in_comm_dtype(self.main_grad, self.inner_group, self.inner_size))
-        if self.outer_group is not None:
-            works.append(self._outer_reduce(works[-1]))
-        self._grads_reduced = True
-        return works
-
-    def _outer_reduce(self, inner_work: comm.CollectiveWork) -> comm.CollectiveWork:
-        """Last microbatch: reduce over the outer axis (all-reduce for HSDP, reduce-scatter
-        of the inner shard for HFSDP)."""
-        ctx, stream = self.resources, self.resources.reduce_scatter_stream
-        # The outer reduction reads what the inner one wrote: order them (stream-ordered
-        # on CUDA; on CPU this completes the inner reduction first).
-        with self.device.stream(stream):
-            inner_work.wait()
-        if self.outer_layout is None:
-            # In place: content left from earlier steps is identical on every outer rank,
-            # so SUM / M keeps it and averages the new gradients onto it.
-            return self._all_reduce_in_comm_dtype(self.reduced_grad, self.outer_group, self.outer_size)
-        with self.device.stream(stream):
-            flat = torch.zeros(self.outer_layout.gathered_numel, dtype=self.precision.grad_comm, device=self.main_grad.device)
-            for piece_index, piece in enumerate(self.layout.pieces_by_shard[self.shard_index]):
-                local = self.main_grad.narrow(0, piece.offset, piece.numel)
-                self.outer_layout.copy_in(local, flat, piece_index)
-            out = torch.empty(self.outer_layout.shard_numel, dtype=self.precision.grad_comm, device=flat.device)
-        partial = self.main_grad
-
-        def clear_partial() -> None:
-            partial.zero_()
-
-        return comm.reduce_scatter(
-            out, flat, self.outer_group, device=self.device, stream=stream, divisor=self.outer_size,
-            post_ops=[self._accumulate_op(out, self.reduced_grad, overwrite=True), clear_partial], counter=ctx.counter,
-        )
-
-    def discard_partial_backward(self) -> None:
-        """Forget gradients of an aborted backward that were never reduced."""
-        self._received.clear()
-        self._reduce_input, self._stashed = None, set()
-        for p in self.fsdp_parameters:
-            p.unsharded_param.grad = None
-
-    def _grad_was_reset(self, p: FsdpParameter) -> bool:
-        if self.precision_aware_grads and self.reduced_grad.dtype != self.precision.main_params:
-            return getattr(p.sharded_param, "main_grad", None) is None
-        return p.sharded_param.grad is None
-
-    def _all_reduce_in_comm_dtype(self, buffer: torch.Tensor, group, divisor: float) -> comm.CollectiveWork:
-        """All-reduce ``buffer`` in place, communicating in grad_comm_dtype."""
-        comm_dtype, stream = self.precision.grad_comm, self.resources.reduce_scatter_stream
-        if buffer.dtype == comm_dtype:
-            return comm.all_reduce(
-                buffer, group, device=self.device, stream=stream, divisor=divisor, counter=self.resources.counter
-            )
-        comm.follow_current_stream(self.device, stream)  # the buffer may have been written there
-        with self.device.stream(stream):
-            wire = buffer.to(comm_dtype)
-
-        def copy_back() -> None:
-            buffer.copy_(wire)
-
-        return comm.all_reduce(
-            wire, group, device=self.device, stream=stream, divisor=divisor, post_ops=[copy_back],
-            counter=self.resources.counter,
-        )
-
-    def _take_grads_into(self, flat: torch.Tensor, accumulate: bool = False, scale: float = 1,
-                         skip: frozenset = frozenset()) -> None:
-        """Move each unsharded gradient into its place in a gathered-layout buffer.
-
-        Copy mode fills an uninitialized buffer: every element is written once, by a
-        gradient or, for shard padding and parameters without a gradient, by a zero.
-        Parameters in ``skip`` were already stashed there by the gradient hook."""
-        with torch.no_grad():
-            if not accumulate:
-                for offset, numel in self._padding_ranges:
-                    flat.narrow(0, offset, numel).zero_()
-            for p in self.fsdp_parameters:
-                if p.index in skip:
-                    continue
-                grad = p.unsharded_param.grad
-                pieces = self.layout.gathered_slices(flat, p.index)
-                restart = accumulate and self._overwrite[p.index] and self.reduced_grad is self.main_grad
-                if grad is None or restart:
-                    # no_shard restarts its reduced gradient (this very buffer) from zero.
-                    for piece in pieces:
-                        piece.zero_()
-                if grad is None:
-                    continue
-                if accumulate:
-                    for piece, src in zip(pieces, self.layout.source_chunks(grad, p.index)):
-                        piece.add_(src, alpha=scale)
-                else:
-                    self.layout.copy_in(grad, flat, p.index)
-                p.unsharded_param.grad = None
-        if accumulate and self.reduced_grad is self.main_grad:
-            self._overwrite = [False] * len(self.fsdp_parameters)
-
-    def _accumulate_op(self, reduced: torch.Tensor, target: torch.Tensor, overwrite: bool, scale: float = 1.0):
-        """Post-op: add ``scale`` x a reduced shard into ``target``; with ``overwrite``, first
-        zero the slices of parameters whose gradient was reset (``target`` is then laid out
-        like main_weight)."""
-        zeroed = []
-        if overwrite:
-            zeroed = [p for p in self.fsdp_parameters if self._overwrite[p.index]]
-            self._overwrite = [False] * len(self.fsdp_parameters)
-
-        def op() -> None:
-            for p in zeroed:
-                self._optim_view(target, p).zero_()
-            target.add_(reduced.to(target.dtype), alpha=scale)
-
-        return op
-
-    def expose_grads(self) -> None:
-        """Point each parameter's ``.grad`` at its reduced gradient (end of backward)."""
-        if not self.requires_grad or not self._grads_reduced:
-            return
-        self._grads_reduced = False
-        self._fresh = [False] * len(self.fsdp_parameters)
-        main_dtype = self.precision.main_params
-        if self._grad_views is None:  # reduced_grad is persistent: build its DTensor views once
-            self._grad_views = [
-                self._dtensor(self._optim_view(self.reduced_grad, p), p, self._optimizer_placements(p))
-                for p in self.fsdp_parameters
-            ]
-        for p, view in zip(self.fsdp_parameters, self._grad_views):
-            # ``.main_grad`` is always the reduced gradient itself, in main_grads_dtype.
-            p.sharded_param.main_grad = view
-            if view.dtype == main_dtype:
-                p.sharded_param.grad = view
-            elif not self.precision_aware_grads:
-                # torch optimizers need .grad in the parameter's dtype: a cast copy.
-                p.sharded_param.grad = self._dtensor(view.to_local().to(main_dtype), p, self._optimizer_placements(p))
-            # precision-aware optimizers read .main_grad; .grad stays unset.
 
     # Optimizer step ---------------------------------------------------------------------
     def sync_model_weight_from_main_weight(self) -> None:

@@ -9,7 +9,7 @@ parameters and reduces gradients only on the last microbatch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence, Tuple, Union
+from typing import Tuple, Union
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard

@@ -320,3 +320,49 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 def numel(shapes: Sequence[torch.Size]) -> int:
     return sum(math.prod(s) for s in shapes)
+
+
+class DistTap:
+    """Counts the collectives called on ``torch.distributed`` while active, independently
+    of the engine's own counter: a collective issued around the work wrapper is seen too.
+
+    Records ``(kind, bytes a rank contributes, group size)`` like the engine's counter;
+    a collective that calls another one internally counts once."""
+
+    KINDS = {
+        "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+        "all_reduce": "all_reduce",
+    }
+
+    def __init__(self):
+        self.records: List[Tuple[str, int, int]] = []
+        self._originals = {}
+        self._depth = 0
+
+    def _wrap(self, name: str, fn):
+        kind = self.KINDS[name]
+
+        def tapped(*args, **kwargs):
+            if self._depth == 0:
+                tensor = args[0] if kind == "all_reduce" else (args[1] if len(args) > 1 else kwargs["input"])
+                group = kwargs.get("group", args[3 if kind == "reduce_scatter" else 2] if len(args) > 3 else None)
+                self.records.append((kind, tensor.numel() * tensor.element_size(), dist.get_world_size(group)))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return tapped
+
+    def __enter__(self) -> "DistTap":
+        for name in self.KINDS:
+            self._originals[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, self._originals[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+        self._originals.clear()

@@ -19,12 +19,14 @@ bytes and group size, for every step:
 
 import collections
 import math
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from _strategy_common import (
+    DistTap,
     Net,
     batches,
     case_id,
@@ -123,14 +125,20 @@ def test_collectives_per_step(case, precision, microbatches):
     for step in range(2):
         ctx.counter.reset()
         opt.zero_grad()
-        for i, (xb, yb) in enumerate(batches(generator, microbatches)):
-            with microbatch(ctx, is_last=i == microbatches - 1):
-                x = local_rows(xb).to(cast or torch.float32)
-                y = local_rows(yb).to(cast or torch.float32)
-                F.mse_loss(model(x), y).backward()
-        opt.step()
+        with DistTap() as tap:
+            for i, (xb, yb) in enumerate(batches(generator, microbatches)):
+                with microbatch(ctx, is_last=i == microbatches - 1):
+                    x = local_rows(xb).to(cast or torch.float32)
+                    y = local_rows(yb).to(cast or torch.float32)
+                    F.mse_loss(model(x), y).backward()
+            opt.step()
         got = measured(ctx.counter)
         check(got == expected, f"step {step}: counted {got}, expected {expected}")
+        # What torch.distributed itself saw: exactly the same collectives, so nothing
+        # bypasses the work wrapper and its counter.
+        tapped = measured(types.SimpleNamespace(records=[
+            types.SimpleNamespace(kind=k, bytes=b, group_size=g) for k, b, g in tap.records]))
+        check(tapped == got, f"step {step}: torch.distributed saw {tapped}, the engine counted {got}")
         # The counter's own summaries agree with its records.
         assert ctx.counter.counts() == dict(collections.Counter(r.kind for r in ctx.counter.records))
         by_kind = collections.defaultdict(int)

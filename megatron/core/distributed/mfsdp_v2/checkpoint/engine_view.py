@@ -108,8 +108,8 @@ def sync_compute_weights(contexts) -> None:
         work.wait()
 
 
-def step_without_engine_sync(optimizer: torch.optim.Optimizer) -> None:
-    """One step of the optimizer class's own ``step``, bypassing the weight-sync wrapper
-    that ``fully_shard_optimizer`` installs on the instance (the caller refreshes the
-    compute weights itself, after the load)."""
-    type(optimizer).step(optimizer)
+def step_at_zero_lr(optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step (the caller set lr 0 and zero gradients). The engine's step hook
+    refreshes the compute weights from unchanged main weights, which changes nothing; the
+    load refreshes them again after it wrote the main weights."""
+    optimizer.step()

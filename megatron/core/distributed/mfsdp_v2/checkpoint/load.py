@@ -196,7 +196,7 @@ def _optimizer_keys_after_init(optimizer, names, saved) -> Dict[str, Tuple[int, 
 def _initialize_optimizer_state(optimizer: torch.optim.Optimizer, names: Dict[int, str], with_state: set) -> None:
     """Create the state tensors (zeros) of the parameters named in ``with_state`` that have
     none yet, without changing any parameter: one step with zero gradients at learning
-    rate 0, through the optimizer class's own step (not the engine's weight-sync wrapper)."""
+    rate 0."""
     params = [p for p in optimizer_params(optimizer)
               if p.requires_grad and not optimizer.state.get(p) and names[id(p)] in with_state]
     if not params:
@@ -209,7 +209,7 @@ def _initialize_optimizer_state(optimizer: torch.optim.Optimizer, names: Dict[in
         for group in optimizer.param_groups:
             group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
         with torch.no_grad():
-            engine_view.step_without_engine_sync(optimizer)
+            engine_view.step_at_zero_lr(optimizer)
     finally:
         for group, lr in zip(optimizer.param_groups, saved_lrs):
             group["lr"] = lr
