@@ -19,7 +19,16 @@ def unit_label(name: Optional[str]) -> str:
     return "<root>" if not name else name
 
 
+def hook_range(name: str, device_handle):
+    """The range around one hook body. Without an active torch profiler only the NVTX
+    range is opened (nothing at all on CPU): a record_function costs tens of microseconds
+    per hook even when nobody records."""
+    if torch.autograd._profiler_enabled():
+        return _profiled_range(name, device_handle)
+    return device_handle.nvtx_range(name)
+
+
 @contextlib.contextmanager
-def hook_range(name: str, device_handle) -> Iterator[None]:
+def _profiled_range(name: str, device_handle) -> Iterator[None]:
     with torch.profiler.record_function(name), device_handle.nvtx_range(name):
         yield
