@@ -1,7 +1,8 @@
 """Profiler ranges around the engine's hooks, visible on CPU and CUDA alike.
 
-Every hook body runs inside ``torch.profiler.record_function`` (seen by torch.profiler on
-any device) and, on CUDA, an NVTX range of the same name (seen by Nsight Systems). Names
+While a torch profiler records, every hook body runs inside a
+``torch.profiler.record_function`` range (seen on any device); on CUDA it also runs inside
+an NVTX range of the same name (seen by Nsight Systems). Names
 follow upstream MFSDP v2's NVTX labels: ``MFSDP <unit name> <hook>``, the root shown as
 ``<root>``. Each range is a ``with`` block, so it is balanced even when a hook raises.
 """
