@@ -23,11 +23,10 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from _dist_helpers import batches, compare_params, local_rows, make_optimizer, wrap
-from _strategy_common import Block, Net, case_id, dtype_bytes, sharding, sizes, strategy_cases
+from _strategy_common import Net, case_id, dtype_bytes, sharding, sizes, strategy_cases
 from megatron.core.distributed.mfsdp_v2 import fully_shard_optimizer, microbatch
 
 CASES = strategy_cases()
@@ -104,21 +103,9 @@ def test_persistent_bytes_match_formula(case, precision):
 # --------------------------------------------------------------------------------------
 
 
-class MetaNet(nn.Module):
+class MetaNet(Net):
     """Every unit owns exactly one Linear, so ``reset_parameters`` order inside a unit
     cannot matter: units inp, blocks[0], blocks[1] and the root (which owns ``head``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(8, 12)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(12, 8)
-
-    def forward(self, x):
-        x = torch.tanh(self.inp(x))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
     def units(self):
         return [self.inp, self.blocks[0], self.blocks[1], self]

@@ -26,7 +26,7 @@ from _dist_helpers import (
     train_pair,
     wrap,
 )
-from _strategy_common import Block, Net, case_id, sharding, sizes, strategy_cases
+from _strategy_common import Net, case_id, sharding, sizes, strategy_cases
 from megatron.core.distributed.mfsdp_v2 import fully_shard_optimizer, microbatch
 
 CASES = strategy_cases()
@@ -107,14 +107,8 @@ def test_grad_divisor_divides_gradients(case):
         compare_params(model, reference, grads=False)
 
 
-class SharedUse(nn.Module):
+class SharedUse(Net):
     """``blocks[0]`` (a unit) is called twice in every forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(8, 12)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(12, 8)
 
     def forward(self, x):
         x = torch.tanh(self.inp(x))
@@ -122,9 +116,6 @@ class SharedUse(nn.Module):
         x = self.blocks[1](x)
         x = self.blocks[0](x)
         return self.head(x)
-
-    def units(self):
-        return [self.blocks[0], self.blocks[1], self]
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
