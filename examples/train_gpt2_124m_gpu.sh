@@ -9,7 +9,7 @@
 # prefixes: DATA_PATH="0.7 data/a_text_document 0.3 data/b_text_document").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup_env.sh
+MEGATRON_EXTRAS=logging source scripts/setup_env.sh   # TensorBoard and W&B on top
 
 NPROC="${NPROC:-$(python -c 'import torch; print(max(1, torch.cuda.device_count()))')}"
 OUT="${OUT:-runs/gpt2_124m}"

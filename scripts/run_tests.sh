@@ -4,7 +4,8 @@
 # Every stage has an outer time limit so a hung rank can never hang CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup_env.sh
+# The test extras: everything the tests import (transformers, safetensors, TensorBoard, ...).
+MEGATRON_EXTRAS=test source scripts/setup_env.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export WANDB_MODE=offline
 export PYTHONUNBUFFERED=1

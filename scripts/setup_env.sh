@@ -1,20 +1,26 @@
 # Source this file: creates ./.venv on first use (or reuses it) and installs the project
-# with its test extras. torch is pinned to the CPU wheel through constraints.txt.
+# with what training needs (torch pinned to the CPU wheel through constraints.txt).
+# Extras on demand: MEGATRON_EXTRAS=test (what the tests import), hf (checkpoint
+# conversion), logging (TensorBoard, W&B), bench, dev (all), comma-separated:
+#   MEGATRON_EXTRAS=hf,logging source scripts/setup_env.sh
 # Set MEGATRON_VENV to use another location.
 _repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _venv="${MEGATRON_VENV:-$_repo_root/.venv}"
+_extras="${MEGATRON_EXTRAS:-}"
 if [ ! -x "$_venv/bin/python" ]; then
     echo "[setup] creating virtual environment at $_venv"
     python3 -m venv "$_venv"
 fi
 # shellcheck disable=SC1091
 source "$_venv/bin/activate"
-_stamp="$_venv/.megatron-installed"
+# One stamp per set of extras: a later call that asks for more installs the rest.
+_stamp="$_venv/.megatron-installed${_extras:+-${_extras//,/-}}"
 if [ ! -f "$_stamp" ] || [ "$_repo_root/setup.py" -nt "$_stamp" ] || [ "$_repo_root/constraints.txt" -nt "$_stamp" ]; then
-    echo "[setup] installing megatron-mfsdp and its test dependencies (torch pinned, CPU build)"
+    echo "[setup] installing megatron-mfsdp${_extras:+ with extras [$_extras]} (torch pinned, CPU build)"
     python -m pip install --quiet --disable-pip-version-check -c "$_repo_root/constraints.txt" torch==2.13.0 numpy
-    python -m pip install --quiet --disable-pip-version-check -c "$_repo_root/constraints.txt" -e "$_repo_root[dev]"
+    python -m pip install --quiet --disable-pip-version-check -c "$_repo_root/constraints.txt" \
+        -e "$_repo_root${_extras:+[$_extras]}"
     touch "$_stamp"
 fi
 export PYTHONPATH="$_repo_root${PYTHONPATH:+:$PYTHONPATH}"
-unset _repo_root _venv _stamp
+unset _repo_root _venv _stamp _extras

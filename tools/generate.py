@@ -3,8 +3,11 @@
 
     python tools/generate.py --load checkpoints/shakespeare --prompt "ROMEO:" --max-new-tokens 80
     python tools/generate.py --load ... --prompt "..." --top-k 40 --temperature 0.8 --seed 7
+    python tools/generate.py --load checkpoints/imported/iter_0000000   # one iteration directory
 
-The model shape and tokenizer come from the checkpoint's saved arguments. The model is
+The model shape and tokenizer come from the checkpoint's saved arguments (a checkpoint
+written by tools/checkpoint/convert.py --to mfsdp records them too; the --tokenizer-*
+flags name a tokenizer where a checkpoint records none). The model is
 rebuilt as a plain module in this single process and the checkpoint is read through the
 trainer's load_checkpoint, which reshards: a checkpoint written by any number of ranks,
 with MFSDP or DDP, can be sampled here. Greedy decoding unless --top-k > 1.
@@ -24,7 +27,7 @@ import torch  # noqa: E402
 
 def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Sample text from a pretrain_gpt.py checkpoint.")
-    p.add_argument("--load", required=True, help="the --save directory of a training run")
+    p.add_argument("--load", required=True, help="the --save directory of a training run, or one iteration directory")
     p.add_argument("--iteration", type=int, default=None, help="default: latest_checkpointed_iteration.txt")
     p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
     p.add_argument("--max-new-tokens", type=int, default=100)
@@ -32,11 +35,36 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--stop-at-eod", action="store_true", help="stop at the end-of-document token")
+    g = p.add_argument_group("tokenizer (default: the one the checkpoint records)")
+    g.add_argument("--tokenizer-type", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
     return p
 
 
-def _saved_args_for_one_process(saved: dict) -> argparse.Namespace:
-    args = argparse.Namespace(**saved)
+_TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+
+
+def _model_args(saved: dict, opts) -> argparse.Namespace:
+    """The trainer's defaults overlaid with the saved arguments: a checkpoint written by
+    convert.py records only the model's own facts."""
+    from megatron.training.arguments import build_parser
+
+    args = build_parser().parse_args([])
+    for key, value in saved.items():
+        setattr(args, key, value)
+    given = {k: getattr(opts, k) for k in _TOKENIZER_FLAGS if getattr(opts, k) is not None}
+    if given:
+        for key in _TOKENIZER_FLAGS:
+            setattr(args, key, given.get(key))
+    elif not saved.get("tokenizer_type"):
+        raise ValueError("the checkpoint does not record its tokenizer; pass --tokenizer-type and "
+                         "--tokenizer-model (or --vocab-file/--merge-file).")
+    return args
+
+
+def _for_one_process(args: argparse.Namespace) -> argparse.Namespace:
     # Rebuild for a world of one: one instance, no outer axis; the engine reshards on load.
     args.world_size = 1
     args.data_parallel_size = 1
@@ -56,20 +84,33 @@ def main(argv=None) -> int:
         return 2
 
     from megatron.core.models.gpt import generate
-    from megatron.training.checkpointing import load_checkpoint, load_common, read_tracker
+    from megatron.training.checkpointing import COMMON_FILENAME, load_checkpoint, load_common, read_tracker
     from megatron.training.training import build_tokenizer_from_args
     from pretrain_gpt import model_provider
 
-    if opts.iteration is None and read_tracker(opts.load) is None:
-        print(f"generate.py: error: no checkpoint in {opts.load!r} (no latest_checkpointed_iteration.txt); "
-              "pass the --save directory of a finished run.", file=sys.stderr)
+    iteration_dir = os.path.isfile(os.path.join(opts.load, COMMON_FILENAME))
+    if opts.iteration is None and not iteration_dir and read_tracker(opts.load) is None:
+        print(f"generate.py: error: no checkpoint in {opts.load!r} (no latest_checkpointed_iteration.txt "
+              "or common.json); pass the --save directory of a finished run or one iteration directory.",
+              file=sys.stderr)
         return 2
     path, common = load_common(opts.load, opts.iteration)
-    args = _saved_args_for_one_process(common["args"])
+    saved = common["args"]
+    try:
+        args = _for_one_process(_model_args(saved, opts))
+        tokenizer = build_tokenizer_from_args(args)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"generate.py: error: {e}", file=sys.stderr)
+        return 2
+    rows = saved.get("padded_vocab_size")
+    if rows is not None and rows != args.padded_vocab_size:
+        print(f"generate.py: error: the tokenizer has {tokenizer.vocab_size} entries (padded to "
+              f"{args.padded_vocab_size}), but the checkpoint's vocabulary has {rows} rows; pass the tokenizer "
+              "the model was trained with.", file=sys.stderr)
+        return 2
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(opts.seed)
-    tokenizer = build_tokenizer_from_args(args)
     # A plain module in this process (no process group): the checkpoint loaders read any
     # sharded layout into it. fp32 weights: bf16 gains nothing for sampling on a CPU.
     model = model_provider(args).to(device)

@@ -9,12 +9,22 @@ for most plays, the First Folio edition (``*_gut_f.txt``). One JSONL document is
 per work (the modern edition; ``--include-folio`` adds the Folio editions as extra
 documents), then tokenized with GPT-2 BPE and ``--append-eod`` into
 ``<out-dir>/shakespeare_text_document.{bin,idx}``. Nothing is redone if those exist.
+
+    python tools/prepare_shakespeare.py --vocab-size 4096
+
+instead trains a byte-level BPE of 4096 entries on the works with Hugging Face
+``tokenizers``, saves it as a tokenizer directory ``<out-dir>/shakespeare_bpe4096``
+(``--tokenizer-type HuggingFaceTokenizer --tokenizer-model <that dir>``) and tokenizes the
+works with it into ``<out-dir>/shakespeare_bpe4096_text_document.{bin,idx}``. Any other
+tokenizer gets its own copy of the corpus (``prepare_shakespeare(..., tokenizer=...)``),
+named after a hash of its files.
 """
 
 import argparse
 import configparser
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import re
@@ -23,7 +33,7 @@ import sys
 import tarfile
 import time
 import zipfile
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 _REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 if _REPO_ROOT not in sys.path:
@@ -56,9 +66,40 @@ _GUTENBERG_END = re.compile(
 )
 
 
-def output_prefix(out_dir: str, include_folio: bool = False) -> str:
+EOD_TOKEN = "<|endoftext|>"
+
+
+def output_prefix(out_dir: str, include_folio: bool = False, tag: Optional[str] = None) -> str:
     name = "shakespeare_with_folio" if include_folio else "shakespeare"
+    if tag:
+        name += "_" + tag
     return os.path.join(out_dir, f"{name}_text_document")
+
+
+def tokenizer_tag(tokenizer: Optional[Dict[str, Optional[str]]]) -> Optional[str]:
+    """A name for the corpus tokenized by ``tokenizer`` (flags as in preprocess_data.py:
+    tokenizer_type, tokenizer_model, vocab_file, merge_file): None for GPT-2's own BPE
+    files (the default corpus), else the type and a hash of the tokenizer's files."""
+    if not tokenizer or tokenizer.get("tokenizer_type", "GPT2BPETokenizer") == "GPT2BPETokenizer":
+        from megatron.core.tokenizer import default_gpt2_vocab_files
+
+        files = [(tokenizer or {}).get("vocab_file"), (tokenizer or {}).get("merge_file")]
+        if all(f is None for f in files) or [os.path.realpath(f) for f in files] == [
+                os.path.realpath(f) for f in default_gpt2_vocab_files()]:
+            return None
+        kind = "gpt2bpe"
+    elif tokenizer["tokenizer_type"] == "HuggingFaceTokenizer":
+        directory = tokenizer["tokenizer_model"]
+        files = sorted(os.path.join(directory, n) for n in os.listdir(directory)
+                       if os.path.isfile(os.path.join(directory, n)))
+        kind = "hf"
+    else:
+        raise ValueError(f"the Shakespeare corpus needs a text tokenizer, not {tokenizer['tokenizer_type']}.")
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            digest.update(os.path.basename(file).encode() + b"\0" + f.read())
+    return f"{kind}_{digest.hexdigest()[:10]}"
 
 
 def download_archive(download_dir: str) -> str:
@@ -188,9 +229,13 @@ def prepare_shakespeare(
     include_folio: bool = False,
     workers: Optional[int] = None,
     download_dir: Optional[str] = None,
+    tokenizer: Optional[Dict[str, Optional[str]]] = None,
+    tag: Optional[str] = None,
 ) -> str:
-    """Build (once) the Shakespeare dataset in ``out_dir`` and return its path prefix."""
-    prefix = output_prefix(out_dir, include_folio)
+    """Build (once) the Shakespeare dataset in ``out_dir`` and return its path prefix.
+    ``tokenizer`` (preprocess_data.py's flags as a dict; default GPT-2 BPE) tokenizes it;
+    ``tag`` names the result (default: :func:`tokenizer_tag`)."""
+    prefix = output_prefix(out_dir, include_folio, tag or tokenizer_tag(tokenizer))
     if _complete(prefix):
         return prefix
     os.makedirs(out_dir, exist_ok=True)
@@ -199,7 +244,56 @@ def prepare_shakespeare(
     with _exclusive_lock(os.path.join(out_dir, ".prepare_shakespeare.lock")):
         if _complete(prefix):
             return prefix
-        return _build(prefix, out_dir, include_folio, workers, download_dir)
+        return _build(prefix, out_dir, include_folio, workers, download_dir, tokenizer)
+
+
+def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int, directory: str) -> str:
+    """Train a byte-level BPE of ``vocab_size`` entries (EOD included) on ``texts`` with
+    Hugging Face ``tokenizers`` and save it into ``directory`` (tokenizer.json and a
+    tokenizer_config.json naming the EOS token), written whole or not at all."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise ValueError(f"--vocab-size must be at least 257 (256 bytes and EOD), got {vocab_size}.")
+    tokenizer = Tokenizer(models.BPE())
+    # GPT-2's scheme: split into words (a leading space kept), then bytes, then merges.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    temp = f"{directory}.tmp-{os.getpid()}"
+    os.makedirs(temp, exist_ok=True)
+    tokenizer.save(os.path.join(temp, "tokenizer.json"))
+    with open(os.path.join(temp, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOD_TOKEN, "bos_token": EOD_TOKEN,
+                   "unk_token": EOD_TOKEN, "model_max_length": 1 << 30}, f, indent=2)
+    os.replace(temp, directory)
+    return directory
+
+
+def prepare_shakespeare_bpe(
+    vocab_size: int,
+    out_dir: str = DEFAULT_OUT_DIR,
+    *,
+    workers: Optional[int] = None,
+    download_dir: Optional[str] = None,
+) -> Tuple[str, str]:
+    """(tokenizer directory, dataset prefix): a BPE of ``vocab_size`` entries trained on
+    the works, and the works tokenized with it (both built once)."""
+    name = f"bpe{vocab_size}"
+    directory = os.path.join(out_dir, f"shakespeare_{name}")
+    os.makedirs(out_dir, exist_ok=True)
+    with _exclusive_lock(os.path.join(out_dir, ".prepare_shakespeare.lock")):
+        if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+            start = time.perf_counter()
+            archive = download_archive(download_dir or os.path.join(out_dir, "downloads"))
+            train_bpe_tokenizer([r["text"] for r in read_works(archive)], vocab_size, directory)
+            print(f"Trained a {vocab_size}-entry BPE on the works in {time.perf_counter() - start:.1f}s -> {directory}",
+                  flush=True)
+    flags = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": directory}
+    return directory, prepare_shakespeare(out_dir, workers=workers, download_dir=download_dir, tokenizer=flags,
+                                          tag=name)
 
 
 def _complete(prefix: str) -> bool:
@@ -221,8 +315,17 @@ def _exclusive_lock(path: str):
             fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
 
 
+def _tokenizer_argv(tokenizer: Optional[Dict[str, Optional[str]]]) -> List[str]:
+    flags = dict(tokenizer or {"tokenizer_type": "GPT2BPETokenizer"})
+    argv = []
+    for key in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"):
+        if flags.get(key) is not None:
+            argv += ["--" + key.replace("_", "-"), str(flags[key])]
+    return argv
+
+
 def _build(prefix: str, out_dir: str, include_folio: bool, workers: Optional[int],
-           download_dir: Optional[str]) -> str:
+           download_dir: Optional[str], tokenizer: Optional[Dict[str, Optional[str]]] = None) -> str:
     start = time.perf_counter()
     archive = download_archive(download_dir or os.path.join(out_dir, "downloads"))
     records = read_works(archive, include_folio=include_folio)
@@ -235,7 +338,7 @@ def _build(prefix: str, out_dir: str, include_folio: bool, workers: Optional[int
             "--input", jsonl_path,
             "--output-prefix", prefix[: -len("_text_document")],
             "--json-keys", "text",
-            "--tokenizer-type", "GPT2BPETokenizer",
+            *_tokenizer_argv(tokenizer),
             "--append-eod",
             "--workers", str(workers),
             # A few dozen large documents: hand them out one at a time to balance workers.
@@ -268,9 +371,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--include-folio", action="store_true",
                         help="also add the First Folio editions as separate documents")
     parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: up to 4)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="train a BPE of this many entries on the works and tokenize with it "
+                             "(prints the tokenizer directory, then the dataset prefix)")
     args = parser.parse_args(argv)
+    if args.vocab_size is not None and args.include_folio:
+        parser.error("--vocab-size builds the modern edition only; drop --include-folio.")
     try:
-        prefix = prepare_shakespeare(args.out_dir, include_folio=args.include_folio, workers=args.workers)
+        if args.vocab_size is not None:
+            directory, prefix = prepare_shakespeare_bpe(args.vocab_size, args.out_dir, workers=args.workers)
+            print(directory)
+        else:
+            prefix = prepare_shakespeare(args.out_dir, include_folio=args.include_folio, workers=args.workers)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         print(f"prepare_shakespeare.py: error: {e}", file=sys.stderr)
         return 2

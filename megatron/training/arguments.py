@@ -15,15 +15,36 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megatron.training.initialize import get_distributed_env
+from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer", "GPTSentencePieceTokenizer")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class ArgumentError(ValueError):
+    """A command line argparse cannot parse (unknown flag, bad value)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # Errors become exceptions, so that the trainer prints them once, from rank 0.
+    def error(self, message):
+        if message.startswith("unrecognized arguments:"):
+            message += suggest_flags(message.split(":", 1)[1].split(), self)
+        raise ArgumentError(message)
+
+
+def _unquoted(value: str) -> str:
+    """Strip one pair of matching quotes that a shell or a YAML file passed literally
+    (``--split "'99,1,0'"`` -> ``99,1,0``)."""
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description="Megatron-style GPT pretraining (MFSDP v2 or DDP)", allow_abbrev=False
     )
 
@@ -51,7 +72,6 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local")
-    g.add_argument("--recompute-granularity", choices=("full",), default=None)
 
     g = parser.add_argument_group("batch")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -85,7 +105,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--data-path", nargs="*", default=None,
                    help="prefixes of .bin/.idx files, optionally weighted: 0.3 a 0.7 b. "
                         "Neither this nor --mock-data: the Shakespeare corpus of tools/prepare_shakespeare.py")
-    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--split", type=_unquoted, default="969,30,1")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--num-workers", type=int, default=2)
@@ -100,7 +120,8 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
 
     g = parser.add_argument_group("precision")
     g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true", help="not supported; use --bf16")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 compute with a dynamic loss scaler (overflowing steps are skipped)")
 
     g = parser.add_argument_group("logging")
     g.add_argument("--log-dir", type=str, default=None, help="metrics.jsonl is written here")
@@ -128,7 +149,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background (state staged in CPU memory)")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM: finish the iteration, save a checkpoint, exit 0")
+                   help="on --exit-signal (default SIGTERM): finish the iteration, save a checkpoint, exit 0")
 
     g = parser.add_argument_group("MFSDP (Megatron FSDP v2)")
     g.add_argument("--use-mfsdp", "--use-megatron-fsdp", dest="use_mfsdp", action="store_true")
@@ -143,11 +164,48 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--megatron-fsdp-grad-comm-dtype", choices=("auto",) + tuple(_DTYPES), default=None)
     g.add_argument("--mfsdp-unify-communication-stream", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="accepted with --use-mfsdp (sharding is set by --data-parallel-sharding-strategy)")
+                   help="with --use-mfsdp: accepted (--data-parallel-sharding-strategy decides); without: "
+                        "upstream's DDP + distributed optimizer, i.e. MFSDP ZeRO-1 (optim)")
 
+    _add_activation_args(parser)
+    _add_memory_args(parser)
+    _add_fidelity_args(parser)
+    add_megatron_compat_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
     return parser
+
+
+def _add_activation_args(parser):
+    g = parser.add_argument_group("activation")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="the tanh approximation of GELU (GPT-2's gelu_new; Hugging Face GPT-2 checkpoints use it)")
+
+
+def _validate_activation(args):
+    if args.openai_gelu and args.swiglu:
+        raise ValueError("--openai-gelu and --swiglu both choose the MLP activation; pass one of them.")
+
+
+def _add_memory_args(parser: argparse.ArgumentParser) -> None:
+    """Flags that trade compute for memory: meta-device build and activation recompute."""
+    g = parser.add_argument_group("memory (meta-device build, activation recompute)")
+    g.add_argument("--init-model-with-meta-device", dest="init_model_with_meta_device", action="store_true",
+                   default=True, help="with --use-mfsdp: build parameters on meta, materialize per unit "
+                   "into shards (default on)")
+    g.add_argument("--no-init-model-with-meta-device", dest="init_model_with_meta_device", action="store_false",
+                   help="build the whole model on every rank before sharding")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="full: recompute whole layers; selective: the attention core only")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with full: uniform chunks of --recompute-num-layers, or the first N layers (block)")
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+
+def _validate_memory_args(args: argparse.Namespace) -> None:
+    from megatron.core.transformer.transformer_config import check_recompute
+
+    check_recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers, args.num_layers)
 
 
 def parse_args(
@@ -196,13 +254,14 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     args.world_size = world_size
     args.data_parallel_size = world_size  # no tensor/pipeline parallelism in this project
     args.device_type = "cuda" if cuda_available else "cpu"
+    _apply_fidelity_synonyms(args)
 
     # --- model shape -------------------------------------------------------------------
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
               "ffn_hidden_size", "num_query_groups", "max_position_embeddings",
               "make_vocab_size_divisible_by", "init_method_std", "norm_epsilon")
-    if args.hidden_size % args.num_attention_heads != 0:
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads != 0:
         raise ValueError(
             f"--num-attention-heads ({args.num_attention_heads}) must divide --hidden-size "
             f"({args.hidden_size}); e.g. use {args.hidden_size // 64 or 1} heads of 64 or pick another pair."
@@ -214,7 +273,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
             f"--num-query-groups ({args.num_query_groups}) must divide --num-attention-heads "
             f"({args.num_attention_heads})."
         )
-    if args.position_embedding_type == "rope" and (args.hidden_size // args.num_attention_heads) % 2:
+    if args.position_embedding_type == "rope" and (args.kv_channels or args.hidden_size // args.num_attention_heads) % 2:
         raise ValueError("rope needs an even head dimension (hidden-size / num-attention-heads); change either.")
     if args.ffn_hidden_size is None:
         if args.swiglu:
@@ -249,12 +308,14 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
             )
 
     # --- precision ------------------------------------------------------------------------
-    if args.fp16:
-        raise ValueError("--fp16 is not supported (no loss scaling); use --bf16 or fp32.")
-    # bf16 under MFSDP: the model holds bf16 compute weights and the engine keeps fp32 main
-    # weights (MixedPrecisionPolicy). Under DDP/one rank: fp32 weights and bf16 autocast.
-    args.params_dtype = torch.bfloat16 if (args.bf16 and args.use_mfsdp) else torch.float32
-    args.autocast_dtype = torch.bfloat16 if (args.bf16 and not args.use_mfsdp) else None
+    if args.fp16 and args.bf16:
+        raise ValueError("pass only one of --fp16 and --bf16.")
+    # bf16/fp16 under MFSDP: the model holds low-precision compute weights and the engine
+    # keeps fp32 main weights (MixedPrecisionPolicy). Under DDP/one rank: fp32 weights and
+    # autocast. fp16 adds a loss scaler (training.py).
+    half = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
+    args.params_dtype = half if (half is not None and args.use_mfsdp) else torch.float32
+    args.autocast_dtype = half if (half is not None and not args.use_mfsdp) else None
 
     # --- distributed and MFSDP ---------------------------------------------------------------
     if args.distributed_backend is None:
@@ -336,7 +397,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     args.num_microbatches = args.global_batch_size // per_step
 
     # --- run length and schedule -------------------------------------------------------------
-    _require(args, "train_iters", "lr")
+    _validate_run_length(args)
+    _require(args, "lr")
     _positive(args, "train_iters", "eval_interval", "log_interval", "save_interval", "lr_decay_iters")
     if args.eval_iters < 0:
         raise ValueError("--eval-iters must be non-negative (0 disables evaluation).")
@@ -346,7 +408,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         raise ValueError(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr}).")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None:
+    if args.train_samples is not None:
+        pass  # sample-based: _validate_run_length set the schedule in samples
+    elif args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters != 0:
             raise ValueError("pass only one of --lr-warmup-fraction and --lr-warmup-iters.")
         if not 0.0 <= args.lr_warmup_fraction < 1.0:
@@ -356,11 +420,12 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         if args.lr_warmup_iters < 0:
             raise ValueError("--lr-warmup-iters must be non-negative.")
         args.lr_warmup_samples = args.lr_warmup_iters * args.global_batch_size
-    args.lr_decay_samples = args.lr_decay_iters * args.global_batch_size
+    if args.train_samples is None:
+        args.lr_decay_samples = args.lr_decay_iters * args.global_batch_size
     if args.lr_warmup_samples >= args.lr_decay_samples:
         raise ValueError(
-            f"warmup ({args.lr_warmup_samples // args.global_batch_size} iterations) must be shorter than "
-            f"the decay (--lr-decay-iters {args.lr_decay_iters}); lower --lr-warmup-iters/--lr-warmup-fraction."
+            f"warmup ({args.lr_warmup_samples} samples) must be shorter than the decay "
+            f"({args.lr_decay_samples} samples); lower --lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction."
         )
     if args.weight_decay < 0:
         raise ValueError("--weight-decay must be non-negative.")
@@ -395,6 +460,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
 
     # --- tokenizer ---------------------------------------------------------------------------
     _validate_tokenizer(args)
+    _validate_activation(args)
+    _validate_memory_args(args)
 
     # --- logging and checkpointing -----------------------------------------------------------
     if args.save_interval is not None and args.save is None:
@@ -403,6 +470,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         raise ValueError("--async-save needs --save DIR to write checkpoints to.")
     if args.wandb_exp_name and not args.wandb_project:
         raise ValueError("--wandb-exp-name needs --wandb-project (W&B logging is enabled by the project).")
+    _validate_fidelity(args)
+    _validate_paths(args)
     return args
 
 
@@ -433,6 +502,17 @@ def _validate_tokenizer(args):
                 f"--tokenizer-model {args.tokenizer_model!r} is not a directory; pass a local directory "
                 "holding a saved HuggingFace tokenizer (there is no hub access)."
             )
+    elif kind == "GPTSentencePieceTokenizer":
+        import importlib.util
+
+        if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):
+            raise ValueError(
+                f"--tokenizer-type GPTSentencePieceTokenizer needs --tokenizer-model FILE (a SentencePiece "
+                f".model file); got {args.tokenizer_model!r}."
+            )
+        if importlib.util.find_spec("sentencepiece") is None:
+            raise ValueError("--tokenizer-type GPTSentencePieceTokenizer needs the sentencepiece package: "
+                             "pip install sentencepiece.")
     elif kind == "NullTokenizer":
         if args.vocab_size is None or args.vocab_size < 2:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2, EOD included).")
@@ -440,3 +520,198 @@ def _validate_tokenizer(args):
         raise ValueError(f"--vocab-size only applies to NullTokenizer; {kind} has its own vocabulary. Remove it.")
 
 
+
+
+# ----------------------------------------------------------------------------------------
+# Megatron-LM flags that change behaviour here (issue 14; docs/megatron_flags.md). Kept
+# apart from the flags above so that each block reads on its own.
+# ----------------------------------------------------------------------------------------
+
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
+
+def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("Megatron-LM logging")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="count the zero gradient entries: 'num zeros' in the log line and TensorBoard")
+    g.add_argument("--log-params-norm", action="store_true", help="'params norm' (L2) in the log line and TensorBoard")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="write iteration-time and the --timing-log-level timers to TensorBoard")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="write mem-allocated-bytes, mem-max-allocated-bytes, ... to TensorBoard")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="write '<loss> validation ppl' next to the validation loss")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
+                   help="0: iteration time only; 1: + forward-backward, optimizer, ...; 2: + batch-generator, "
+                        "forward-compute, backward-compute")
+    g.add_argument("--timing-log-option", choices=("max", "minmax", "all"), default="minmax",
+                   help="how timers are reduced across ranks in the log")
+    g.add_argument("--wandb-entity", type=str, default=None)
+
+    g = parser.add_argument_group("Megatron-LM model and numerics")
+    g.add_argument("--kv-channels", type=int, default=None, help="per-head dimension (default hidden / heads)")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="fraction of each head's dimensions that RoPE rotates (the rest pass through)")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="same as --position-embedding-type rope")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="LayerNorm weights are stored as (gamma - 1), zero-initialized (weight decay pulls gamma to 1)")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="with --bf16/--fp16: attention scores and softmax in fp32")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="SDPA kernel: flash, fused (memory-efficient/cuDNN), unfused/local (math), auto (torch picks)")
+    g.add_argument("--squared-relu", action="store_true", help="squared ReLU activation in the MLP")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="normalize by the loss tokens of the whole global batch; default: average of the "
+                        "per-microbatch means (Megatron's default)")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="deterministic torch algorithms (and a fixed cuBLAS workspace)")
+    g.add_argument("--loss-scale", type=float, default=None, help="--fp16: static loss scale (default dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="clean steps before the dynamic loss scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflows tolerated before the loss scale halves")
+
+    g = parser.add_argument_group("Megatron-LM schedules, exit and memory")
+    g.add_argument("--train-samples", type=int, default=None, help="run length in samples (instead of --train-iters)")
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-samples", type=int, default=None)
+    g.add_argument("--exit-signal", choices=EXIT_SIGNALS, default="SIGTERM",
+                   help="the signal --exit-signal-handler catches")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="save (with --save) and exit 0 after an iteration divisible by this")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="disable Python's automatic garbage collection; collect every --manual-gc-interval")
+    g.add_argument("--manual-gc-interval", type=int, default=0, help="0: collect only at the start and around eval")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="read the .bin files with file reads instead of a memory map")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   dest="use_checkpoint_opt_param_scheduler",
+                   help="take the LR schedule (lr, min-lr, warmup, decay) from the checkpoint")
+
+
+def _apply_fidelity_synonyms(args: argparse.Namespace) -> None:
+    """Flags that are another name for one of our settings; resolved before validation."""
+    apply_megatron_compat(args)
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.squared_relu and args.swiglu:
+        raise ValueError("--squared-relu and --swiglu both choose the MLP activation; pass one of them.")
+    if args.use_distributed_optimizer and not args.use_mfsdp:
+        # Upstream's DDP + distributed optimizer shards the optimizer state only: ZeRO-1.
+        if args.data_parallel_sharding_strategy not in (None, "optim"):
+            raise ValueError(
+                f"--use-distributed-optimizer without --use-mfsdp is ZeRO-1 (optim); drop "
+                f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} or add --use-mfsdp."
+            )
+        args.use_mfsdp = True
+        args.data_parallel_sharding_strategy = "optim"
+        args.distributed_optimizer_mapped_to_zero1 = True
+
+
+def _validate_fidelity(args: argparse.Namespace) -> None:
+    _positive(args, "kv_channels", "exit_interval", "loss_scale", "initial_loss_scale", "min_loss_scale",
+              "loss_scale_window", "hysteresis")
+    if args.kv_channels is not None and args.position_embedding_type == "rope" and args.kv_channels % 2:
+        raise ValueError(f"rope needs an even --kv-channels, got {args.kv_channels}.")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ValueError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}.")
+    if args.rotary_percent < 1.0:
+        if args.position_embedding_type != "rope":
+            raise ValueError("--rotary-percent applies to RoPE; add --position-embedding-type rope or drop it.")
+        head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+        rotated = int(head_dim * args.rotary_percent)
+        if rotated < 2 or rotated % 2:
+            raise ValueError(
+                f"--rotary-percent {args.rotary_percent} rotates {rotated} of {head_dim} head dimensions; "
+                "pick a fraction that gives an even number >= 2."
+            )
+    if args.apply_layernorm_1p and args.normalization != "LayerNorm":
+        raise ValueError("--apply-layernorm-1p applies to LayerNorm; drop it or use --normalization LayerNorm.")
+    if args.device_type == "cpu" and args.attention_backend == "fused":
+        raise ValueError("--attention-backend fused has no CPU kernel; use auto, flash or unfused on CPU.")
+    if (args.device_type == "cpu" and args.attention_backend == "flash" and args.attention_dropout > 0):
+        raise ValueError("--attention-backend flash takes no attention dropout on CPU; add --attention-dropout 0 "
+                         "or use --attention-backend unfused/auto.")
+    if args.manual_gc_interval < 0:
+        raise ValueError("--manual-gc-interval must be non-negative (0: never during training).")
+    if args.min_loss_scale > args.initial_loss_scale:
+        raise ValueError("--min-loss-scale must not exceed --initial-loss-scale.")
+
+
+def _validate_run_length(args: argparse.Namespace) -> None:
+    """Iteration-based (--train-iters, --lr-*-iters) or sample-based (--train-samples,
+    --lr-*-samples) schedules, as in Megatron; derives both views."""
+    gbs = args.global_batch_size
+    if args.train_samples is not None:
+        if args.train_iters is not None:
+            raise ValueError("pass only one of --train-iters and --train-samples.")
+        if args.lr_decay_iters is not None or args.lr_warmup_iters:
+            raise ValueError("with --train-samples use --lr-decay-samples/--lr-warmup-samples, "
+                             "not --lr-decay-iters/--lr-warmup-iters.")
+        _positive(args, "train_samples", "lr_decay_samples")
+        args.train_iters = args.train_samples // gbs
+        if args.train_iters < 1:
+            raise ValueError(f"--train-samples {args.train_samples} is less than one global batch ({gbs}).")
+        if args.lr_decay_samples is None:
+            args.lr_decay_samples = args.train_samples
+        args.lr_decay_iters = args.lr_decay_samples // gbs
+        if args.lr_warmup_fraction is not None:
+            if args.lr_warmup_samples is not None:
+                raise ValueError("pass only one of --lr-warmup-fraction and --lr-warmup-samples.")
+            args.lr_warmup_samples = int(args.lr_warmup_fraction * args.lr_decay_samples)
+        elif args.lr_warmup_samples is None:
+            args.lr_warmup_samples = 0
+        if args.lr_warmup_samples < 0:
+            raise ValueError("--lr-warmup-samples must be non-negative.")
+        return
+    if args.lr_decay_samples is not None or args.lr_warmup_samples is not None:
+        raise ValueError("--lr-decay-samples/--lr-warmup-samples go with --train-samples; "
+                         "with --train-iters use --lr-decay-iters/--lr-warmup-iters.")
+    _require(args, "train_iters")
+
+
+def _check_writable_dir(flag: str, path: Optional[str]) -> None:
+    """``path`` is a directory, or can be created as one (nearest existing ancestor is a
+    writable directory)."""
+    if not path:
+        return
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"{flag} {path!r} is a file, not a directory; pass a directory path.")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {path!r} is not writable; pass a directory you can write to.")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r} cannot be created ({parent!r} is not a writable directory); "
+                         "pass a directory you can write to.")
+
+
+def _validate_paths(args: argparse.Namespace) -> None:
+    """User errors that would otherwise surface mid-run on every rank: checked here."""
+    import importlib.util
+
+    if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
+        raise ValueError(
+            f"--load {args.load!r} is a file; pass the checkpoint directory (the --save directory, "
+            "or one of its iter_* directories)."
+        )
+    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir),
+                       ("--log-dir", args.log_dir), ("--wandb-save-dir", args.wandb_save_dir),
+                       ("--data-cache-path", args.data_cache_path)):
+        _check_writable_dir(flag, path)
+    if args.tensorboard_dir:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"--tensorboard-dir needs the tensorboard package ({e}): pip install tensorboard "
+                             "(or drop --tensorboard-dir; --log-dir writes metrics.jsonl without it).") from None
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb-project needs the wandb package: pip install wandb (or drop --wandb-project).")

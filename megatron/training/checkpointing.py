@@ -374,6 +374,9 @@ def save_checkpoint(
                  "global_batch_size": getattr(args, "global_batch_size", None)},
         "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
         "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
+        # fp16 loss scaler (trainer-attached), so a resumed run keeps its scale.
+        "grad_scaler": (optimizer.grad_scaler.state_dict()
+                        if getattr(optimizer, "grad_scaler", None) is not None else None),
         "args": encode_args(dict(vars(args))),
         "use_mfsdp": _is_mfsdp(module),
         "world_size": _world(),
@@ -443,6 +446,20 @@ def _commit(root: str, iteration: int, tmp: str, final: str, common: Dict[str, A
 # ----------------------------------------------------------------------------------------
 
 
+def _model_mismatch(path: str, saved: Dict[str, Any], args: argparse.Namespace) -> Optional[str]:
+    """What the tensors cannot show but the model depends on: the activation. The message
+    names the flag that builds the checkpoint's model; None when they agree."""
+    from megatron.training.model_builder import ACTIVATION_FLAGS, activation_from_args
+
+    if not hasattr(args, "swiglu") or not any(k in saved for k in ("swiglu", "openai_gelu", "activation_func")):
+        return None  # a caller without model flags (a tool), or a checkpoint that does not say
+    theirs, ours = activation_from_args(saved), activation_from_args(vars(args))
+    if theirs == ours:
+        return None
+    return (f"{path} holds a model with the {theirs} activation, but these flags build {ours}; "
+            f"pass {ACTIVATION_FLAGS.get(theirs, theirs)} to build the checkpoint's model.")
+
+
 def load_checkpoint(
     model: torch.nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
@@ -473,6 +490,7 @@ def load_checkpoint(
     except RuntimeError as e:
         error = str(e)
     _agree(error)
+    _agree(_model_mismatch(path, common.get("args") or {}, args), ValueError)
 
     model_only = bool(common.get("model_only")) or finetune
     if model_only:
@@ -518,6 +536,8 @@ def load_checkpoint(
         return 0, 0
     if load_optim and opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    if load_optim and getattr(optimizer, "grad_scaler", None) is not None and common.get("grad_scaler"):
+        optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
     if load_rng:
         if rng_state is not None:
             _set_rng_state(rng_state)

@@ -3,8 +3,11 @@
 Precedence: torchrun's variables (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/
 ``MASTER_PORT``) win, because ``srun torchrun ...`` sets both and torchrun's are the ones
 that describe this process. Otherwise SLURM's (``SLURM_PROCID``/``SLURM_NTASKS``/
-``SLURM_LOCALID``, rendezvous on the first host of ``SLURM_JOB_NODELIST``), so that
-``srun python pretrain_gpt.py ...`` works without a launcher. With neither, a world of one.
+``SLURM_LOCALID``), so that ``srun python pretrain_gpt.py ...`` works without a launcher.
+Under SLURM the rendezvous host is the first node of the job *step*
+(``SLURM_STEP_NODELIST``, else the job's node list): a step may run on part of the
+allocation. The port is derived from the job id and the step id, so that two steps of one
+allocation (or two jobs sharing a node) do not collide. With neither, a world of one.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import datetime
 import os
 import random
 import re
+import socket
 from typing import List, Mapping, Optional
 
 import numpy as np
@@ -113,7 +117,8 @@ def get_distributed_env(environ: Optional[Mapping[str, str]] = None) -> Distribu
             launcher="torchrun",
         )
     elif "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
-        nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        nodelist = (environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+                    or environ.get("SLURM_NODELIST"))
         if "MASTER_ADDR" in environ:
             master_addr = environ["MASTER_ADDR"]
         elif nodelist:
@@ -126,8 +131,10 @@ def get_distributed_env(environ: Optional[Mapping[str, str]] = None) -> Distribu
         if "MASTER_PORT" in environ:
             master_port = _int_env(environ, "MASTER_PORT")
         elif "SLURM_JOB_ID" in environ:
-            # Derived from the job id so that two jobs sharing a node do not collide.
-            master_port = 20000 + _int_env(environ, "SLURM_JOB_ID") % 20000
+            master_port = slurm_rendezvous_port(
+                _int_env(environ, "SLURM_JOB_ID"),
+                _int_env(environ, "SLURM_STEP_ID") if environ.get("SLURM_STEP_ID", "").isdigit() else 0,
+            )
         else:
             master_port = DEFAULT_MASTER_PORT
         env = DistributedEnv(
@@ -149,6 +156,38 @@ def get_distributed_env(environ: Optional[Mapping[str, str]] = None) -> Distribu
     return env
 
 
+SLURM_PORT_BASE = 20000
+SLURM_PORT_RANGE = 20000  # ports 20000..39999: below the usual ephemeral range (32768+ is shared, but rarely full)
+
+
+def slurm_rendezvous_port(job_id: int, step_id: int) -> int:
+    """A port per (job, step): consecutive steps of one job get consecutive ports, and
+    jobs are spread over the range by a multiplier coprime to it."""
+    return SLURM_PORT_BASE + (job_id * 1009 + step_id) % SLURM_PORT_RANGE
+
+
+def check_rendezvous_host(host: str) -> None:
+    """Fail in seconds when the rendezvous host does not resolve (instead of a TCP store
+    retrying until the distributed timeout)."""
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(
+            f"the rendezvous host {host!r} (MASTER_ADDR, or the first node of the SLURM step) does not "
+            f"resolve ({e}); set MASTER_ADDR to a reachable host name or address."
+        ) from None
+
+
+def set_deterministic_mode() -> None:
+    """``--deterministic-mode``: deterministic torch algorithms (an op without a
+    deterministic implementation raises) and cuBLAS's fixed workspace, set before CUDA
+    starts."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -163,12 +202,7 @@ def initialize_distributed(
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("backend nccl needs CUDA; use --distributed-backend gloo on CPU.")
-        if env.local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"local rank {env.local_rank} has no GPU (this node has {torch.cuda.device_count()}); "
-                "start one process per GPU (torchrun --nproc-per-node / srun --ntasks-per-node)."
-            )
-        device = torch.device("cuda", env.local_rank)
+        device = torch.device("cuda", local_gpu_index(env.local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -186,6 +220,7 @@ def initialize_distributed(
         # A world of one needs no rendezvous (and no free port).
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
+        check_rendezvous_host(env.master_addr)
         # Keep the env in sync for libraries that read it (DCP, W&B, user code).
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
@@ -204,6 +239,20 @@ def initialize_distributed(
             **kwargs,
         )
     return device
+
+
+def local_gpu_index(local_rank: int, visible_gpus: int) -> int:
+    """The GPU of this process: its local rank, or the only visible one when the launcher
+    binds one GPU per task (``srun --gpus-per-task=1`` sets CUDA_VISIBLE_DEVICES per task)."""
+    if local_rank < visible_gpus:
+        return local_rank
+    if visible_gpus == 1:
+        return 0
+    raise RuntimeError(
+        f"local rank {local_rank} has no GPU (this process sees {visible_gpus}); "
+        "start one process per GPU (torchrun --nproc-per-node / srun --ntasks-per-node), "
+        "or bind one GPU per task (srun --gpus-per-task=1)."
+    )
 
 
 def _format_host(host: str) -> str:

@@ -26,6 +26,23 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
+def memory_scalars(device: torch.device) -> Dict[str, float]:
+    """``--log-memory-to-tensorboard``: Megatron's CUDA allocator scalars; on CPU the
+    process's resident set size (current and peak), which is what there is."""
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        return {
+            "mem-reserved-bytes": stats.get("reserved_bytes.all.current", 0),
+            "mem-allocated-bytes": stats.get("allocated_bytes.all.current", 0),
+            "mem-max-allocated-bytes": stats.get("allocated_bytes.all.peak", 0),
+            "mem-allocated-count": stats.get("allocation.all.current", 0),
+        }
+    with open("/proc/self/statm") as f:
+        rss_pages = int(f.read().split()[1])
+    return {"mem-rss-bytes": rss_pages * os.sysconf("SC_PAGE_SIZE"),
+            "mem-max-rss-bytes": peak_memory_mb(device) * 2**20}
+
+
 def memory_label(device: torch.device) -> str:
     return "mem (max allocated MB)" if device.type == "cuda" else "mem (max RSS MB)"
 
@@ -42,6 +59,9 @@ def format_iteration_line(
     grad_norm: Optional[float],
     skipped_iterations: int,
     nan_iterations: int,
+    loss_scale: float = 1.0,
+    num_zeros: Optional[int] = None,
+    params_norm: Optional[float] = None,
     tflops_per_device: Optional[float] = None,
     tokens_per_second: Optional[float] = None,
     peak_memory_mb: Optional[float] = None,
@@ -64,8 +84,13 @@ def format_iteration_line(
     s += " global batch size: {:5d} |".format(global_batch_size)
     for key, value in losses.items():
         s += " {}: {:.6E} |".format(key, value)
+    s += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         s += " grad norm: {:.3f} |".format(grad_norm)
+    if num_zeros is not None:
+        s += f" num zeros: {num_zeros} |"
+    if params_norm is not None:
+        s += f" params norm: {params_norm:.3f} |"
     s += " number of skipped iterations: {:3d} |".format(skipped_iterations)
     s += " number of nan iterations: {:3d} |".format(nan_iterations)
     if peak_memory_mb is not None:
@@ -78,12 +103,15 @@ def perplexity(loss: float) -> float:
     return math.exp(min(20.0, loss))
 
 
-def format_validation_box(prefix: str, losses: Dict[str, float]) -> str:
-    """Megatron's boxed evaluation report, e.g. for prefix 'iteration 100 on validation set'."""
+def format_validation_box(prefix: str, losses: Dict[str, float], bits_per_character: Optional[float] = None) -> str:
+    """Megatron's boxed evaluation report, e.g. for prefix 'iteration 100 on validation set';
+    the loss in bits per character, when known, comes last."""
     s = f" validation loss at {prefix} | "
     for key, value in losses.items():
         s += "{} value: {:.6E} | ".format(key, value)
         s += "{} PPL: {:.6E} | ".format(key, perplexity(value))
+    if bits_per_character is not None:
+        s += "bits per character: {:.4f} | ".format(bits_per_character)
     rule = "-" * (len(s) + 1)
     return "\n".join([rule, s, rule])
 
@@ -97,7 +125,8 @@ class MetricsWriter:
 
     def __init__(self, jsonl_path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
                  wandb_project: Optional[str] = None, wandb_exp_name: Optional[str] = None,
-                 wandb_save_dir: Optional[str] = None, config: Optional[Dict[str, Any]] = None):
+                 wandb_save_dir: Optional[str] = None, config: Optional[Dict[str, Any]] = None,
+                 wandb_entity: Optional[str] = None):
         self.jsonl_path = jsonl_path
         self._jsonl = None
         self.tensorboard = None
@@ -112,7 +141,7 @@ class MetricsWriter:
             os.makedirs(tensorboard_dir, exist_ok=True)
             self.tensorboard = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
         if wandb_project:
-            self.wandb_run = _init_wandb(wandb_project, wandb_exp_name, wandb_save_dir, config or {})
+            self.wandb_run = _init_wandb(wandb_project, wandb_exp_name, wandb_save_dir, config or {}, wandb_entity)
 
     def write(self, kind: str, iteration: int, metrics: Dict[str, Any]) -> None:
         record = {"kind": kind, "iteration": iteration, **metrics,
@@ -127,6 +156,12 @@ class MetricsWriter:
                 self.tensorboard.add_scalar(tag, value, iteration)
         if self.wandb_run is not None:
             self.wandb_run.log({f"{kind}/{k}": v for k, v in scalars.items()}, step=iteration)
+
+    def write_tensorboard(self, iteration: int, scalars: Dict[str, float]) -> None:
+        """Scalars under Megatron's own TensorBoard tags, verbatim (e.g. 'lm loss validation ppl')."""
+        if self.tensorboard is not None:
+            for tag, value in scalars.items():
+                self.tensorboard.add_scalar(tag, float(value), iteration)
 
     def flush(self) -> None:
         if self.tensorboard is not None:
@@ -144,7 +179,8 @@ class MetricsWriter:
             self.wandb_run = None
 
 
-def _init_wandb(project: str, name: Optional[str], save_dir: Optional[str], config: Dict[str, Any]):
+def _init_wandb(project: str, name: Optional[str], save_dir: Optional[str], config: Dict[str, Any],
+                entity: Optional[str] = None):
     try:
         import wandb
     except ImportError:
@@ -155,7 +191,7 @@ def _init_wandb(project: str, name: Optional[str], save_dir: Optional[str], conf
         mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
     save_dir = save_dir or os.getcwd()
     os.makedirs(save_dir, exist_ok=True)
-    return wandb.init(project=project, name=name, dir=save_dir, config=config, mode=mode)
+    return wandb.init(project=project, name=name, dir=save_dir, config=config, mode=mode, entity=entity)
 
 
 def jsonable_config(args) -> Dict[str, Any]:

@@ -9,11 +9,29 @@ model runs under PyTorch DDP, or plainly on a single rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron.core.transformer.initialization import initialize_parameters_
+
+
+# The activation each flag combination builds, and the flags that select it.
+ACTIVATION_FLAGS = {"silu": "--swiglu", "gelu_tanh": "--openai-gelu", "gelu": "neither --swiglu nor --openai-gelu"}
+
+
+def activation_from_args(args: dict) -> str:
+    """The MLP activation that saved (or parsed) arguments build: SwiGLU's silu, the tanh
+    GELU of ``--openai-gelu`` (GPT-2's ``gelu_new``), else the exact GELU. A checkpoint
+    written by convert.py records the name itself as ``activation_func``."""
+    if args.get("swiglu"):
+        return "silu"
+    if args.get("activation_func"):
+        return args["activation_func"]
+    return "gelu_tanh" if args.get("openai_gelu") else "gelu"
 
 
 @dataclasses.dataclass
@@ -93,10 +111,18 @@ def transformer_layers(model: torch.nn.Module):
 
 
 def build_model(model_provider: Callable, args, device: torch.device) -> BuiltModel:
-    model = model_provider(args)
+    """Build, initialize (seeded per parameter name, see ``initialization.py``) and wrap.
+
+    With ``--use-mfsdp`` and ``--init-model-with-meta-device`` (the default) the parameters
+    are created on ``meta``, wrapped, then materialized one unit at a time straight into
+    this rank's shards: no rank holds more than its shards plus one unit gathered."""
+    meta = bool(args.use_mfsdp and getattr(args, "init_model_with_meta_device", False))
+    model = _build_on_meta(model_provider, args) if meta else model_provider(args)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model_provider must return an nn.Module, got {type(model).__name__}.")
-    model = model.to(device)
+    if not meta:
+        initialize_parameters_(model, args.seed)
+        model = model.to(device)
 
     if args.use_mfsdp:
         from megatron.core.distributed.mfsdp_v2 import fully_shard, fully_shard_context
@@ -108,9 +134,11 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
             device=device, unify_communication_stream=args.mfsdp_unify_communication_stream
         ) as context:
             # Children first: each layer is its own unit; the root then owns the rest.
-            for layer in transformer_layers(model):
-                fully_shard(layer, mesh, placements, mixed_precision_policy=policy)
-            fully_shard(model, mesh, placements, mixed_precision_policy=policy)
+            units = [fully_shard(layer, mesh, placements, mixed_precision_policy=policy)
+                     for layer in transformer_layers(model)]
+            units.append(fully_shard(model, mesh, placements, mixed_precision_policy=policy))
+        if meta:
+            materialize_units(units, args.seed)
         return BuiltModel(model, model, context, mesh, placements)
 
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -120,6 +148,69 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
         )
         return BuiltModel(ddp, model)
     return BuiltModel(model, model)
+
+
+META_BUILD_FAILED = (
+    "model_provider failed while its parameters were on the meta device ({error}): it reads "
+    "parameter values during construction (.item(), .tolist(), a copy to the CPU, ...). Build "
+    "it without reading them, or pass --no-init-model-with-meta-device to build the whole "
+    "model on every rank before sharding."
+)
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Every parameter registered in this scope is moved to ``meta`` as it is registered.
+
+    Unlike ``torch.device("meta")``, buffers (RoPE inverse frequencies, causal masks) keep
+    their real values: they are computed at construction, are small, and nothing else could
+    recompute them after materialization. Each parameter exists on the CPU only between its
+    ``torch.empty`` and its registration, untouched, so the build costs no real memory."""
+    original = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+def _build_on_meta(model_provider: Callable, args) -> torch.nn.Module:
+    try:
+        with parameters_on_meta():
+            model = model_provider(args)
+    except (RuntimeError, NotImplementedError) as error:
+        if "meta" not in str(error):
+            raise
+        raise RuntimeError(META_BUILD_FAILED.format(error=f"{type(error).__name__}: {error}")) from error
+    if isinstance(model, torch.nn.Module):
+        for name, buffer in model.named_buffers():
+            if buffer.is_meta:
+                raise ValueError(
+                    f"buffer '{name}' was created on the meta device, so its values are lost; create "
+                    "buffers with real values in model_provider (the trainer puts only parameters on "
+                    "meta), or pass --no-init-model-with-meta-device."
+                )
+    return model
+
+
+def materialize_units(units, seed: int) -> None:
+    """Initialize each unit's own parameters unsharded, one unit at a time, keeping this
+    rank's rows; names are the unit's within the model, so values match an unsharded build."""
+    from megatron.core.distributed.mfsdp_v2 import FsdpModule
+
+    for unit in units:
+        prefix = f"{unit.name}." if unit.name else ""
+        unit.init_parameters(
+            lambda module, prefix=prefix: initialize_parameters_(
+                module, seed, prefix, stop_at=lambda sub: isinstance(sub, FsdpModule)
+            )
+        )
 
 
 def build_optimizer(args, built: BuiltModel):
@@ -153,6 +244,7 @@ def build_optimizer(args, built: BuiltModel):
         lr_decay_steps=args.lr_decay_samples,
         lr_decay_style=args.lr_decay_style,
         weight_decay=args.weight_decay,
+        use_checkpoint_opt_param_scheduler=getattr(args, "use_checkpoint_opt_param_scheduler", False),
     )
     return optimizer, scheduler
 

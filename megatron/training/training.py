@@ -9,8 +9,10 @@ log, eval, save} -> final checkpoint and evaluation.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
+import signal
 import sys
 import time
 from typing import Callable, Dict, Optional
@@ -28,16 +30,18 @@ from megatron.training.checkpointing import (
     save_checkpoint,
 )
 from megatron.training.data import DeviceIterator, build_pretraining_data_loader
-from megatron.training.initialize import initialize_distributed, set_random_seed
+from megatron.training.initialize import initialize_distributed, set_deterministic_mode, set_random_seed
 from megatron.training.log_utils import (
     MetricsWriter,
     format_iteration_line,
     format_validation_box,
     jsonable_config,
     memory_label,
+    memory_scalars,
     peak_memory_mb,
     perplexity,
 )
+from megatron.training.timers import Timers, timers_to_log
 from megatron.training.model_builder import BuiltModel, build_model, build_optimizer, get_grad_norm_and_clip
 
 
@@ -57,13 +61,70 @@ def build_tokenizer_from_args(args):
         vocab_size=args.vocab_size,
     )
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
+    # The model gives the padding rows -inf logits (out of the loss and of sampling).
+    args.unpadded_vocab_size = tokenizer.vocab_size
     return tokenizer
 
 
-def _usage_error(message: str) -> None:
+class UserError(Exception):
+    """A problem with the command line or the files it names (not a bug): reported as one
+    line from rank 0 and a non-zero exit, without a traceback."""
+
+
+# What a bad data path, tokenizer, checkpoint or save path raises in the stages that read them.
+_USER_ERROR_TYPES = (ValueError, OSError, RuntimeError, ImportError)
+
+
+@contextlib.contextmanager
+def _user_errors(stage: str):
+    try:
+        yield
+    except UserError:
+        raise
+    except _USER_ERROR_TYPES as e:
+        raise UserError(f"{stage}: {e}") from e
+
+
+def _report_user_error(message: str, exit_code: int, error: BaseException) -> None:
+    """Rank 0 prints ``prog: error: message``; every rank exits with ``exit_code``.
+    MEGATRON_DEBUG_TRACEBACK=1 adds the traceback on every rank."""
+    import traceback
+
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "pretrain_gpt.py"
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    rank = dist.get_rank() if dist.is_initialized() else _env_rank()
+    debug = os.environ.get("MEGATRON_DEBUG_TRACEBACK", "0") not in ("", "0")
+    if debug:
+        traceback.print_exception(error, file=sys.stderr)
+    if rank == 0 or debug:
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    _write_torchelastic_error_file(message)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(exit_code)
+
+
+def _env_rank() -> int:
+    try:
+        from megatron.training.initialize import get_distributed_env
+
+        return get_distributed_env().rank
+    except ValueError:
+        return 0
+
+
+def _write_torchelastic_error_file(message: str) -> None:
+    # torchrun names this worker's failure with the file's message instead of "<N/A>".
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
 
 
 def _world():
@@ -111,23 +172,36 @@ def pretrain(
     try:
         args = parse_args(argv, extra_args_provider=extra_args_provider, args_defaults=args_defaults)
     except ValueError as e:
-        _usage_error(str(e))
+        _report_user_error(str(e), 2, e)
+    try:
+        return _pretrain(args, start_time, train_valid_test_datasets_provider, model_provider, forward_step_func)
+    except UserError as e:
+        _report_user_error(str(e), 1, e)
 
-    device = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+
+def _pretrain(args, start_time, train_valid_test_datasets_provider, model_provider, forward_step_func):
+
+    if args.deterministic_mode:
+        set_deterministic_mode()
+    with _user_errors("distributed initialization"):
+        device = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     if args.exit_signal_handler:
-        install_exit_signal_handler()
+        install_exit_signal_handler(signal.Signals[args.exit_signal])
     writer = MetricsWriter()
     try:
         set_random_seed(args.seed)
         rank = dist.get_rank()
         print_rank_0(_format_args(args))
-        tokenizer = build_tokenizer_from_args(args)
+        with _user_errors("tokenizer"):
+            tokenizer = build_tokenizer_from_args(args)
         print_rank_0(
             f"> tokenizer {args.tokenizer_type}: vocab size {tokenizer.vocab_size} padded to {args.padded_vocab_size}"
         )
 
         built = build_model(model_provider, args, device)
         optimizer, scheduler = build_optimizer(args, built)
+        # Saved and loaded with the optimizer state (checkpointing.py reads this attribute).
+        optimizer.grad_scaler = _build_grad_scaler(args)
         n_params = sum(p.numel() for p in built.unwrapped.parameters())
         strategy = "DDP" if (not built.use_mfsdp and _world() > 1) else ("single rank" if not built.use_mfsdp else
                    f"MFSDP {args.data_parallel_sharding_strategy}" + (
@@ -138,10 +212,11 @@ def pretrain(
             f"device {device.type}, {args.num_microbatches} microbatch(es) of {args.micro_batch_size} per rank per step"
         )
 
-        iteration, consumed = load_checkpoint(
-            built.model, optimizer, scheduler, args,
-            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-        )
+        with _user_errors(f"--load {args.load}"):
+            iteration, consumed = load_checkpoint(
+                built.model, optimizer, scheduler, args,
+                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+            )
         if iteration:
             print_rank_0(f"> resumed from {args.load} at iteration {iteration} ({consumed} samples consumed)")
         if iteration >= args.train_iters:
@@ -154,16 +229,19 @@ def pretrain(
                 jsonl = os.path.join(args.log_dir, "metrics.jsonl")
             elif args.tensorboard_dir:
                 jsonl = os.path.join(args.tensorboard_dir, "metrics.jsonl")
-            writer = MetricsWriter(
-                jsonl_path=jsonl,
-                tensorboard_dir=args.tensorboard_dir,
-                wandb_project=args.wandb_project,
-                wandb_exp_name=args.wandb_exp_name,
-                wandb_save_dir=args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None),
-                config=jsonable_config(args),
-            )
+            with _user_errors("logging"):
+                writer = MetricsWriter(
+                    jsonl_path=jsonl,
+                    tensorboard_dir=args.tensorboard_dir,
+                    wandb_project=args.wandb_project,
+                    wandb_exp_name=args.wandb_exp_name,
+                    wandb_save_dir=args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None),
+                    config=jsonable_config(args),
+                    wandb_entity=args.wandb_entity,
+                )
 
-        train_ds, valid_ds, test_ds = _build_datasets(args, tokenizer, train_valid_test_datasets_provider)
+        with _user_errors("data"):
+            train_ds, valid_ds, test_ds = _build_datasets(args, tokenizer, train_valid_test_datasets_provider)
         print_rank_0(f"> initialization done in {time.time() - start_time:.1f} s")
 
         trainer = _Trainer(args, built, optimizer, scheduler, forward_step_func, device, writer)
@@ -179,6 +257,7 @@ def pretrain(
             with torch.random.fork_rng(devices=[]):
                 train_iter = DeviceIterator(loader, device)
         trainer.valid_ds, trainer.test_ds = valid_ds, test_ds
+        trainer.tokenizer = tokenizer
 
         print_rank_0("> training ...")
         iteration = trainer.train(train_iter, iteration, consumed)
@@ -202,6 +281,18 @@ def pretrain(
         writer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _build_grad_scaler(args):
+    """--fp16 only: static with --loss-scale, else dynamic (Megatron's defaults)."""
+    from megatron.core.optimizer import ConstantGradScaler, DynamicGradScaler
+
+    if not args.fp16:
+        return None
+    if args.loss_scale is not None:
+        return ConstantGradScaler(args.loss_scale)
+    return DynamicGradScaler(initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale,
+                             growth_interval=args.loss_scale_window, hysteresis=args.hysteresis)
 
 
 def _format_args(args) -> str:
@@ -245,10 +336,16 @@ class _Trainer:
         self.last_metrics: Dict[str, float] = {}
         self.valid_ds = None
         self.test_ds = None
+        self.tokenizer = None  # for bits per character
+        self._text_sizes = {}
         self.consumed = 0
-        self.skipped_iterations = 0
+        self.skipped_iterations = 0  # in the current log interval, as Megatron counts them
         self.nan_iterations = 0
         self.flops_per_token = self._flops_per_token()
+        self.grad_scaler = getattr(optimizer, "grad_scaler", None)
+        self.timers = Timers(args.timing_log_level, args.timing_log_option, device)
+        self.num_zeros = None
+        self.params = [p for p in built.unwrapped.parameters() if p.requires_grad]
 
     def _flops_per_token(self) -> Optional[float]:
         try:
@@ -264,25 +361,60 @@ class _Trainer:
         return torch.autocast(self.device.type, dtype=self.args.autocast_dtype)
 
     # ------------------------------------------------------------------------------------
+    def _forward_step(self, data_iterator, model):
+        """The user's forward step, with Megatron's loss normalization and the fp16 loss scale."""
+        output_tensor, loss_func = self.forward_step_func(data_iterator, model)
+        per_token = self.args.calculate_per_token_loss
+        scale = self.grad_scaler.scale if self.grad_scaler is not None else None
+
+        def scaled_loss_func(output):
+            result = loss_func(output)
+            if len(result) == 3 and not per_token:
+                # Megatron's default: each microbatch's mean loss, averaged over microbatches
+                # (the schedule divides 2-tuples by their number) and data-parallel ranks.
+                loss_sum, num_tokens, report = result
+                result = (loss_sum / torch.clamp(torch.as_tensor(num_tokens, device=loss_sum.device), min=1), report)
+            if scale is not None:
+                result = (result[0] * scale,) + tuple(result[1:])
+            return result
+
+        return output_tensor, scaled_loss_func
+
     def train_step(self, data_iterator):
         args = self.args
+        timers = self.timers
         self.optimizer.zero_grad(set_to_none=True)
-        with self._autocast():
+        with timers("forward-backward", 1), self._autocast():
             reports = self.forward_backward(
-                self.forward_step_func, data_iterator, self.built.model, args.num_microbatches,
+                self._forward_step, data_iterator, self.built.model, args.num_microbatches,
                 context=self.built.context, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                timers=timers,
             )
         local = _reduce_reports(reports)
         loss_sum, tokens = _all_reduce_sum(local.tolist(), self.device).tolist()
         loss = loss_sum / max(tokens, 1.0)
-        grad_norm = float(get_grad_norm_and_clip(args, self.built, self.optimizer))
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            # Megatron skips the update (and the LR step) rather than writing NaN/inf weights.
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
-            self.scheduler.step(increment=args.global_batch_size)
+        with timers("optimizer", 1):
+            if self.grad_scaler is not None:
+                with timers("optimizer-unscale-and-check-inf", 1):
+                    _scale_grads(self.params, 1.0 / self.grad_scaler.scale)
+            with timers("optimizer-clip-main-grad", 1):
+                grad_norm = float(get_grad_norm_and_clip(args, self.built, self.optimizer))
+            # A non-finite global norm means some rank's gradients overflowed.
+            skipped = not math.isfinite(grad_norm)
+            if self.grad_scaler is not None:
+                self.grad_scaler.update(skipped)
+            if args.log_num_zeros_in_grad:
+                with timers("optimizer-count-zeros", 1):
+                    from megatron.core.optimizer import count_zeros
+
+                    self.num_zeros = count_zeros(self.params)
+            if skipped:
+                # Megatron skips the update (and the LR step) rather than writing NaN/inf weights.
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
+                with timers("optimizer-inner-step", 1):
+                    self.optimizer.step()
+                self.scheduler.step(increment=args.global_batch_size)
         return loss, grad_norm, skipped
 
     def train(self, train_iter, iteration: int, consumed: int) -> int:
@@ -293,13 +425,26 @@ class _Trainer:
         self.built.model.train()
         interval_loss, interval_count, interval_iters = 0.0, 0, 0
         interval_start = time.time()
+        if args.manual_gc:
+            # Collect at the same points on every rank instead of whenever the allocator decides.
+            gc.disable()
+            gc.collect()
+        try:
+            return self._train_loop(train_iter, iteration, interval_loss, interval_count, interval_iters,
+                                    interval_start)
+        finally:
+            if args.manual_gc:
+                gc.enable()
+
+    def _train_loop(self, train_iter, iteration, interval_loss, interval_count, interval_iters, interval_start):
+        args = self.args
         while iteration < args.train_iters:
             loss, grad_norm, skipped = self.train_step(train_iter)
             iteration += 1
             self.consumed += args.global_batch_size
             interval_iters += 1
             if skipped:
-                self.skipped_iterations += 1
+                self.skipped_iterations += 1  # an overflow under --fp16, or a NaN/inf gradient
             if math.isfinite(loss):
                 interval_loss += loss
                 interval_count += 1
@@ -311,8 +456,10 @@ class _Trainer:
                     torch.cuda.synchronize(self.device)
                 elapsed = time.time() - interval_start
                 self._log_training(iteration, elapsed / interval_iters,
-                                   interval_loss / interval_count if interval_count else float("nan"), grad_norm)
+                                   interval_loss / interval_count if interval_count else float("nan"), grad_norm,
+                                   interval_iters)
                 interval_loss, interval_count, interval_iters = 0.0, 0, 0
+                self.skipped_iterations = self.nan_iterations = 0
                 interval_start = time.time()
 
             if args.eval_iters > 0 and self.valid_ds is not None and iteration % args.eval_interval == 0:
@@ -321,15 +468,23 @@ class _Trainer:
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 self.save(iteration)
                 interval_start = time.time()
+            if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+                gc.collect()
+            reason = None
             if args.exit_signal_handler and exit_signal_received():
+                reason = f"on signal after iteration {iteration} ({args.exit_signal})"
+            elif args.exit_interval and iteration % args.exit_interval == 0:
+                reason = f"at --exit-interval {args.exit_interval} after iteration {iteration}"
+            if reason:
                 if args.save and self.last_saved_iteration != iteration:
                     self.save(iteration)
                 finalize_async_save()
-                print_rank_0(f"> exiting on signal after iteration {iteration}")
+                print_rank_0(f"> exiting {reason}")
                 sys.exit(0)
         return iteration
 
-    def _log_training(self, iteration: int, seconds_per_iteration: float, loss: float, grad_norm: float) -> None:
+    def _log_training(self, iteration: int, seconds_per_iteration: float, loss: float, grad_norm: float,
+                      interval_iters: int) -> None:
         args = self.args
         world = _world()
         tokens_per_iteration = args.global_batch_size * args.seq_length
@@ -343,6 +498,14 @@ class _Trainer:
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         mem = float(mem.item())
         lr = self.optimizer.param_groups[0]["lr"]
+        loss_scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+        params_norm = None
+        if args.log_params_norm:
+            from megatron.core.optimizer import get_params_norm
+
+            params_norm = float(get_params_norm(self.params))
+        num_zeros = self.num_zeros if args.log_num_zeros_in_grad else None
+        timer_text, timer_scalars = self.timers.report(timers_to_log(args.timing_log_level), interval_iters)
         line = format_iteration_line(
             iteration=iteration,
             train_iters=args.train_iters,
@@ -354,12 +517,17 @@ class _Trainer:
             grad_norm=grad_norm,
             skipped_iterations=self.skipped_iterations,
             nan_iterations=self.nan_iterations,
+            loss_scale=loss_scale,
+            num_zeros=num_zeros,
+            params_norm=params_norm,
             tflops_per_device=tflops if args.log_throughput else None,
             tokens_per_second=tokens_per_second if args.log_throughput else None,
             peak_memory_mb=mem,
             memory_label=memory_label(self.device),
         )
         print_rank_0(line)
+        if timer_text:
+            print_rank_0(timer_text)
         metrics = {
             "consumed_samples": self.consumed,
             "elapsed_time_per_iteration_ms": seconds_per_iteration * 1000.0,
@@ -373,9 +541,22 @@ class _Trainer:
             "skipped_iterations": self.skipped_iterations,
             "nan_iterations": self.nan_iterations,
             "peak_memory_mb": mem,
+            "loss_scale": loss_scale if self.grad_scaler is not None else None,
+            "num_zeros": num_zeros,
+            "params_norm": params_norm,
         }
         self.last_metrics = {k: v for k, v in metrics.items() if v is not None}
         self.writer.write("train", iteration, self.last_metrics)
+        # Megatron's flag-governed TensorBoard scalars, under its tag names.
+        extra = {}
+        if args.log_timers_to_tensorboard:
+            extra["iteration-time"] = seconds_per_iteration
+            extra.update(timer_scalars)
+        if args.log_memory_to_tensorboard:
+            extra.update(memory_scalars(self.device))
+        if args.log_world_size_to_tensorboard:
+            extra["world-size"] = world
+        self.writer.write_tensorboard(iteration, extra)
 
     # ------------------------------------------------------------------------------------
     def evaluate(self, dataset) -> float:
@@ -405,10 +586,33 @@ class _Trainer:
         loss_sum, tokens = _all_reduce_sum(total.tolist(), self.device).tolist()
         return loss_sum / max(tokens, 1.0)
 
+    def _bits_per_character(self, dataset, loss: float) -> Optional[float]:
+        """The loss in bits per character of the evaluated text (None without text)."""
+        from megatron.training.text_metrics import bits_per_character, characters_and_tokens
+
+        if self.tokenizer is None:
+            return None
+        key = id(dataset)
+        if key not in self._text_sizes:  # the same samples at every evaluation: count once
+            self._text_sizes[key] = characters_and_tokens(dataset, self.args.eval_iters * self.args.global_batch_size,
+                                                          self.tokenizer)
+        sizes = self._text_sizes[key]
+        return bits_per_character(loss, *sizes) if sizes else None
+
     def evaluate_and_print(self, iteration: int, prefix: str, dataset, split: str) -> float:
+        if self.args.manual_gc and self.args.manual_gc_eval:
+            gc.collect()
         loss = self.evaluate(dataset)
-        print_rank_0(format_validation_box(prefix, {"lm loss": loss}))
-        self.writer.write(split, iteration, {"lm_loss": loss, "lm_loss_ppl": perplexity(loss)})
+        if self.args.manual_gc and self.args.manual_gc_eval:
+            gc.collect()
+        if self.args.log_validation_ppl_to_tensorboard:
+            self.writer.write_tensorboard(iteration, {f"lm loss {split} ppl": perplexity(loss)})
+        bpc = self._bits_per_character(dataset, loss)
+        print_rank_0(format_validation_box(prefix, {"lm loss": loss}, bits_per_character=bpc))
+        metrics = {"lm_loss": loss, "lm_loss_ppl": perplexity(loss)}
+        if bpc is not None:
+            metrics["bits_per_character"] = bpc
+        self.writer.write(split, iteration, metrics)
         self.writer.flush()
         if split == "validation":
             self.last_eval_iteration = iteration
@@ -417,9 +621,18 @@ class _Trainer:
 
     def save(self, iteration: int) -> None:
         start = time.time()
-        path = save_checkpoint(
-            iteration, self.built.model, self.optimizer, self.scheduler, self.args,
-            consumed_train_samples=self.consumed,
-        )
+        with _user_errors(f"--save {self.args.save}"):
+            path = save_checkpoint(
+                iteration, self.built.model, self.optimizer, self.scheduler, self.args,
+                consumed_train_samples=self.consumed,
+            )
         self.last_saved_iteration = iteration
         print_rank_0(f"> saved checkpoint at iteration {iteration} to {path} in {time.time() - start:.1f} s")
+
+
+def _scale_grads(params, factor: float) -> None:
+    """Multiply every (possibly sharded) gradient in place: the fp16 loss scale comes off here."""
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            grad.mul_(factor)

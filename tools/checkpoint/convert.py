@@ -10,6 +10,10 @@
     # Hugging Face -> MFSDP, loadable by pretrain_gpt.py --load (weights only: fine-tuning)
     python tools/checkpoint/convert.py --input hf_model/ --to mfsdp --output checkpoints/imported
 
+``--to mfsdp`` prints (on stdout) the complete pretrain_gpt.py command that fine-tunes the
+result, with every model flag, dropout as in the source model, and the tokenizer: the
+input's tokenizer files are copied into ``<output>/tokenizer``.
+
 ``--input`` is a --save directory (latest iteration unless --iteration), one iteration
 directory, a Hugging Face directory or a safetensors file. An existing output is never
 overwritten without --force; the output is written to a temporary sibling and renamed
@@ -152,7 +156,7 @@ def convert(opts) -> str:
             else:
                 config = hf.config_from_tensors(tensors, args, overrides)
                 base = extra.get("hf_config") or (args.get("hf_config") if isinstance(args.get("hf_config"), dict) else None)
-                vocab = opts.vocab_size or (base or {}).get("vocab_size")
+                vocab = opts.vocab_size or (base or {}).get("vocab_size") or args.get("unpadded_vocab_size")
                 if vocab is not None and vocab > config.vocab_size:
                     vocab = config.vocab_size
                 dtype = next(iter(tensors.values())).dtype
@@ -184,15 +188,24 @@ def convert(opts) -> str:
             args = json.loads(meta["megatron_args"]) if "megatron_args" in meta else {}
             config = hf.config_from_tensors(theirs, args, overrides)
             ours = theirs
+            unpadded = config.unpadded_vocab_size or config.vocab_size
+            # Any multiple that pads the tokenizer's size to these rows rebuilds them.
+            multiple = args.get("make_vocab_size_divisible_by") or (1 if unpadded == config.vocab_size
+                                                                    else config.vocab_size)
+            tokenizer = {k: args[k] for k in _TOKENIZER_ARGS if args.get(k) is not None}
         else:
             multiple = max(1, opts.make_vocab_size_divisible_by)
             padded = -(-config.vocab_size // multiple) * multiple
             ours = hf.from_hf(theirs, config, padded)
+            config.unpadded_vocab_size = config.vocab_size
             config.vocab_size = padded
+            tokenizer = {}
         iteration_dir = checkpointing.checkpoint_dir(tmp, 0)
         os.makedirs(iteration_dir)
         try:
-            model_args = config.to_megatron_args()
+            if hf_config is not None:
+                tokenizer = _import_tokenizer(source.path, hf_config, tmp, opts.output)
+            model_args = dict(config.to_megatron_args(), make_vocab_size_divisible_by=multiple, **tokenizer)
             extra = {"hf_config": hf_config} if hf_config is not None else {}
             engine.save_tensors({engine.MODEL_PREFIX + k: v for k, v in ours.items()}, iteration_dir,
                                 extra_metadata=extra)
@@ -210,14 +223,82 @@ def convert(opts) -> str:
         except BaseException:
             _remove(tmp)
             raise
-        summary = (f"{config.style} model, {len(ours)} tensors; fine-tune with: pretrain_gpt.py --load "
-                   f"{opts.output} --finetune {config.command_line()}")
-        if config.activation == "gelu_tanh":
-            summary += ("; note: the model uses the tanh GELU (gelu_new), while pretrain_gpt.py builds the exact "
-                        "GELU (the weights load; the activations differ slightly)")
+        summary = f"{config.style} model, {len(ours)} tensors"
+        command = finetune_command(config, opts.output, tokenizer, multiple, hf_config)
     commit_output(tmp, opts.output)
     print(f"> wrote {opts.output} ({summary}) in {time.time() - start:.1f} s", file=sys.stderr)
+    if opts.to == "mfsdp":
+        print(command)
     return opts.output
+
+
+# Arguments that rebuild the tokenizer a model was trained with.
+_TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+# What a saved Hugging Face tokenizer consists of (whichever of them exist).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "merges.txt", "tokenizer.model")
+GPT2_VOCAB_SIZE = 50257
+
+
+def _import_tokenizer(source_dir, hf_config, tmp, output):
+    """The tokenizer arguments of an imported model. A Hugging Face directory's tokenizer
+    files are copied into ``<output>/tokenizer``; a GPT-2 without them has GPT-2's BPE
+    (known by its 50257 entries); otherwise none is known ({})."""
+    import shutil
+
+    files = [n for n in _TOKENIZER_FILES if os.path.isfile(os.path.join(source_dir, n))]
+    if "tokenizer.json" in files or "tokenizer_config.json" in files:
+        os.makedirs(os.path.join(tmp, "tokenizer"))
+        for name in files:
+            shutil.copy2(os.path.join(source_dir, name), os.path.join(tmp, "tokenizer", name))
+        return {"tokenizer_type": "HuggingFaceTokenizer",
+                "tokenizer_model": os.path.join(os.path.abspath(output), "tokenizer")}
+    if hf_config.get("model_type") == "gpt2" and hf_config.get("vocab_size") == GPT2_VOCAB_SIZE:
+        return {"tokenizer_type": "GPT2BPETokenizer"}
+    return {}
+
+
+def finetune_command(config, checkpoint, tokenizer, multiple, hf_config=None) -> str:
+    """A complete pretrain_gpt.py command line that fine-tunes ``checkpoint`` (2 CPU ranks,
+    the default corpus), one flag group per line, then notes as shell comments."""
+    import shlex
+
+    q = shlex.quote
+    if tokenizer.get("tokenizer_type") == "HuggingFaceTokenizer":
+        tokenizer_flags = f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {q(tokenizer['tokenizer_model'])}"
+    elif tokenizer.get("tokenizer_type") == "GPT2BPETokenizer":
+        tokenizer_flags = "--tokenizer-type GPT2BPETokenizer"
+        if tokenizer.get("vocab_file"):
+            tokenizer_flags += f" --vocab-file {q(tokenizer['vocab_file'])} --merge-file {q(tokenizer['merge_file'])}"
+    elif tokenizer.get("tokenizer_type") == "NullTokenizer":
+        tokenizer_flags = f"--tokenizer-type NullTokenizer --vocab-size {tokenizer['vocab_size']}"
+    else:
+        tokenizer_flags = "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR"
+    seq = min(config.max_position_embeddings, 1024)
+    output = checkpoint.rstrip(os.sep) + "-finetuned"
+    model_flags = config.command_line()
+    lines = ["python -m torch.distributed.run --standalone --nproc-per-node 2 pretrain_gpt.py",
+             f"--load {q(checkpoint)} --finetune --use-mfsdp",
+             " ".join(model_flags[:5]), " ".join(model_flags[5:]),
+             f"{tokenizer_flags} --make-vocab-size-divisible-by {multiple}",
+             f"--seq-length {seq} --micro-batch-size 1 --global-batch-size 8",
+             "--lr 3e-5 --min-lr 3e-6 --lr-decay-style cosine --lr-warmup-iters 10 --train-iters 200",
+             "--log-interval 10 --eval-interval 50 --eval-iters 10",
+             f"--save {q(output)}"]
+    lines = [line for line in lines if line]
+    command = " \\\n    ".join(lines)
+    notes = ["# Fine-tunes on the Shakespeare corpus (tokenized once with this tokenizer into data/cache);",
+             "# add --data-path PREFIX for your own data (tools/preprocess_data.py writes it).",
+             "# Run it from the repository root."]
+    if not tokenizer:
+        notes.append("# The input has no tokenizer files: replace TOKENIZER_DIR with the model's tokenizer directory.")
+    if hf_config and hf_config.get("model_type") == "gpt2":
+        embd = float(hf_config.get("embd_pdrop", 0.1))
+        if embd != config.hidden_dropout:
+            notes.append(f"# GPT-2's embedding dropout ({embd:g}) differs from its residual dropout "
+                         f"({config.hidden_dropout:g}); --hidden-dropout sets both here.")
+    return "\n".join([command] + notes)
+
 
 
 def _remove(path):
@@ -235,6 +316,10 @@ def main(argv=None) -> int:
         convert(opts)
     except (FileExistsError, FileNotFoundError, ValueError, RuntimeError, KeyError) as e:
         print(f"convert.py: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:  # an optional package: safetensors / transformers
+        print(f"convert.py: error: {e}; install the conversion extras: pip install -e '.[hf]' "
+              "(or MEGATRON_EXTRAS=hf source scripts/setup_env.sh).", file=sys.stderr)
         return 2
     return 0
 

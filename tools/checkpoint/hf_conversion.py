@@ -50,6 +50,9 @@ class ModelConfig:
     tied_embeddings: bool
     norm_epsilon: float = 1e-5
     rotary_base: float = 10000.0
+    unpadded_vocab_size: Optional[int] = None  # the tokenizer's size when vocab_size is padded
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
 
     @property
     def style(self) -> str:
@@ -78,22 +81,29 @@ class ModelConfig:
             "kv_channels": self.kv_channels,
             "ffn_hidden_size": self.ffn_hidden_size,
             "padded_vocab_size": self.vocab_size,
+            "unpadded_vocab_size": self.unpadded_vocab_size or self.vocab_size,
             "max_position_embeddings": self.max_position_embeddings,
             "normalization": self.normalization,
             "position_embedding_type": self.position_embedding_type,
             "swiglu": self.gated_linear_unit,
             "activation_func": self.activation,
+            "openai_gelu": self.activation == "gelu_tanh",
+            "hidden_dropout": self.hidden_dropout,
+            "attention_dropout": self.attention_dropout,
             "add_bias_linear": self.add_bias_linear,
             "untie_embeddings_and_output_weights": not self.tied_embeddings,
             "norm_epsilon": self.norm_epsilon,
             "rotary_base": self.rotary_base,
         }
 
-    def command_line(self) -> str:
-        """pretrain_gpt.py flags that build this model."""
+    def command_line(self) -> list:
+        """pretrain_gpt.py flags that build this model (one string per flag and value)."""
         flags = [f"--num-layers {self.num_layers}", f"--hidden-size {self.hidden_size}",
                  f"--num-attention-heads {self.num_attention_heads}", f"--ffn-hidden-size {self.ffn_hidden_size}",
-                 f"--max-position-embeddings {self.max_position_embeddings}", f"--norm-epsilon {self.norm_epsilon}"]
+                 f"--max-position-embeddings {self.max_position_embeddings}", f"--norm-epsilon {self.norm_epsilon:g}",
+                 f"--hidden-dropout {self.hidden_dropout:g}", f"--attention-dropout {self.attention_dropout:g}"]
+        if self.kv_channels * self.num_attention_heads != self.hidden_size:
+            flags.append(f"--kv-channels {self.kv_channels}")
         if self.num_query_groups != self.num_attention_heads:
             flags.append(f"--group-query-attention --num-query-groups {self.num_query_groups}")
         if self.position_embedding_type == "rope":
@@ -102,11 +112,13 @@ class ModelConfig:
             flags.append("--normalization RMSNorm")
         if self.gated_linear_unit:
             flags.append("--swiglu")
+        if self.activation == "gelu_tanh":
+            flags.append("--openai-gelu")
         if not self.add_bias_linear:
             flags.append("--disable-bias-linear")
         if not self.tied_embeddings:
             flags.append("--untie-embeddings-and-output-weights")
-        return " ".join(flags)
+        return flags
 
 
 # ----------------------------------------------------------------------------------------
@@ -123,6 +135,15 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
     args.update({k: v for k, v in (overrides or {}).items() if v is not None})
     if "embedding.word_embeddings.weight" not in shapes:
         raise ConversionError("no 'embedding.word_embeddings.weight': this is not a GPTModel checkpoint.")
+    # Trainer options that the Hugging Face GPT-2 / Llama formats cannot express: refuse
+    # rather than write a model that computes something else.
+    if args.get("apply_layernorm_1p"):
+        raise ConversionError("this checkpoint was trained with --apply-layernorm-1p (norm weights stored "
+                              "as gamma - 1), which Hugging Face GPT-2/Llama cannot express; convert a model "
+                              "trained without it.")
+    if float(args.get("rotary_percent", 1.0) or 1.0) != 1.0:
+        raise ConversionError(f"this checkpoint uses --rotary-percent {args['rotary_percent']} (partial RoPE), "
+                              "which Hugging Face Llama cannot express; convert a model trained with 1.0.")
     vocab, hidden = shapes["embedding.word_embeddings.weight"]
     layers = sorted({int(m.group(1)) for k in shapes for m in [re.match(r"decoder\.layers\.(\d+)\.", k)] if m})
     if not layers or layers != list(range(len(layers))):
@@ -144,7 +165,9 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
     max_positions = shapes["embedding.position_embeddings.weight"][0] if learned else int(
         args.get("max_position_embeddings") or args.get("seq_length") or 2048)
     rms = "decoder.final_layernorm.bias" not in shapes
-    activation = args.get("activation_func") or ("silu" if gated else "gelu")
+    from megatron.training.model_builder import activation_from_args
+
+    activation = activation_from_args(dict(args, swiglu=gated))
     return ModelConfig(
         num_layers=len(layers), hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
         kv_channels=kv_channels, ffn_hidden_size=ffn, vocab_size=vocab, max_position_embeddings=max_positions,
@@ -155,6 +178,9 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         tied_embeddings="output_layer.weight" not in shapes,
         norm_epsilon=float(args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))),
         rotary_base=float(args.get("rotary_base", 10000.0)),
+        unpadded_vocab_size=args.get("unpadded_vocab_size"),
+        hidden_dropout=float(args.get("hidden_dropout", 0.0)),
+        attention_dropout=float(args.get("attention_dropout", 0.0)),
     )
 
 
@@ -263,9 +289,9 @@ def hf_config(cfg: ModelConfig, vocab_size: Optional[int] = None, base: Optional
     token = eod if eod is not None and eod < vocab else None
     if cfg.style == "gpt2":
         activation = {"gelu": "gelu", "gelu_tanh": "gelu_new"}[cfg.activation]
-        config.setdefault("resid_pdrop", 0.0)
-        config.setdefault("embd_pdrop", 0.0)
-        config.setdefault("attn_pdrop", 0.0)
+        config.setdefault("resid_pdrop", cfg.hidden_dropout)
+        config.setdefault("embd_pdrop", cfg.hidden_dropout)
+        config.setdefault("attn_pdrop", cfg.attention_dropout)
         config.setdefault("bos_token_id", token)
         config.setdefault("eos_token_id", token)
         config.update({
@@ -277,7 +303,7 @@ def hf_config(cfg: ModelConfig, vocab_size: Optional[int] = None, base: Optional
             "add_cross_attention": False, "torch_dtype": dtype_name,
         })
         return config
-    config.setdefault("attention_dropout", 0.0)
+    config.setdefault("attention_dropout", cfg.attention_dropout)
     config.setdefault("bos_token_id", token)
     config.setdefault("eos_token_id", token)
     config.setdefault("initializer_range", 0.02)
@@ -320,6 +346,9 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
             normalization="LayerNorm", position_embedding_type="learned_absolute", gated_linear_unit=False,
             activation=mapped, add_bias_linear=True, tied_embeddings=config.get("tie_word_embeddings", True),
             norm_epsilon=config.get("layer_norm_epsilon", 1e-5),
+            # Megatron has one hidden dropout (embeddings and residuals); GPT-2 has two.
+            hidden_dropout=float(config.get("resid_pdrop", 0.1)),
+            attention_dropout=float(config.get("attn_pdrop", 0.1)),
         )
     if kind == "llama":
         if config.get("hidden_act", "silu") != "silu":
@@ -342,6 +371,7 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
             add_bias_linear=bool(config.get("attention_bias", False)),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             norm_epsilon=config.get("rms_norm_eps", 1e-6), rotary_base=float(theta),
+            attention_dropout=float(config.get("attention_dropout", 0.0)),
         )
     raise ConversionError(f"Hugging Face model_type {kind!r} is not supported; GPT-2 ('gpt2') and Llama "
                           "('llama') models convert.")

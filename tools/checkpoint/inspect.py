@@ -8,7 +8,8 @@
 
 The listing gives name, shape, dtype and bytes of every tensor (optimizer state included
 for MFSDP checkpoints, as ``optimizer.state.<param>.<key>``). ``--compare`` exits with
-status 1 when a tensor differs by more than ``--atol`` or the two tensor sets differ.
+status 1 when a tensor differs by more than ``--atol`` or the two tensor sets differ; a
+Hugging Face directory compares with one of ours under our names (GPT-2 and Llama).
 """
 
 from __future__ import annotations
@@ -151,6 +152,64 @@ def compare(a, b, pattern, atol, out=None) -> int:
     return status
 
 
+class HuggingFaceAsOurs:
+    """A Hugging Face checkpoint seen under our tensor names (converted in memory)."""
+
+    kind = "Hugging Face (our names)"
+
+    def __init__(self, hf_checkpoint):
+        from tools.checkpoint import hf_conversion as hf
+
+        self.path = hf_checkpoint.path
+        self.vocab_size = hf_checkpoint.config["vocab_size"]
+        config = hf.config_from_hf(hf_checkpoint.config)
+        self._tensors = hf.from_hf(hf_checkpoint.load(hf_checkpoint.keys()), config)
+
+    def keys(self):
+        return list(self._tensors)
+
+    def shape_dtype(self, key):
+        return tuple(self._tensors[key].shape), self._tensors[key].dtype
+
+    def load(self, keys):
+        return {k: self._tensors[k] for k in keys}
+
+
+class VocabularyRows:
+    """Our checkpoint with the vocabulary matrices cut to their first ``rows`` rows: the
+    padding rows have no counterpart in a Hugging Face model."""
+
+    _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+    def __init__(self, checkpoint, rows):
+        self.inner, self.rows, self.path, self.kind = checkpoint, rows, checkpoint.path, checkpoint.kind
+
+    def keys(self):
+        return self.inner.keys()
+
+    def shape_dtype(self, key):
+        shape, dtype = self.inner.shape_dtype(key)
+        return ((self.rows,) + tuple(shape[1:]) if key in self._VOCAB else shape), dtype
+
+    def load(self, keys):
+        out = self.inner.load(keys)
+        return {k: (v[:self.rows] if k in self._VOCAB else v) for k, v in out.items()}
+
+
+def in_common_names(a, b):
+    """(a, b) with a Hugging Face side renamed to ours when the other side is ours."""
+    from tools.checkpoint.checkpoint_io import HuggingFaceCheckpoint
+
+    if isinstance(a, HuggingFaceCheckpoint) == isinstance(b, HuggingFaceCheckpoint):
+        return a, b
+    theirs, ours = (a, b) if isinstance(a, HuggingFaceCheckpoint) else (b, a)
+    mapped = HuggingFaceAsOurs(theirs)
+    print(f"note: {theirs.path} is compared under our tensor names; vocabulary rows beyond its "
+          f"{mapped.vocab_size} (padding) are not compared")
+    ours = VocabularyRows(ours, mapped.vocab_size)
+    return (mapped, ours) if theirs is a else (ours, mapped)
+
+
 def main(argv=None) -> int:
     opts = get_parser().parse_args(argv)
     from tools.checkpoint.checkpoint_io import MfsdpCheckpoint, open_checkpoint
@@ -169,11 +228,16 @@ def main(argv=None) -> int:
             return print_tensor(ckpt, opts.tensor, opts.full)
         if opts.compare is not None:
             other = open_checkpoint(opts.compare, opts.other_iteration)
+            ckpt, other = in_common_names(ckpt, other)
             return compare(ckpt, other, opts.filter, opts.atol)
         list_tensors(ckpt, opts.filter)
         return 0
     except (FileNotFoundError, ValueError, RuntimeError, KeyError) as e:
         print(f"inspect.py: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:  # an optional package: safetensors / transformers
+        print(f"inspect.py: error: {e}; install the conversion extras: pip install -e '.[hf]' "
+              "(or MEGATRON_EXTRAS=hf source scripts/setup_env.sh).", file=sys.stderr)
         return 2
 
 

@@ -46,7 +46,7 @@ def parse_data_path(data_path: Union[str, Sequence[str]]) -> Tuple[List[str], Op
     return prefixes, weights
 
 
-def _open_prefix(prefix: str) -> IndexedDataset:
+def _open_prefix(prefix: str, mmap_bin_files: bool = True) -> IndexedDataset:
     bin_path, idx_path = get_bin_path(prefix), get_idx_path(prefix)
     if not (os.path.isfile(bin_path) and os.path.isfile(idx_path)):
         hint = ""
@@ -56,7 +56,7 @@ def _open_prefix(prefix: str) -> IndexedDataset:
             f"--data-path prefix {prefix!r} has no dataset: expected {bin_path} and {idx_path}. "
             f"Create them with tools/preprocess_data.py (or tools/prepare_shakespeare.py).{hint}"
         )
-    return IndexedDataset(prefix)
+    return IndexedDataset(prefix, mmap_bin_files=mmap_bin_files)
 
 
 def _check_num_samples(train_valid_test_num_samples) -> List[Optional[int]]:
@@ -85,6 +85,7 @@ def build_gpt_datasets(
     eod_mask_loss: bool = False,
     *,
     eod_token: Optional[int] = None,
+    mmap_bin_files: bool = True,
 ):
     """(train, valid, test) datasets; an entry is None when its split has no documents or
     zero samples are asked of it.
@@ -93,6 +94,7 @@ def build_gpt_datasets(
     (Megatron's rule). With several prefixes, each split is a :class:`BlendedDataset` of
     the prefixes' datasets for that split, weighted as in ``data_path``. A sample count of
     None means one epoch (single prefix only). ``eod_token`` is needed with ``eod_mask_loss``.
+    ``mmap_bin_files=False`` reads the .bin files without memory maps.
     """
     prefixes, weights = parse_data_path(data_path)
     fractions = parse_split(split)
@@ -100,7 +102,7 @@ def build_gpt_datasets(
     if eod_mask_loss and eod_token is None:
         raise ValueError("eod_mask_loss needs eod_token (the tokenizer's EOD id).")
     # Open every prefix before building anything, so a typo in the last one fails fast.
-    indexed = [_open_prefix(p) for p in prefixes]
+    indexed = [_open_prefix(p, mmap_bin_files) for p in prefixes]
     boundaries = [split_boundaries(fractions, len(ds)) for ds in indexed]
 
     results = []

@@ -279,10 +279,15 @@ class IndexedDataset:
 
     ``dataset[i]`` is sequence ``i`` as a numpy array (a read-only view into the map).
     Picklable: a copy reopens the files (DataLoader workers each map them themselves).
+
+    ``mmap_bin_files=False`` (Megatron's ``--no-mmap-bin-files``) reads each sequence from
+    the .bin with a file read instead (a fresh, writable array), for file systems where
+    memory maps are slow or unavailable. The index is mapped either way.
     """
 
-    def __init__(self, path_prefix: str):
+    def __init__(self, path_prefix: str, mmap_bin_files: bool = True):
         self._path_prefix = path_prefix
+        self._mmap_bin_files = mmap_bin_files
         self._open()
 
     def _open(self):
@@ -333,8 +338,13 @@ class IndexedDataset:
                 f"{bin_path} is truncated ({bin_size} bytes, the index needs {needed}); "
                 "rebuild the dataset with tools/preprocess_data.py."
             )
+        self._bin_file = None
         # numpy cannot map an empty file; an empty dataset needs no map at all.
-        if bin_size:
+        if bin_size and not self._mmap_bin_files:
+            self._bin_map = None
+            self._bin_buffer = None
+            self._bin_file = open(bin_path, "rb", buffering=0)
+        elif bin_size:
             self._bin_map = np.memmap(bin_path, dtype=np.uint8, mode="r")
             self._bin_buffer = memoryview(self._bin_map)
         else:
@@ -342,11 +352,16 @@ class IndexedDataset:
             self._bin_buffer = memoryview(b"")
 
     def __getstate__(self):
-        return {"path_prefix": self._path_prefix}
+        return {"path_prefix": self._path_prefix, "mmap_bin_files": self._mmap_bin_files}
 
     def __setstate__(self, state):
         self._path_prefix = state["path_prefix"]
+        self._mmap_bin_files = state.get("mmap_bin_files", True)
         self._open()
+
+    @property
+    def uses_mmap(self) -> bool:
+        return self._bin_file is None
 
     @property
     def path_prefix(self) -> str:
@@ -405,4 +420,7 @@ class IndexedDataset:
                 f"of length {sequence_length}"
             )
         pointer = int(self._sequence_pointers[idx]) + offset * self._dtype.itemsize
+        if self._bin_file is not None:
+            data = os.pread(self._bin_file.fileno(), length * self._dtype.itemsize, pointer)
+            return np.frombuffer(bytearray(data), dtype=self._dtype, count=length)
         return np.frombuffer(self._bin_buffer, dtype=self._dtype, count=length, offset=pointer)

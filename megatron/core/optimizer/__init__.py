@@ -13,14 +13,19 @@ from typing import Dict, Iterable, List, Tuple
 
 import torch
 
-from .clip_grads import clip_grad_norm, get_grad_norm
+from .clip_grads import clip_grad_norm, count_zeros, get_grad_norm, get_params_norm
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = [
+    "ConstantGradScaler",
+    "DynamicGradScaler",
     "OptimizerConfig",
     "OptimizerParamScheduler",
     "clip_grad_norm",
+    "count_zeros",
     "get_grad_norm",
+    "get_params_norm",
     "get_megatron_optimizer",
     "get_param_groups",
     "no_weight_decay",

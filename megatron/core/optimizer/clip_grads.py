@@ -47,8 +47,44 @@ def _group_key(grad):
 def get_grad_norm(parameters: Params, norm_type: float = 2.0) -> torch.Tensor:
     """Global ``norm_type`` norm of the gradients of ``parameters`` (fp32 scalar tensor, fp64
     for fp64 gradients)."""
+    return _global_norm(_grads_of(parameters), norm_type)
+
+
+def get_params_norm(parameters: Params, norm_type: float = 2.0) -> torch.Tensor:
+    """Global norm of the parameters themselves (Megatron's ``--log-params-norm``)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    return _global_norm([p.detach() for p in parameters], norm_type)
+
+
+def count_zeros(parameters: Params) -> int:
+    """Number of zero entries in the gradients, over the whole model (``--log-num-zeros-in-grad``).
+    Plain gradients are whole on every rank; sharded ones add up over their shard dims."""
+    def zeros(t: torch.Tensor) -> int:
+        return int((t == 0).sum()) if t.numel() else 0
+
+    total = 0
+    by_group: dict = {}  # insertion-ordered: every rank reduces in the same order
+    for g in _grads_of(parameters):
+        if _is_dtensor(g):
+            key = _group_key(g)
+            by_group[key] = by_group.get(key, 0) + zeros(g.to_local())
+        else:
+            total += zeros(g)
+    for (mesh, shard_dims), count in by_group.items():
+        part = torch.tensor([float(count)], dtype=torch.float64, device=_reduce_device(mesh))
+        for dim in shard_dims:
+            dist.all_reduce(part, group=mesh.get_group(dim))
+        total += int(part.item())
+    return total
+
+
+def _reduce_device(mesh) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+
+
+def _global_norm(grads: List[torch.Tensor], norm_type: float) -> torch.Tensor:
     norm_type = float(norm_type)
-    grads = _grads_of(parameters)
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     device = grads[0].to_local().device if _is_dtensor(grads[0]) else grads[0].device

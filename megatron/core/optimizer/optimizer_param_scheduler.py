@@ -25,6 +25,7 @@ class OptimizerParamScheduler:
         lr_decay_steps: int,
         lr_decay_style: str,
         weight_decay: float = 0.0,
+        use_checkpoint_opt_param_scheduler: bool = False,
     ):
         if lr_decay_style not in _DECAY_STYLES:
             raise ValueError(
@@ -49,6 +50,7 @@ class OptimizerParamScheduler:
         self.lr_decay_steps = int(lr_decay_steps)
         self.lr_decay_style = lr_decay_style
         self.weight_decay = float(weight_decay)
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
         self.num_steps = 0
         self.step(0)
 
@@ -102,8 +104,16 @@ class OptimizerParamScheduler:
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        # The schedule's shape comes from the command line (so a resumed run can change
-        # it, as with Megatron's --override-opt_param-scheduler); progress comes from the
-        # checkpoint.
+        # By default the schedule's shape comes from the command line (so a resumed run can
+        # change it, as with Megatron's --override-opt_param-scheduler) and only the progress
+        # from the checkpoint; --use-checkpoint-opt_param-scheduler takes the shape too.
+        if self.use_checkpoint_opt_param_scheduler:
+            self.max_lr = float(state_dict["max_lr"])
+            self.min_lr = float(state_dict["min_lr"])
+            self.init_lr = float(state_dict["init_lr"])
+            self.lr_warmup_steps = int(state_dict["lr_warmup_steps"])
+            self.lr_decay_steps = int(state_dict["lr_decay_steps"])
+            self.lr_decay_style = state_dict["lr_decay_style"]
+            self.weight_decay = float(state_dict["weight_decay"])
         self.num_steps = 0
         self.step(int(state_dict["num_steps"]))

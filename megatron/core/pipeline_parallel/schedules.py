@@ -78,6 +78,7 @@ def forward_backward_no_pipelining(
     forward_only: bool = False,
     dp_group: Optional[dist.ProcessGroup] = None,
     count_loss_tokens_func: Callable = count_loss_tokens,
+    timers: Optional[Callable] = None,
 ) -> List[Dict[str, torch.Tensor]]:
     """Run ``num_microbatches`` forward (and backward, unless ``forward_only``) passes.
 
@@ -88,7 +89,9 @@ def forward_backward_no_pipelining(
     ``num_microbatches``). ``context`` is the MFSDP ``FsdpContext``; each microbatch then
     runs inside ``microbatch(context, is_last=...)``. With DDP (no context) all but the
     last microbatch run under ``model.no_sync()``. ``seq_length`` and ``micro_batch_size``
-    are accepted for Megatron compatibility and unused.
+    are accepted for Megatron compatibility and unused. ``timers(name, log_level)``, when
+    given, is a context manager factory that times ``batch-generator``, ``forward-compute``
+    and ``backward-compute`` (Megatron's level-2 timers).
 
     Returns the ``report`` dicts of every microbatch, detached.
     """
@@ -100,7 +103,9 @@ def forward_backward_no_pipelining(
 
     # Read every microbatch first: the global token count is needed before the first
     # backward. Microbatches are small (token ids), so holding them is cheap.
-    batches = [next(data_iterator) for _ in range(num_microbatches)]
+    timers = timers or _no_timer
+    with timers("batch-generator", 2):
+        batches = [next(data_iterator) for _ in range(num_microbatches)]
     scale = None
     if not forward_only:
         local_tokens = sum(count_loss_tokens_func(b).to(torch.int64).reshape(()).cpu() for b in batches)
@@ -116,8 +121,9 @@ def forward_backward_no_pipelining(
     reports: List[Dict[str, torch.Tensor]] = []
     for i, batch in enumerate(batches):
         with _microbatch_context(model, context, i, num_microbatches, forward_only):
-            output_tensor, loss_func = forward_step_func(iter([batch]), model)
-            result = loss_func(output_tensor)
+            with timers("forward-compute", 2):
+                output_tensor, loss_func = forward_step_func(iter([batch]), model)
+                result = loss_func(output_tensor)
             if len(result) == 3:
                 loss, _num_tokens, report = result
                 loss_for_backward = loss * scale if scale is not None else None
@@ -130,9 +136,15 @@ def forward_backward_no_pipelining(
                     f"got a tuple of {len(result)}."
                 )
             if not forward_only:
-                loss_for_backward.backward()
+                with timers("backward-compute", 2):
+                    loss_for_backward.backward()
         reports.append({k: (v.detach() if torch.is_tensor(v) else v) for k, v in report.items()})
     return reports
+
+
+def _no_timer(name: str, log_level: int):
+    del name, log_level
+    return contextlib.nullcontext()
 
 
 def _comm_device(group) -> torch.device:

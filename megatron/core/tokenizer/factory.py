@@ -5,7 +5,7 @@ from typing import Optional
 
 from megatron.core.tokenizer.base import MegatronTokenizer
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer", "GPTSentencePieceTokenizer")
 
 
 def build_tokenizer(
@@ -51,6 +51,13 @@ def build_tokenizer(
                 "holding a saved HuggingFace tokenizer."
             )
         return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPTSentencePieceTokenizer":
+        from megatron.core.tokenizer.sentencepiece import GPTSentencePieceTokenizer
+
+        if tokenizer_model is None:
+            raise ValueError("GPTSentencePieceTokenizer needs --tokenizer-model pointing to a SentencePiece .model file.")
+        _require_file("--tokenizer-model", tokenizer_model)
+        return GPTSentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         from megatron.core.tokenizer.null import NullTokenizer
 

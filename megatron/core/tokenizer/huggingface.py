@@ -1,16 +1,42 @@
-"""A HuggingFace tokenizer loaded from a local directory (never from the hub)."""
+"""A HuggingFace tokenizer loaded from a local directory (never from the hub).
 
+A directory with a ``tokenizer.json`` (every "fast" tokenizer, and what
+``tools/prepare_shakespeare.py --vocab-size`` trains) is read with the small ``tokenizers``
+package alone: the file holds the whole pipeline (normalizer, pre-tokenizer, model,
+post-processor, decoder), which is what ``transformers.AutoTokenizer`` runs for it too.
+Only a directory without one (a "slow" tokenizer such as a bare SentencePiece model) needs
+``transformers``.
+"""
+
+import json
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from megatron.core.tokenizer.base import MegatronTokenizer
 
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _special_token(path: str, name: str) -> Optional[str]:
+    """``name`` (e.g. "eos_token") from tokenizer_config.json or special_tokens_map.json."""
+    for filename in ("tokenizer_config.json", "special_tokens_map.json"):
+        file = os.path.join(path, filename)
+        if not os.path.isfile(file):
+            continue
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f).get(name)
+        if isinstance(value, dict):  # {"content": "</s>", "lstrip": false, ...}
+            value = value.get("content")
+        if value:
+            return str(value)
+    return None
+
 
 class HuggingFaceTokenizer(MegatronTokenizer):
-    """Wraps ``transformers.AutoTokenizer`` loaded from ``path`` with ``local_files_only``.
+    """A saved HuggingFace tokenizer in directory ``path``.
 
-    ``tokenize`` uses the tokenizer's defaults (so a tokenizer that adds BOS keeps doing so,
-    as in Megatron); ``eod`` is the EOS token.
+    ``tokenize`` applies the tokenizer's own special-token template (so a tokenizer that
+    adds BOS keeps doing so, as in Megatron); ``eod`` is the EOS token.
     """
 
     def __init__(self, path: str):
@@ -19,41 +45,79 @@ class HuggingFaceTokenizer(MegatronTokenizer):
                 f"--tokenizer-model {path!r} is not a directory; pass a local directory "
                 "holding a saved HuggingFace tokenizer (tokenizer.json / tokenizer_config.json)."
             )
+        self._path = path
+        self._inv_vocab = None
+        if os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
+            self._fast = self._load_tokenizer_json(path)
+            self._auto = None
+        else:
+            self._fast = None
+            self._auto = self._load_auto_tokenizer(path)
+
+    @staticmethod
+    def _load_tokenizer_json(path: str):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ImportError(
+                "HuggingFaceTokenizer needs the 'tokenizers' package: run `pip install tokenizers`."
+            ) from None
+        file = os.path.join(path, TOKENIZER_FILE)
+        try:
+            tokenizer = Tokenizer.from_file(file)
+        except Exception as e:  # the Rust library raises its own exception type
+            raise ValueError(f"--tokenizer-model {file} is not a valid tokenizer.json ({e}).") from None
+        # Documents are tokenized whole: no truncation, no padding.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        return tokenizer
+
+    @staticmethod
+    def _load_auto_tokenizer(path: str):
         try:
             from transformers import AutoTokenizer
         except ImportError:
             raise ImportError(
-                "HuggingFaceTokenizer needs the 'transformers' package: run `pip install transformers`."
+                f"--tokenizer-model {path} has no tokenizer.json; loading it needs the 'transformers' "
+                "package: run `pip install transformers`."
             ) from None
-        self._path = path
         try:
-            self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
             raise ValueError(
                 f"--tokenizer-model {path} does not hold a loadable HuggingFace tokenizer ({e}). "
                 "Save one there with tokenizer.save_pretrained(path)."
             ) from None
-        # Documents are tokenized whole; the model's max length is irrelevant here and would
-        # only produce a "sequence is longer than" warning per long document.
-        self._tokenizer.model_max_length = int(1e30)
-        self._inv_vocab = None
+        # The model's max length is irrelevant here and would only produce a "sequence is
+        # longer than" warning per long document.
+        tokenizer.model_max_length = int(1e30)
+        return tokenizer
 
     def tokenize(self, text: str) -> List[int]:
         if not isinstance(text, str):
             raise ValueError(f"tokenize() takes a str, got {type(text).__name__}.")
-        return list(self._tokenizer(text)["input_ids"])
+        if self._fast is not None:
+            return list(self._fast.encode(text).ids)
+        return list(self._auto(text)["input_ids"])
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode([int(i) for i in ids])
+        ids = [int(i) for i in ids]
+        if self._fast is not None:
+            return self._fast.decode(ids, skip_special_tokens=False)
+        return self._auto.decode(ids)
 
     @property
     def vocab_size(self) -> int:
-        # len() counts added special tokens too, which the embedding must cover.
-        return len(self._tokenizer)
+        # Added special tokens count too: the embedding must cover them.
+        if self._fast is not None:
+            return self._fast.get_vocab_size(with_added_tokens=True)
+        return len(self._auto)
 
     @property
     def vocab(self) -> Dict[str, int]:
-        return self._tokenizer.get_vocab()
+        if self._fast is not None:
+            return self._fast.get_vocab(with_added_tokens=True)
+        return self._auto.get_vocab()
 
     @property
     def inv_vocab(self) -> Dict[int, str]:
@@ -63,10 +127,14 @@ class HuggingFaceTokenizer(MegatronTokenizer):
 
     @property
     def eod(self) -> int:
-        eos = self._tokenizer.eos_token_id
-        if eos is None:
+        if self._fast is not None:
+            eos = _special_token(self._path, "eos_token")
+            eos_id = self._fast.token_to_id(eos) if eos is not None else None
+        else:
+            eos_id = self._auto.eos_token_id
+        if eos_id is None:
             raise ValueError(
                 f"The HuggingFace tokenizer at {self._path} has no EOS token, so it has no EOD id; "
                 "set eos_token in its tokenizer_config.json."
             )
-        return int(eos)
+        return int(eos_id)

@@ -33,11 +33,13 @@ Tensors are batch-first ([b, s, ...]) throughout this package; attention itself 
 / math kernels per device.
 """
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .layers import build_linear, output_init_std
 from .rope import apply_rotary_pos_emb
@@ -67,6 +69,24 @@ class SelfAttention(nn.Module):
         q = q.reshape(b, s, self.num_heads, self.head_dim)
         return q, k, v
 
+    def core_attention(self, q, k, v, attn_mask: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v on [b, heads, s, d]: what selective recompute recomputes."""
+        out_dtype = v.dtype
+        upcast = self.config.attention_softmax_in_fp32 and q.dtype != torch.float32
+        if upcast:
+            # --attention-softmax-in-fp32: scores, softmax and the weighted sum in fp32.
+            q, k, v = q.float(), k.float(), v.float()
+        with _sdpa_kernels(self.config.attention_backend, q.device.type, disable_autocast=upcast):
+            context = F.scaled_dot_product_attention(
+                q, k, v,
+                attn_mask=attn_mask,
+                dropout_p=self.config.attention_dropout if self.training else 0.0,
+                is_causal=is_causal,
+                # Query head h uses kv head h // P, which is SDPA's repeat_interleave rule.
+                enable_gqa=self.num_query_groups != self.num_heads,
+            )
+        return context.to(out_dtype)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """hidden_states [b, s, h] -> [b, s, h].
@@ -90,13 +110,33 @@ class SelfAttention(nn.Module):
             causal = torch.ones(s, s, dtype=torch.bool, device=hidden_states.device).tril()
             attn_mask, is_causal = causal & ~attention_mask.to(torch.bool), False
 
-        context = F.scaled_dot_product_attention(
-            q, k, v,
-            attn_mask=attn_mask,
-            dropout_p=self.config.attention_dropout if self.training else 0.0,
-            is_causal=is_causal,
-            # Query head h uses kv head h // P, which is SDPA's repeat_interleave rule.
-            enable_gqa=self.num_query_groups != self.num_heads,
-        )
+        if self.config.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
+            # Keep q, k, v only; the attention probabilities ([b, heads, s, s] on kernels
+            # that materialize them) are recomputed in backward. Dropout masks are replayed
+            # from the saved RNG state.
+            context = checkpoint(self.core_attention, q, k, v, attn_mask, is_causal, use_reentrant=False)
+        else:
+            context = self.core_attention(q, k, v, attn_mask, is_causal)
         context = context.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return self.linear_proj(context)
+
+
+# Megatron's --attention-backend names -> SDPA kernels. "auto" leaves the choice to torch.
+_SDPA_BACKENDS = {
+    "flash": ("FLASH_ATTENTION",),
+    "fused": ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION"),
+    "unfused": ("MATH",),
+    "local": ("MATH",),
+}
+
+
+@contextlib.contextmanager
+def _sdpa_kernels(backend: str, device_type: str, disable_autocast: bool):
+    with contextlib.ExitStack() as stack:
+        if backend != "auto":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            stack.enter_context(sdpa_kernel([getattr(SDPBackend, name) for name in _SDPA_BACKENDS[backend]]))
+        if disable_autocast:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield

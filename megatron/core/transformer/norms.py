@@ -13,26 +13,34 @@ from .transformer_config import TransformerConfig
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm over the last dimension with affine weight (init 1) and bias (init 0)."""
+    """LayerNorm over the last dimension with affine weight (init 1) and bias (init 0).
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32):
+    ``zero_centered_gamma`` (Megatron's ``--apply-layernorm-1p``): the parameter stores
+    ``gamma - 1``, initialized to 0, and the forward multiplies by ``weight + 1``. Weight
+    decay then pulls gamma towards 1 instead of 0.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32,
+                 zero_centered_gamma: bool = False):
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
+        self.zero_centered_gamma = zero_centered_gamma
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(hidden_size, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            nn.init.ones_(self.weight)
+            (nn.init.zeros_ if self.zero_centered_gamma else nn.init.ones_)(self.weight)
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        return F.layer_norm(x, (self.hidden_size,), weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
+        return f"{self.hidden_size}, eps={self.eps}" + (", zero-centered gamma" if self.zero_centered_gamma else "")
 
 
 class RMSNorm(nn.Module):
@@ -69,8 +77,11 @@ def build_norm(config: TransformerConfig, hidden_size: int) -> nn.Module:
     if config.transformer_impl == "transformer_engine":
         te = import_transformer_engine()
         te_class = te.LayerNorm if config.normalization == "LayerNorm" else te.RMSNorm
+        extra = {"zero_centered_gamma": True} if config.apply_layernorm_1p else {}
         return te_class(hidden_size, eps=config.layernorm_epsilon, params_dtype=config.params_dtype,
-                        device=te_device())
+                        device=te_device(), **extra)
+    if config.apply_layernorm_1p:  # apex's fused norms have no zero-centered gamma
+        return LayerNorm(hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype, zero_centered_gamma=True)
     if config.use_apex_fused:
         apex_class = apex_norm_class(config.normalization)
         if apex_class is not None:

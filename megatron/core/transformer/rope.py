@@ -46,9 +46,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb(x: torch.Tensor, rotary_pos_emb: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate x [b, s, heads, d] by (cos, sin) [b, s, d]. Computed in fp32, returned in x's dtype."""
+    """Rotate x [b, s, heads, d] by (cos, sin) [b, s, r]. Computed in fp32, returned in x's
+    dtype. With r < d (``rotary_percent`` < 1) only the first r dimensions are rotated and
+    the others pass through unchanged, as in Megatron-LM."""
     cos, sin = rotary_pos_emb
     cos = cos.unsqueeze(2)  # broadcast over heads
     sin = sin.unsqueeze(2)
+    rotary_dim = cos.shape[-1]
     x32 = x.float()
-    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+    rotated, passed = x32[..., :rotary_dim], x32[..., rotary_dim:]
+    rotated = rotated * cos + _rotate_half(rotated) * sin
+    return torch.cat((rotated, passed), dim=-1).to(x.dtype)

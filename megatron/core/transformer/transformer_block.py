@@ -1,10 +1,11 @@
 """The decoder stack: ``layers`` (an nn.ModuleList of TransformerLayer) and ``final_layernorm``.
 
-Activation recomputation (``recompute_granularity="full"``) wraps each layer's call in
-``torch.utils.checkpoint.checkpoint``: only the layer's input is kept, and the layer is run
-again in backward. The checkpointed function is the layer module itself (its
-``__call__``), as in Megatron-LM, so module hooks (e.g. the FSDP engine's unshard hooks)
-run again during recomputation; the engine is expected to recognise that forward.
+Full activation recompute (``recompute_granularity="full"``, see TransformerConfig for the
+methods) wraps calls of layers in ``torch.utils.checkpoint.checkpoint``: only a chunk's
+input is kept, and its layers run again in backward. The checkpointed function calls the
+layer modules themselves (their ``__call__``), as in Megatron-LM, so module hooks (e.g.
+the FSDP engine's unshard hooks) run again during recomputation; the engine recognises
+that forward. Selective recompute lives in the attention (attention.py).
 """
 
 from typing import Optional, Tuple
@@ -32,15 +33,33 @@ class TransformerBlock(nn.Module):
     def reset_parameters(self) -> None:
         reset_parameters_of(self)
 
+    def recompute_chunks(self):
+        """[(number of consecutive layers, recomputed?)] under full recompute."""
+        n = len(self.layers)
+        method, k = self.config.recompute_method, self.config.recompute_num_layers or 1
+        if method == "block":
+            return [(1, True)] * k + ([(n - k, False)] if k < n else [])
+        return [(min(k, n - start), True) for start in range(0, n, k)]  # uniform (also the default)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         # Recompute only when a backward will follow; in eval / no_grad it would cost nothing
         # to skip and reentrant checkpointing would warn.
         recompute = (self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled())
-        for layer in self.layers:
-            if recompute:
-                hidden_states = checkpoint(layer, hidden_states, attention_mask, rotary_pos_emb,
+        chunks = self.recompute_chunks() if recompute else [(len(self.layers), False)]
+        start = 0
+        for size, checkpointed in chunks:
+            layers = self.layers[start:start + size]
+            start += size
+            if checkpointed:
+                hidden_states = checkpoint(_run_layers, layers, hidden_states, attention_mask, rotary_pos_emb,
                                            use_reentrant=self.config.recompute_reentrant)
             else:
-                hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb)
+                hidden_states = _run_layers(layers, hidden_states, attention_mask, rotary_pos_emb)
         return self.final_layernorm(hidden_states)
+
+
+def _run_layers(layers, hidden_states, attention_mask, rotary_pos_emb):
+    for layer in layers:
+        hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb)
+    return hidden_states

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _TRANSFORMER_IMPLS = ("local", "transformer_engine")
 _POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
-_RECOMPUTE_GRANULARITIES = (None, "full")
+_RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+_RECOMPUTE_METHODS = (None, "uniform", "block")
 _PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -39,6 +41,32 @@ ACTIVATION_FUNCTIONS = {
 }
 
 
+def check_recompute(granularity: Optional[str], method: Optional[str], num_layers: Optional[int],
+                    total_layers: int) -> None:
+    """Reject an inconsistent recompute setting (the config's fields or the trainer's flags)."""
+    if granularity not in _RECOMPUTE_GRANULARITIES:
+        raise ValueError(
+            f"recompute granularity {granularity!r} is not supported; use 'full' (recompute whole "
+            "layers), 'selective' (the attention core only) or none."
+        )
+    if method not in _RECOMPUTE_METHODS:
+        raise ValueError(f"recompute method must be 'uniform', 'block' or none, got {method!r}.")
+    if granularity != "full" and (method is not None or num_layers is not None):
+        raise ValueError(
+            "a recompute method / number of layers (--recompute-method, --recompute-num-layers) only "
+            "applies to full recompute; set the granularity to 'full' or leave them unset."
+        )
+    if num_layers is not None:
+        if method is None:
+            raise ValueError("a recompute number of layers (--recompute-num-layers) needs the method "
+                             "'uniform' or 'block' (--recompute-method).")
+        if not 1 <= num_layers <= total_layers:
+            raise ValueError(
+                f"the recompute number of layers must be between 1 and the number of layers "
+                f"({total_layers}), got {num_layers}."
+            )
+
+
 @dataclass
 class TransformerConfig:
     """Architecture and numerics of the transformer decoder.
@@ -49,6 +77,13 @@ class TransformerConfig:
         fewer groups means grouped-query attention (1 group = multi-query attention).
       * ``kv_channels``: ``hidden_size // num_attention_heads`` (the per-head dimension).
       * ``activation_func``: ``"silu"`` when ``gated_linear_unit`` (SwiGLU), else ``"gelu"``.
+
+    Activation recompute (Megatron's flags): ``recompute_granularity="selective"``
+    recomputes the attention core only; ``"full"`` recomputes whole layers, chosen by
+    ``recompute_method``: ``"uniform"`` checkpoints chunks of ``recompute_num_layers``
+    layers (only each chunk's input is kept), ``"block"`` checkpoints the first
+    ``recompute_num_layers`` layers one by one and keeps the others' activations. Full
+    recompute without a method checkpoints every layer on its own (uniform, 1 layer).
     """
 
     num_layers: int
@@ -67,11 +102,18 @@ class TransformerConfig:
     init_method_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
     recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
     recompute_reentrant: bool = False
     transformer_impl: str = "local"
     use_apex_fused: bool = False
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000
+    # Megatron-LM numerics options (docs/megatron_flags.md).
+    rotary_percent: float = 1.0  # fraction of each head's dimensions that RoPE rotates
+    apply_layernorm_1p: bool = False  # LayerNorm weight stored as gamma - 1 (zero-initialized)
+    attention_softmax_in_fp32: bool = False  # attention in fp32 when the inputs are bf16/fp16
+    attention_backend: str = "auto"  # SDPA kernels: auto, flash, fused, unfused/local (math)
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -133,11 +175,8 @@ class TransformerConfig:
                 f"params_dtype must be one of torch.float32, torch.bfloat16, torch.float16, got {self.params_dtype!r}."
             )
 
-        if self.recompute_granularity not in _RECOMPUTE_GRANULARITIES:
-            raise ValueError(
-                f"recompute_granularity {self.recompute_granularity!r} is not supported; use 'full' "
-                "(recompute each transformer layer in backward) or None (no recomputation)."
-            )
+        check_recompute(self.recompute_granularity, self.recompute_method, self.recompute_num_layers,
+                        self.num_layers)
 
         if self.transformer_impl not in _TRANSFORMER_IMPLS:
             raise ValueError(
@@ -156,6 +195,23 @@ class TransformerConfig:
                 f"rotary position embeddings need an even head dimension, but kv_channels is "
                 f"{self.kv_channels}; change hidden_size/num_attention_heads or set an even kv_channels."
             )
+
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}.")
+        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2 != 0):
+            raise ValueError(
+                f"rotary_percent {self.rotary_percent} rotates {self.rotary_dim} of {self.kv_channels} head "
+                "dimensions; pick a fraction that gives an even number >= 2."
+            )
+        if self.apply_layernorm_1p and self.normalization != "LayerNorm":
+            raise ValueError("apply_layernorm_1p applies to LayerNorm only; use normalization='LayerNorm' or drop it.")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Head dimensions rotated by RoPE (the first ones; the rest pass through)."""
+        return int(self.kv_channels * self.rotary_percent)
 
     @property
     def activation(self) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -242,3 +242,16 @@ def test_pickle_reopens(tmp_path):
     build(prefix, [[[1, 2, 3]]], np.uint16)
     clone = pickle.loads(pickle.dumps(IndexedDataset(prefix)))
     assert clone[0].tolist() == [1, 2, 3]
+
+
+def test_no_mmap_bin_files_reads_the_same_tokens(tmp_path):
+    """--no-mmap-bin-files: file reads instead of a memory map, same sequences."""
+    prefix = str(tmp_path / "ds")
+    build(prefix, [[[1, 2, 3]], [[4]], [[5, 6, 7, 8]]], np.int32)
+    mapped, read = IndexedDataset(prefix), IndexedDataset(prefix, mmap_bin_files=False)
+    assert mapped.uses_mmap and not read.uses_mmap
+    for i in range(len(mapped)):
+        assert np.array_equal(mapped[i], read[i])
+    assert np.array_equal(read.get(2, offset=1, length=2), [6, 7])
+    assert read[0].flags.writeable and not mapped[0].flags.writeable
+    assert not pickle.loads(pickle.dumps(read)).uses_mmap

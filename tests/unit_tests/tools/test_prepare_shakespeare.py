@@ -2,6 +2,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -156,3 +157,53 @@ def test_concurrent_callers_build_once(tmp_path, archive_dir, monkeypatch):
         assert p.exitcode == 0
     assert builds.read_text() == "build\n"
     assert len(IndexedDataset(ps.output_prefix(out_dir))) == 2
+
+
+def test_bpe_tokenizer_is_trained_saved_and_used(tmp_path, archive_dir, monkeypatch):
+    from megatron.core.tokenizer import HuggingFaceTokenizer
+
+    out_dir = str(tmp_path / "cache")
+    directory, prefix = ps.prepare_shakespeare_bpe(300, out_dir, download_dir=archive_dir, workers=1)
+    assert directory == os.path.join(out_dir, "shakespeare_bpe300")
+    assert prefix == os.path.join(out_dir, "shakespeare_bpe300_text_document")
+    tok = HuggingFaceTokenizer(directory)
+    assert tok.vocab_size <= 300 and tok.detokenize([tok.eod]) == ps.EOD_TOKEN
+    texts = [ps.clean_text(HAMLET), SONNETS_CLEAN]
+    ds = IndexedDataset(prefix)
+    for i, text in enumerate(texts):
+        assert ds[i].tolist() == tok.tokenize(text) + [tok.eod]
+        assert tok.detokenize(ds[i].tolist()[:-1]) == text  # lossless
+    # Built once: the second call neither retrains nor retokenizes.
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("outputs exist: nothing should be rebuilt")
+
+    monkeypatch.setattr(ps, "train_bpe_tokenizer", no_rebuild)
+    monkeypatch.setattr(ps, "_preprocess", no_rebuild)
+    assert ps.prepare_shakespeare_bpe(300, out_dir, download_dir=archive_dir) == (directory, prefix)
+
+
+def test_each_tokenizer_gets_its_own_corpus(tmp_path):
+    a = ps.train_bpe_tokenizer([SONNETS_CLEAN] * 3, 280, str(tmp_path / "a"))
+    b = ps.train_bpe_tokenizer([HAMLET] * 3, 280, str(tmp_path / "b"))
+    tag_a = ps.tokenizer_tag({"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": a})
+    tag_b = ps.tokenizer_tag({"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": b})
+    assert tag_a.startswith("hf_") and tag_a != tag_b
+    assert ps.tokenizer_tag(None) is None and ps.tokenizer_tag({"tokenizer_type": "GPT2BPETokenizer"}) is None
+    with pytest.raises(ValueError, match="text tokenizer"):
+        ps.tokenizer_tag({"tokenizer_type": "NullTokenizer"})
+
+
+def test_a_tokenizer_json_loads_without_transformers(tmp_path):
+    """The default run's tokenizer needs only `tokenizers` (transformers is a test extra)."""
+    directory = ps.train_bpe_tokenizer([SONNETS_CLEAN] * 3, 280, str(tmp_path / "tok"))
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from megatron.core.tokenizer import build_tokenizer\n"
+            f"tok = build_tokenizer('HuggingFaceTokenizer', tokenizer_model={directory!r})\n"
+            f"text = {SONNETS_CLEAN!r}\n"
+            "assert tok.detokenize(tok.tokenize(text)) == text\n"
+            "print(tok.vocab_size, tok.eod)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ps._REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    size, eod = map(int, done.stdout.split())
+    assert size <= 280 and eod == 0  # the special token comes first

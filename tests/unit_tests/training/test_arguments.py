@@ -77,7 +77,7 @@ def test_warmup_fraction_and_iters():
         ("--num-distributed-optimizer-instances 2", 2, "add --use-mfsdp"),
         ("--mfsdp-unify-communication-stream", 1, "add --use-mfsdp"),
         ("--use-mfsdp --megatron-fsdp-main-params-dtype bf16", 1, "add --bf16"),
-        ("--fp16", 1, "use --bf16"),
+        ("--fp16 --bf16", 1, "only one of --fp16 and --bf16"),
         ("--distributed-backend nccl", 1, "use --distributed-backend gloo on CPU"),
         ("--transformer-impl transformer_engine", 1, "use --transformer-impl local on CPU"),
         ("--lr-warmup-iters 10", 1, "warmup .* must be shorter than the decay"),
@@ -139,3 +139,79 @@ def test_world_size_comes_from_the_launcher_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match=r"= 6"):
         parse_args((BASE + " --global-batch-size 4").split(), cuda_available=False)
+
+
+# --- Megatron-LM flags (docs/megatron_flags.md) ----------------------------------------
+
+
+def test_quoted_values_and_unknown_flag_suggestions():
+    assert parse("--split '99,1,0'").split_fractions == parse("--split 99,1,0").split_fractions
+    with pytest.raises(ValueError, match=r"unrecognized arguments: --lr-decay-iter 5 \(did you mean --lr-decay-iters\?\)"):
+        parse("--lr-decay-iter 5")
+    with pytest.raises(ValueError, match="unrecognized arguments: --no-such-thing$"):
+        parse("--no-such-thing")
+
+
+def test_parallel_sizes_mapped_and_rejected_flags():
+    args = parse("--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --context-parallel-size 1 "
+                 "--expert-model-parallel-size 1 --use-mcore-models --ckpt-format torch_dist "
+                 "--dist-ckpt-strictness log_all --overlap-grad-reduce --no-gradient-accumulation-fusion")
+    assert args.ckpt_format == "torch_dist" and args.gradient_accumulation_fusion is False
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                 "--expert-model-parallel-size"):
+        with pytest.raises(ValueError, match=f"{flag} 2 is not supported yet"):
+            parse(f"{flag} 2")
+    with pytest.raises(ValueError, match="--fp8-format is not supported: FP8 training is not supported; use --bf16"):
+        parse("--fp8-format hybrid")
+    with pytest.raises(ValueError, match="--ckpt-format: invalid choice"):
+        parse("--ckpt-format zarr")
+    assert parse("--use-flash-attn --attention-dropout 0").attention_backend == "flash"
+    assert parse("--use-rotary-position-embeddings").position_embedding_type == "rope"
+
+
+def test_distributed_optimizer_without_mfsdp_is_zero1():
+    args = parse("--use-distributed-optimizer --bf16", world_size=2)
+    assert args.use_mfsdp and args.data_parallel_sharding_strategy == "optim"
+    assert args.params_dtype == torch.bfloat16  # MFSDP's mixed precision, not autocast
+    with pytest.raises(ValueError, match="is ZeRO-1"):
+        parse("--use-distributed-optimizer --data-parallel-sharding-strategy optim_grads", world_size=2)
+
+
+def test_sample_based_schedule_arithmetic():
+    base = BASE.replace("--train-iters 10", "--train-samples 40")
+    args = parse("--global-batch-size 4 --lr-warmup-samples 8", base=base)
+    assert (args.train_iters, args.lr_decay_samples, args.lr_warmup_samples, args.lr_decay_iters) == (10, 40, 8, 10)
+    assert parse("--lr-warmup-fraction 0.25 --lr-decay-samples 20", base=base).lr_warmup_samples == 5
+    with pytest.raises(ValueError, match="only one of --train-iters and --train-samples"):
+        parse("--train-iters 3", base=base)
+    with pytest.raises(ValueError, match="go with --train-samples"):
+        parse("--lr-decay-samples 10")
+    with pytest.raises(ValueError, match="use --lr-decay-samples"):
+        parse("--lr-decay-iters 5", base=base)
+
+
+def test_model_and_fp16_flags_validate():
+    args = parse("--kv-channels 24 --fp16")
+    assert args.kv_channels == 24 and args.autocast_dtype == torch.float16
+    assert parse("--fp16 --use-mfsdp", world_size=2).params_dtype == torch.float16
+    with pytest.raises(ValueError, match="--rotary-percent applies to RoPE"):
+        parse("--rotary-percent 0.5")
+    with pytest.raises(ValueError, match="even number >= 2"):
+        parse("--position-embedding-type rope --rotary-percent 0.1")
+    with pytest.raises(ValueError, match="no CPU kernel"):
+        parse("--attention-backend fused")
+    with pytest.raises(ValueError, match="--apply-layernorm-1p applies to LayerNorm"):
+        parse("--apply-layernorm-1p --normalization RMSNorm")
+    with pytest.raises(ValueError, match="--exit-signal: invalid choice"):
+        parse("--exit-signal SIGKILL")
+
+
+def test_paths_checked_at_parse_time(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="--load .* is a file"):
+        parse(f"--load {tmp_path}/file")
+    with pytest.raises(ValueError, match="--save .* cannot be created"):
+        parse(f"--save {tmp_path}/file/sub")
+    with pytest.raises(ValueError, match="--tensorboard-dir .* is a file"):
+        parse(f"--tensorboard-dir {tmp_path}/file")
+    assert parse(f"--load {tmp_path}/not-yet --save {tmp_path}/new/dir").load.endswith("not-yet")

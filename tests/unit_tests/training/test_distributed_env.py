@@ -2,7 +2,13 @@
 
 import pytest
 
-from megatron.training.initialize import expand_slurm_nodelist, get_distributed_env
+from megatron.training.initialize import (
+    check_rendezvous_host,
+    expand_slurm_nodelist,
+    get_distributed_env,
+    local_gpu_index,
+    slurm_rendezvous_port,
+)
 
 
 @pytest.mark.parametrize(
@@ -33,7 +39,34 @@ def test_slurm_environment():
     })
     assert (env.rank, env.world_size, env.local_rank, env.launcher) == (5, 8, 1, "slurm")
     assert env.master_addr == "gpu-07"
-    assert env.master_port == 20000 + 123456 % 20000
+    assert env.master_port == slurm_rendezvous_port(123456, 0)
+
+
+def test_slurm_step_nodelist_and_port_per_step():
+    base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "777",
+            "SLURM_JOB_NODELIST": "node[01-03,07]"}
+    # A step on part of the allocation rendezvouses on its own first node.
+    step = get_distributed_env({**base, "SLURM_STEP_NODELIST": "node[03,07]", "SLURM_STEP_ID": "1"})
+    assert step.master_addr == "node03"
+    assert get_distributed_env(base).master_addr == "node01"
+    assert get_distributed_env({**base, "SLURM_STEP_NODELIST": "rack2-n[7-8]"}).master_addr == "rack2-n7"
+    # Every step of a job, and neighbouring jobs' steps, get distinct ports in range.
+    ports = {get_distributed_env({**base, "SLURM_JOB_ID": str(job), "SLURM_STEP_ID": str(sid)}).master_port
+             for job in range(777, 787) for sid in range(50)}
+    assert len(ports) == 500 and all(20000 <= p < 40000 for p in ports)
+    assert step.master_port != get_distributed_env({**base, "SLURM_STEP_ID": "0"}).master_port
+    # The batch step's huge id still maps into the range.
+    assert 20000 <= slurm_rendezvous_port(777, 4294967294) < 40000
+
+
+def test_unresolvable_rendezvous_host_fails_fast():
+    import time
+
+    start = time.time()
+    with pytest.raises(ValueError, match="does not resolve .*set MASTER_ADDR"):
+        check_rendezvous_host("no-such-host.invalid")
+    assert time.time() - start < 10
+    check_rendezvous_host("127.0.0.1")
 
 
 def test_slurm_respects_explicit_master_and_old_nodelist_name():
@@ -70,3 +103,10 @@ def test_no_launcher_is_a_world_of_one():
 def test_bad_environments_raise(environ, match):
     with pytest.raises(ValueError, match=match):
         get_distributed_env(environ)
+
+
+def test_gpu_binding_per_task_or_per_node():
+    assert local_gpu_index(3, 8) == 3  # all GPUs of the node visible: pick by local rank
+    assert local_gpu_index(3, 1) == 0  # srun --gpus-per-task=1: the task's one GPU
+    with pytest.raises(RuntimeError, match="gpus-per-task"):
+        local_gpu_index(3, 2)

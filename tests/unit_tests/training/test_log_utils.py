@@ -26,7 +26,7 @@ def test_iteration_line_matches_the_megatron_layout_exactly():
         " [2026-11-29 20:00:00] iteration       10/     100 | consumed samples:          160 | "
         "elapsed time per iteration (ms): 512.3 | throughput per GPU (TFLOP/s/GPU): 0.400 | "
         "tokens per second: 4000.0 | learning rate: 3.000000E-04 | global batch size:    16 | "
-        "lm loss: 6.123456E+00 | grad norm: 1.234 | number of skipped iterations:   0 | "
+        "lm loss: 6.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 | "
         "number of nan iterations:   0 | mem (max RSS MB): 812 |"
     )
 

@@ -13,6 +13,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from megatron.core.distributed.mfsdp_v2 import FsdpModule, Placements
 from megatron.core.distributed.mfsdp_v2.placements import decode_strategy
 from megatron.core.pipeline_parallel import forward_backward_no_pipelining
+from megatron.core.transformer.initialization import initialize_parameters_
 from megatron.training.arguments import parse_args
 from megatron.training.model_builder import build_model, build_optimizer, build_placements, get_grad_norm_and_clip
 
@@ -99,8 +100,8 @@ def test_mfsdp_model_step_equals_plain_full_batch_step(world_of_one):
     args.padded_vocab_size = 64
     torch.manual_seed(0)
     built = build_model(_gpt_provider, args, torch.device("cpu"))
-    torch.manual_seed(0)
     plain = _gpt_provider(args)
+    initialize_parameters_(plain, args.seed)  # what build_model does, unsharded
 
     assert built.context is not None and built.context.finalized
     layers = list(built.model.decoder.layers)

@@ -196,6 +196,46 @@ def test_full_recompute_matches_no_recompute(reentrant):
         torch.testing.assert_close(grads_rc[name], grads[name], msg=name)
 
 
+@pytest.mark.parametrize(
+    "recompute, recomputed_layers",
+    [
+        (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), [1, 2, 3]),
+        (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2), [1, 2, 3]),
+        (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1), [1]),
+        (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2), [1, 2]),
+        (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3), [1, 2, 3]),
+        (dict(recompute_granularity="selective"), []),
+    ],
+    ids=["uniform1", "uniform2", "block1", "block2", "block3", "selective"],
+)
+def test_recompute_variants_match_no_recompute(recompute, recomputed_layers):
+    """Every Megatron recompute variant gives the no-recompute loss and gradients (dropout
+    on: the masks must be replayed), and reruns exactly the layers it should."""
+    kwargs = dict(num_layers=3, hidden_dropout=0.2, attention_dropout=0.2, num_query_groups=2)
+    loss, grads, xgrad, calls = _run_block(make_config(**kwargs))
+    cores = []
+    original_core = SelfAttention.core_attention
+
+    def counting_core(self, *args):
+        cores.append(self.layer_number)
+        return original_core(self, *args)
+
+    SelfAttention.core_attention = counting_core
+    try:
+        loss_rc, grads_rc, xgrad_rc, calls_rc = _run_block(make_config(**recompute, **kwargs))
+    finally:
+        SelfAttention.core_attention = original_core
+    assert calls == [1, 2, 3]
+    assert sorted(calls_rc) == sorted([1, 2, 3] + recomputed_layers)
+    core_reruns = [1, 2, 3] if recompute["recompute_granularity"] == "selective" else recomputed_layers
+    assert sorted(cores) == sorted([1, 2, 3] + core_reruns)
+    torch.testing.assert_close(loss_rc, loss, rtol=0, atol=0)
+    torch.testing.assert_close(xgrad_rc, xgrad)
+    assert grads_rc.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads_rc[name], grads[name], msg=name)
+
+
 def test_recompute_is_skipped_in_eval():
     block = TransformerBlock(make_config(recompute_granularity="full"))
     block.eval()

@@ -71,14 +71,27 @@ class GPTModel(nn.Module):
         share_embeddings_and_output_weights: tie the output projection to the word
             embeddings (one Parameter, ``embedding.word_embeddings.weight``).
         position_embedding_type: "learned_absolute" or "rope"; None uses the config's.
+        unpadded_vocab_size: the tokenizer's vocabulary size when ``vocab_size`` is padded
+            beyond it (``--make-vocab-size-divisible-by``). The padding rows are no tokens:
+            their logits are -inf, so they take no part in the softmax, the loss or
+            sampling, and the loss is that of the unpadded model. None: no padding.
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                  share_embeddings_and_output_weights: bool = True,
-                 position_embedding_type: Optional[str] = None):
+                 position_embedding_type: Optional[str] = None,
+                 unpadded_vocab_size: Optional[int] = None):
         super().__init__()
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}; take it from the tokenizer.")
+        if unpadded_vocab_size is None:
+            unpadded_vocab_size = vocab_size
+        if isinstance(unpadded_vocab_size, bool) or not isinstance(unpadded_vocab_size, int) or not (
+                1 <= unpadded_vocab_size <= vocab_size):
+            raise ValueError(
+                f"unpadded_vocab_size must be an integer in [1, vocab_size={vocab_size}], got "
+                f"{unpadded_vocab_size!r}; pass the tokenizer's vocabulary size."
+            )
         if not isinstance(max_sequence_length, int) or max_sequence_length < 1:
             raise ValueError(
                 f"max_sequence_length must be a positive integer, got {max_sequence_length!r}; "
@@ -97,13 +110,15 @@ class GPTModel(nn.Module):
             )
         self.config = config
         self.vocab_size = vocab_size
+        self.unpadded_vocab_size = unpadded_vocab_size
         self.max_sequence_length = max_sequence_length
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
 
         self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length, position_embedding_type)
         if position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_base)
+            # Sized to the rotated dimensions: with rotary_percent < 1 the rest pass through.
+            self.rotary_pos_emb = RotaryEmbedding(config.rotary_dim, config.rotary_base)
         else:
             self.rotary_pos_emb = None
         self.decoder = TransformerBlock(config)
@@ -128,7 +143,8 @@ class GPTModel(nn.Module):
                 attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [b, s, vocab] when ``labels`` is None, else the per-token cross-entropy
-        loss [b, s] in fp32 (no reduction: the caller applies its loss mask).
+        loss [b, s] in fp32 (no reduction: the caller applies its loss mask). Logits of
+        padding rows (ids >= ``unpadded_vocab_size``) are -inf.
 
         attention_mask (optional) is Megatron's: bool, True where attention is NOT allowed,
         broadcastable to [b, heads, s, s]; it is combined with the causal mask.
@@ -157,9 +173,15 @@ class GPTModel(nn.Module):
         hidden_states = self.decoder(hidden_states, attention_mask, rotary_pos_emb)
         output_weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
         logits = self.output_layer(hidden_states, weight=output_weight)
+        padded = self.unpadded_vocab_size < self.vocab_size
         if labels is None:
+            if padded:
+                is_padding = torch.arange(self.vocab_size, device=logits.device) >= self.unpadded_vocab_size
+                logits = logits.masked_fill(is_padding, float("-inf"))
             return logits
+        if padded:
+            logits = logits[..., :self.unpadded_vocab_size]
         # Softmax over a large vocabulary in bf16 loses too much; upcast for the loss.
-        loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size), labels.reshape(-1).long(),
+        loss = F.cross_entropy(logits.float().reshape(-1, self.unpadded_vocab_size), labels.reshape(-1).long(),
                                reduction="none")
         return loss.view(batch, seq)

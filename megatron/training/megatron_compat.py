@@ -1,0 +1,207 @@
+"""Megatron-LM flags that this trainer maps onto its own behaviour, or rejects.
+
+Upstream command lines carry many flags that select fused kernels, checkpoint backends or
+parallelism this project does not have. Three kinds are handled here (docs/megatron_flags.md
+lists them all, next to the flags ``arguments.py`` honours):
+
+* **mapped**: accepted; their effect here is the documented one (a no-op where the
+  behaviour is always on, or a synonym of one of our choices);
+* **parallel sizes**: accepted at 1; larger values are "not supported yet";
+* **rejected**: known to Megatron but not implemented; parsing them fails with a message
+  that names the flag and says what to use instead.
+
+Anything else gets argparse's "unrecognized arguments", with a close match suggested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from typing import Dict, List, Tuple
+
+# flag -> (argparse keyword arguments, what it does here). Flags taking a value list
+# their choices where upstream has them, so a typo in the value is still an error.
+MAPPED: Dict[str, Tuple[dict, str]] = {
+    "--use-mcore-models": (dict(action="store_true"), "always: the model is the Megatron-Core GPT"),
+    "--no-gradient-accumulation-fusion": (
+        dict(action="store_false", dest="gradient_accumulation_fusion"),
+        "always unfused: gradients accumulate in fp32 main grads without a fused kernel"),
+    "--overlap-grad-reduce": (dict(action="store_true"),
+                              "always on: MFSDP reduces each unit's gradients during backward, DDP per bucket"),
+    "--overlap-param-gather": (dict(action="store_true"),
+                               "always on: MFSDP prefetches the next unit's parameters"),
+    "--ckpt-format": (dict(choices=("torch", "torch_dist", "fsdp_dtensor"), default=None),
+                      "this trainer's one format (DCP shards + common.json, docs/checkpointing.md)"),
+    "--auto-detect-ckpt-format": (dict(action="store_true"), "there is one checkpoint format"),
+    "--use-persistent-ckpt-worker": (dict(action="store_true"),
+                                     "--async-save already writes from one long-lived background worker"),
+    "--dist-ckpt-strictness": (
+        dict(choices=("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+                      "raise_all", "return_unexpected", "return_all", "ignore_all"), default=None),
+        "always raise_all: a missing or unexpected tensor is an error that names it"),
+    "--dist-ckpt-optim-fully-reshardable": (dict(action="store_true"),
+                                            "always: checkpoints load at any world size"),
+    "--ckpt-fully-parallel-save": (dict(action="store_true"), "always: every rank writes its own shard"),
+    "--no-ckpt-fully-parallel-save": (dict(action="store_true"), "every rank still writes its own shard"),
+    "--ckpt-fully-parallel-load": (dict(action="store_true"), "always: every rank reads its own shard"),
+    "--ckpt-assume-constant-structure": (dict(action="store_true"), "no effect (no plan caching)"),
+    "--use-dist-ckpt": (dict(action="store_true"), "always: the checkpoints are distributed (DCP)"),
+    "--override-opt_param-scheduler": (dict(action="store_true"),
+                                       "the default: the LR schedule comes from the command line"),
+    "--use-flash-attn": (dict(action="store_true"), "same as --attention-backend flash"),
+    "--no-create-attention-mask-in-dataloader": (dict(action="store_true"),
+                                                 "always: the causal mask is built inside attention"),
+    "--apply-query-key-layer-scaling": (dict(action="store_true"),
+                                        "no effect: it rescales inside Megatron's fused fp16 softmax, "
+                                        "the result is the same"),
+    "--no-masked-softmax-fusion": (dict(action="store_true"), "no fused softmax kernel here"),
+    "--no-bias-gelu-fusion": (dict(action="store_true"), "no fused bias-GELU kernel here"),
+    "--no-bias-swiglu-fusion": (dict(action="store_true"), "no fused bias-SwiGLU kernel here"),
+    "--no-bias-dropout-fusion": (dict(action="store_true"), "no fused bias-dropout kernel here"),
+    "--no-rope-fusion": (dict(action="store_true"), "no fused RoPE kernel here"),
+    "--no-persist-layer-norm": (dict(action="store_true"), "no persistent LayerNorm kernel here"),
+    "--cross-entropy-loss-fusion": (dict(action="store_true"),
+                                    "no fused kernel: the loss is fp32 cross entropy either way"),
+    "--cross-entropy-fusion-impl": (dict(choices=("native", "te"), default=None),
+                                    "no fused kernel: the loss is fp32 cross entropy either way"),
+    "--sequence-parallel": (dict(action="store_true"), "no effect at tensor-parallel size 1 (as upstream)"),
+    "--use-tp-pp-dp-mapping": (dict(action="store_true"), "no effect: data parallelism only"),
+    "--no-async-tensor-model-parallel-allreduce": (dict(action="store_true"), "no effect without TP"),
+    "--ddp-average-in-collective": (dict(action="store_true"), "always: gradients are averaged in the collective"),
+    "--no-use-tokenizer-model-from-checkpoint-args": (dict(action="store_true"),
+                                                      "always: the tokenizer comes from the command line"),
+    "--empty-unused-memory-level": (dict(type=int, choices=(0, 1, 2), default=0),
+                                    "no effect: the caching allocator keeps its blocks"),
+    "--tensorboard-log-interval": (dict(type=int, default=None),
+                                   "metrics go to TensorBoard at every --log-interval"),
+    "--log-learning-rate-to-tensorboard": (dict(action="store_true"), "always logged"),
+    "--log-loss-scale-to-tensorboard": (dict(action="store_true"), "always logged with --fp16"),
+    "--log-batch-size-to-tensorboard": (dict(action="store_true"), "always logged"),
+    "--use-cpu-initialization": (dict(action="store_true"),
+                                 "no effect: the model is built on CPU, then moved to its device"),
+    "--rerun-mode": (dict(choices=("disabled",), default="disabled"),
+                     "only disabled: no re-run state machine here"),
+}
+
+PARALLEL_SIZES = (
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--context-parallel-size",
+    "--expert-model-parallel-size",
+    "--expert-tensor-parallel-size",
+)
+
+# flag -> what to do instead. Registered so that they are recognised (and named in the
+# error), whatever value follows them.
+_PP = "pipeline parallelism is not supported yet; drop it (the model runs on every data-parallel rank)"
+_MOE = "mixture-of-experts models are not supported yet; train a dense model (drop the MoE flags)"
+_FP8 = "FP8 training is not supported; use --bf16"
+_TP = "tensor parallelism is not supported yet; drop it"
+REJECTED: Dict[str, str] = {
+    "--num-layers-per-virtual-pipeline-stage": _PP,
+    "--num-virtual-stages-per-pipeline-rank": _PP,
+    "--virtual-pipeline-model-parallel-size": _PP,
+    "--decoder-first-pipeline-num-layers": _PP,
+    "--decoder-last-pipeline-num-layers": _PP,
+    "--account-for-embedding-in-pipeline-split": _PP,
+    "--account-for-loss-in-pipeline-split": _PP,
+    "--overlap-p2p-communication-warmup-flush": _PP,
+    "--microbatch-group-size-per-virtual-pipeline-stage": _PP,
+    "--overlap-param-gather-with-optimizer-step": "not supported; --overlap-param-gather is always on",
+    "--tp-comm-overlap": _TP,
+    "--tp-comm-overlap-cfg": _TP,
+    "--defer-embedding-wgrad-compute": _TP,
+    "--wgrad-deferral-limit": _TP,
+    "--cp-comm-type": "context parallelism is not supported yet; drop it",
+    "--hierarchical-context-parallel-sizes": "context parallelism is not supported yet; drop it",
+    "--num-experts": _MOE,
+    "--moe-ffn-hidden-size": _MOE,
+    "--moe-router-topk": _MOE,
+    "--moe-router-load-balancing-type": _MOE,
+    "--moe-grouped-gemm": _MOE,
+    "--moe-token-dispatcher-type": _MOE,
+    "--moe-aux-loss-coeff": _MOE,
+    "--moe-z-loss-coeff": _MOE,
+    "--moe-router-score-function": _MOE,
+    "--moe-router-dtype": _MOE,
+    "--moe-shared-expert-intermediate-size": _MOE,
+    "--moe-shared-expert-gate": _MOE,
+    "--moe-layer-freq": _MOE,
+    "--fp8-format": _FP8,
+    "--fp8-recipe": _FP8,
+    "--fp8-param-gather": _FP8,
+    "--first-last-layers-bf16": _FP8,
+    "--use-torch-fsdp2": "PyTorch FSDP2 is not wired into this trainer; use --use-mfsdp (Megatron FSDP v2)",
+    "--use-legacy-models": "only the Megatron-Core GPT model exists; drop it",
+    "--use-checkpoint-args": "pass the model flags explicitly (the checkpoint's common.json lists them)",
+    "--decoupled-lr": "a separate LR for the embeddings is not supported; use --lr",
+    "--decoupled-min-lr": "a separate LR for the embeddings is not supported; use --min-lr",
+    "--qk-layernorm": "QK LayerNorm is not implemented; drop it",
+    "--multi-latent-attention": "multi-latent attention is not implemented; use standard attention (GQA via --num-query-groups)",
+    "--rotary-interleaved": "only rotate-half RoPE is implemented; drop it",
+    "--use-mup": "muP is not implemented; drop it",
+    "--enable-cuda-graph": "CUDA graphs are not supported; drop it",
+    "--cuda-graph-impl": "CUDA graphs are not supported; drop it",
+    "--check-weight-hash-across-dp-replicas-interval": "not implemented; drop it",
+    "--save-retain-interval": "not implemented: every saved iteration is kept; delete old ones yourself",
+    "--exit-duration-in-mins": "not implemented; use --exit-interval, or --exit-signal-handler with the scheduler's signal",
+    "--step-batch-size-schedule": "batch-size ramp-up is not supported; use a fixed --global-batch-size",
+    "--rampup-batch-size": "batch-size ramp-up is not supported; use a fixed --global-batch-size",
+    "--eval-global-batch-size": "evaluation uses --global-batch-size; drop it",
+    "--log-straggler": "straggler detection is not implemented; drop it",
+    "--straggler-minmax-count": "straggler detection is not implemented; drop it",
+    "--log-progress": "not implemented; the iteration log line has the progress",
+    "--test-mode": "not implemented; drop it",
+    "--fim-data": "fill-in-the-middle data is not implemented; drop it",
+    "--async-strategy": "--async-save has one strategy (a background thread); drop it",
+    "--error-injection-rate": "the re-run machinery is not implemented; drop it",
+    "--error-injection-type": "the re-run machinery is not implemented; drop it",
+}
+
+
+class _Rejected(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        kwargs.update(nargs="?", default=argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is not supported: {REJECTED[option_string]}.")
+
+
+def add_megatron_compat_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("Megatron-LM flags mapped onto this trainer (docs/megatron_flags.md)")
+    for flag, (kwargs, note) in MAPPED.items():
+        g.add_argument(flag, help=f"mapped: {note}", **kwargs)
+    for flag in PARALLEL_SIZES:
+        g.add_argument(flag, type=int, default=1, help="accepted at 1 (data parallelism only)")
+    g = parser.add_argument_group("Megatron-LM flags that are not supported")
+    for flag in REJECTED:
+        g.add_argument(flag, action=_Rejected, help=argparse.SUPPRESS)
+
+
+def apply_megatron_compat(args: argparse.Namespace) -> None:
+    """Reject parallel sizes above 1; turn synonyms into our settings. Runs before the
+    rest of the validation, which then sees only our own flags."""
+    for flag in PARALLEL_SIZES:
+        size = getattr(args, flag[2:].replace("-", "_"))
+        if size < 1:
+            raise ValueError(f"{flag} must be at least 1, got {size}.")
+        if size > 1:
+            raise ValueError(
+                f"{flag} {size} is not supported yet (data parallelism only); use {flag} 1 "
+                "and scale with more data-parallel ranks (--use-mfsdp shards the model across them)."
+            )
+    if args.use_flash_attn and args.attention_backend == "auto":
+        args.attention_backend = "flash"
+
+
+def suggest_flags(unknown: List[str], parser: argparse.ArgumentParser) -> str:
+    """' (did you mean --x?)' hints for unrecognized flags, '' when nothing is close."""
+    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    hints = []
+    flags = [token for token in unknown if token.startswith("--")]
+    for token in flags:
+        match = difflib.get_close_matches(token.split("=", 1)[0], known, n=1, cutoff=0.75)
+        if match:
+            hints.append(match[0] if len(flags) == 1 else f"{match[0]} for {token}")
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""

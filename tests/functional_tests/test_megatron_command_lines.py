@@ -1,0 +1,112 @@
+"""Upstream Megatron-LM GPT command lines run here unchanged, apart from the CPU
+substitutions (nccl -> gloo, transformer_engine -> local), parallel sizes 1, paths into a
+temporary directory, mock data, and a model scaled down to a tiny one.
+
+upstream_gpt_configs.json holds the MODEL_ARGS of a representative set of upstream's
+functional-test configurations (source and commit inside). Every one must parse and
+validate; two of them train 3 iterations on 2 ranks, and their TensorBoard files hold the
+scalars the logging flags ask for.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.training.arguments import parse_args
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, os.pardir, os.pardir))
+CONFIGS = json.load(open(os.path.join(HERE, "upstream_gpt_configs.json")))["configs"]
+
+# Tiny CPU model and run length; everything else is the upstream value.
+SCALE = {
+    "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--seq-length": 32,
+    "--max-position-embeddings": 32, "--micro-batch-size": 2, "--global-batch-size": 8,
+    "--train-iters": 3, "--eval-interval": 2, "--eval-iters": 1, "--ffn-hidden-size": 256,
+    "--num-query-groups": 2, "--kv-channels": 16,
+}
+SUBSTITUTE = {"nccl": "gloo", "transformer_engine": "local"}
+PARALLEL_SIZES = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                  "--expert-model-parallel-size", "--expert-tensor-parallel-size")
+
+
+def command_line(name, tmp_path):
+    from megatron.core.tokenizer import default_gpt2_vocab_files
+
+    vocab, merges = default_gpt2_vocab_files()
+    paths = {"${TENSORBOARD_PATH}": str(tmp_path / "tb"), "${CHECKPOINT_SAVE_PATH}": str(tmp_path / "ckpt"),
+             "${CHECKPOINT_LOAD_PATH}": str(tmp_path / "ckpt"), "${DATA_CACHE_PATH}": str(tmp_path / "cache")}
+    argv = []
+    for flag, value in CONFIGS[name]:
+        if flag == "--data-path":
+            argv.append("--mock-data")
+            continue
+        if flag in ("--vocab-file", "--merge-file"):
+            value = vocab if flag == "--vocab-file" else merges
+        elif flag in SCALE:
+            value = SCALE[flag]
+        elif flag in PARALLEL_SIZES:
+            value = 1
+        elif isinstance(value, str):
+            value = paths.get(value, SUBSTITUTE.get(value, value))
+        if value is True:
+            argv.append(flag)
+        elif value is not False:
+            argv += [flag, str(value)]
+    return argv + ["--num-workers", "0"]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_upstream_command_line_parses(name, tmp_path):
+    args = parse_args(command_line(name, tmp_path), world_size=2, cuda_available=False)
+    assert args.num_layers == 2 and args.distributed_backend == "gloo" and args.transformer_impl == "local"
+    flags = {flag for flag, _ in CONFIGS[name]}
+    if "--use-distributed-optimizer" in flags and "--use-megatron-fsdp" not in flags:
+        # Upstream's DDP + distributed optimizer is ZeRO-1 on this engine.
+        assert args.use_mfsdp and args.data_parallel_sharding_strategy == "optim"
+
+
+def test_upstream_example_names_the_unsupported_flag(tmp_path):
+    # examples/gpt3/train_gpt3_175b_distributed.sh uses a batch-size ramp.
+    argv = command_line("gpt3_mcore_tp1_pp2_fp16", tmp_path)
+    with pytest.raises(ValueError, match=r"--step-batch-size-schedule is not supported: .*--global-batch-size"):
+        parse_args(argv + ["--step-batch-size-schedule", "0:16 2.4B:320"], world_size=1, cuda_available=False)
+    with pytest.raises(ValueError, match=r"--pipeline-model-parallel-size 2 is not supported yet"):
+        parse_args(argv + ["--pipeline-model-parallel-size", "2"], world_size=1, cuda_available=False)
+
+
+def _tensorboard_tags(tb_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = glob.glob(os.path.join(tb_dir, "events.out.tfevents.*"))
+    assert len(events) == 1, events
+    acc = EventAccumulator(events[0])
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("name", ["gpt3_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files", "gpt3_mcore_tp1_pp2_fp16"])
+def test_upstream_command_line_trains_on_two_ranks(name, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=REPO)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "pretrain_gpt.py", *command_line(name, tmp_path), "--log-interval", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    lines = [line for line in proc.stdout.splitlines() if " iteration " in line and "consumed samples" in line]
+    assert len(lines) == 3
+    assert all("num zeros: " in line and "params norm: " in line and "loss scale: " in line for line in lines)
+    tags = _tensorboard_tags(str(tmp_path / "tb"))
+    for tag in ("num-zeros", "params-norm", "iteration-time", "mem-rss-bytes", "mem-max-rss-bytes",
+                "lm loss validation ppl", "grad-norm", "lm-loss"):
+        assert tag in tags, sorted(tags)
+    assert all(v > 0 for v in tags["params-norm"]) and all(v >= 0 for v in tags["num-zeros"])
+    if "fp16" in name:
+        assert "loss-scale" in tags and tags["loss-scale"][0] <= 2.0**32
+    assert os.path.isfile(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt")
