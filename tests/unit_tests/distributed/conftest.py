@@ -5,7 +5,7 @@ Run plainly with pytest, the same tests run in a world of one rank. Every group 
 short timeout, so a rank that skips a collective fails the run instead of hanging it.
 
 This folder goes on ``sys.path`` once, so every test folder below imports the shared
-helpers by name (``from _dist_helpers import wrap``) and no test edits ``sys.path``.
+helpers by name (``from _dist_helpers import wrap``).
 """
 
 import datetime
