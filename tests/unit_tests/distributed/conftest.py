@@ -3,10 +3,14 @@
 Run under ``python -m torch.distributed.run --nproc-per-node N -m pytest tests/unit_tests/distributed``.
 Run plainly with pytest, the same tests run in a world of one rank. Every group has a
 short timeout, so a rank that skips a collective fails the run instead of hanging it.
+
+This folder goes on ``sys.path`` once, so every test folder below imports the shared
+helpers by name (``from _dist_helpers import wrap``).
 """
 
 import datetime
 import os
+import sys
 import tempfile
 
 import pytest
@@ -14,6 +18,10 @@ import torch
 import torch.distributed as dist
 
 PG_TIMEOUT = datetime.timedelta(seconds=60)
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 def _init_world():

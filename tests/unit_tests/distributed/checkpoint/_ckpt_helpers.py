@@ -11,38 +11,23 @@ the engine itself would give each rank when built from those full tensors
 from __future__ import annotations
 
 import contextlib
-import math
 import shutil
 import tempfile
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from megatron.core.distributed.mfsdp_v2 import (
-    MixedPrecisionPolicy,
-    Placements,
-    fully_shard,
-    fully_shard_context,
-    microbatch,
-)
+from _dist_helpers import gather_rows, owners, rank
+from megatron.core.distributed.mfsdp_v2 import microbatch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 VOCAB = 37  # odd sizes: shards are uneven at 2 and 4 ranks
 SEQ = 6
 HIDDEN = 12
-
-
-def world() -> int:
-    return dist.get_world_size()
-
-
-def rank() -> int:
-    return dist.get_rank()
 
 
 # ----------------------------------------------------------------------------------------
@@ -98,7 +83,7 @@ def gpt_loss(model, tokens):
 
 
 # ----------------------------------------------------------------------------------------
-# Meshes and wrapping
+# Process groups and training
 # ----------------------------------------------------------------------------------------
 
 
@@ -107,34 +92,6 @@ def subgroup(ranks: List[int]):
     """A process group of ``ranks`` (created on every rank); yields it to members, None to others."""
     group = dist.new_group(ranks=ranks)
     yield group if rank() in ranks else None
-
-
-def mesh_1d(group=None) -> DeviceMesh:
-    if group is None:
-        return init_device_mesh("cpu", (world(),))
-    return DeviceMesh.from_group(group, "cpu")
-
-
-def mesh_2d(outer: int, inner: int) -> DeviceMesh:
-    return init_device_mesh("cpu", (outer, inner), mesh_dim_names=("outer", "inner"))
-
-
-PLACEMENTS = {
-    "no_shard": Placements.no_shard,
-    "zero1": Placements.zero1,
-    "zero2": Placements.zero2,
-    "zero3": Placements.zero3,
-    "hsdp": Placements.hsdp,
-    "hfsdp": Placements.hfsdp,
-}
-
-
-def wrap(model: nn.Module, units, mesh: DeviceMesh, strategy: str, policy: Optional[MixedPrecisionPolicy] = None):
-    placements = PLACEMENTS[strategy]()
-    with fully_shard_context(device="cpu") as ctx:
-        for unit in units:
-            fully_shard(unit, mesh=mesh, placements=placements, mixed_precision_policy=policy)
-    return ctx
 
 
 def adamw(params):
@@ -179,49 +136,17 @@ def remove_tmpdir(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def owners(ctx) -> Dict[int, Tuple[object, object]]:
-    out = {}
-    for unit in ctx.units:
-        for group in unit.parameter_groups:
-            for fp in group.fsdp_parameters:
-                out[id(fp.sharded_param)] = (group, fp)
-    return out
-
-
-def _gather_zero3(local: torch.Tensor, group, fp) -> torch.Tensor:
-    """The full tensor from every rank's ZeRO-3 rows (own padded all-gather)."""
-    shape = fp.shape
-    if len(shape) == 0:
-        # Replicated on every rank; the copies may differ in the last bit (reduction order),
-        # and a checkpoint holds the lowest rank's.
-        value = local.detach().clone().reshape(())
-        dist.broadcast(value, src=0)
-        return value
-    layout = group.layout
-    row_numel = math.prod(shape[1:])
-    ranges = [layout.local_piece(fp.index, r)[:2] for r in range(world())]
-    max_rows = max(end - start for start, end in ranges)
-    padded = torch.zeros(max(max_rows * row_numel, 1), dtype=local.dtype)
-    flat = local.detach().reshape(-1)
-    padded[: flat.numel()] = flat
-    chunks = [torch.empty_like(padded) for _ in range(world())]
-    dist.all_gather(chunks, padded)
-    order = sorted(range(world()), key=lambda r: ranges[r][0])
-    rows = [chunks[r][: (ranges[r][1] - ranges[r][0]) * row_numel] for r in order]
-    return torch.cat(rows).reshape(shape)
-
-
 def full_state_zero3(model, ctx, optimizer) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
     """(full parameters by name, full optimizer state by name) of a ZeRO-3 model over the world."""
     own = owners(ctx)
     params, state = {}, {}
     for name, p in model.named_parameters():
-        group, fp = own[id(p)]
-        params[name] = _gather_zero3(p.to_local(), group, fp)
+        _, group, fp = own[id(p)]
+        params[name] = gather_rows(p.to_local(), group.layout, fp.index, fp.shape)
         entries = {}
         for key, value in optimizer.state.get(p, {}).items():
             if isinstance(value, DTensor):
-                entries[key] = _gather_zero3(value.to_local(), group, fp)
+                entries[key] = gather_rows(value.to_local(), group.layout, fp.index, fp.shape)
             else:
                 entries[key] = value.detach().clone()
         state[name] = entries
@@ -238,7 +163,7 @@ def assert_loaded(model, ctx, optimizer, full_params, full_state, check_optimize
     """Bitwise: every main-weight view and optimizer state equals the ground truth rows."""
     own = owners(ctx)
     for name, p in model.named_parameters():
-        group, fp = own[id(p)]
+        _, group, fp = own[id(p)]
         expected = expected_local(full_params[name], group, fp)
         got = p.to_local()
         assert got.dtype == expected.dtype, name

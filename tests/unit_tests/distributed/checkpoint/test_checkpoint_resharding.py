@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core.distributed.mfsdp_v2 import MixedPrecisionPolicy, fully_shard_optimizer, load_checkpoint, save_checkpoint
 from megatron.core.distributed.mfsdp_v2.checkpoint.manifest import read_manifest
 
+from _dist_helpers import mesh_1d, mesh_2d, owners, rank, world, wrap
 from _ckpt_helpers import (
     Odd,
     adamw,
@@ -27,16 +28,10 @@ from _ckpt_helpers import (
     gpt_batch,
     gpt_loss,
     gpt_units,
-    mesh_1d,
-    mesh_2d,
-    owners,
-    rank,
     remove_tmpdir,
     shared_tmpdir,
     subgroup,
     train,
-    world,
-    wrap,
 )
 
 MODELS = {
@@ -124,7 +119,7 @@ def test_half_the_ranks(saved, strategy):
             if strategy == "zero1":  # the replicated compute weights were refreshed from the loaded rows
                 own = owners(ctx)
                 for fqn, p in model.named_parameters():
-                    unit_group, fp = own[id(p)]
+                    _, unit_group, fp = own[id(p)]
                     assert torch.equal(unit_group._unsharded_tensor(fp), params[fqn]), fqn
 
 
@@ -134,7 +129,7 @@ def test_two_dimensional_mesh(saved, strategy):
     outer = min(2, world())
     name, path, params, state = saved
     model, units = _fresh(name)
-    ctx = wrap(model, units(model), mesh_2d(outer, world() // outer), strategy)
+    ctx = wrap(model, units(model), mesh_2d((outer, world() // outer)), strategy)
     optimizer = fully_shard_optimizer(adamw(model.parameters()))
     load_checkpoint(model, optimizer, path)
     assert_loaded(model, ctx, optimizer, params, state)

@@ -1,6 +1,7 @@
-"""Toy models and comparison helpers for the MFSDP v2 distributed tests.
+"""Toy models, their case table and shard lookups for the MFSDP v2 distributed tests.
 
 Every helper works in a world of 1, 2 or 4 gloo ranks. Nothing here asserts: the tests do.
+Meshes, wrapping, reference training and all-gathers are the shared ``_dist_helpers``.
 The expected values these helpers produce never come from the engine under test: they come
 from a plain single-process reference model (same init: it is a deepcopy taken before
 ``fully_shard``) or from arithmetic on the original tensors. The only engine facts used
@@ -10,59 +11,18 @@ independently.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
-from megatron.core.distributed.mfsdp_v2 import (
-    Placements,
-    fully_shard,
-    fully_shard_context,
-    fully_shard_optimizer,
-    microbatch,
-)
+from _dist_helpers import H, feature_batch, gather_rows, mse, owners, rank, train_pair
 
-H = 8  # hidden size of every toy model
 VOCAB = 12
-ROWS_PER_RANK = 2  # rows of one microbatch each rank sees
-
-_MESH = None
-
-
-def world() -> int:
-    return dist.get_world_size()
-
-
-def rank() -> int:
-    return dist.get_rank()
-
-
-def mesh():
-    """The 1-D data-parallel mesh over the whole world (built once)."""
-    global _MESH
-    if _MESH is None:
-        _MESH = init_device_mesh("cpu", (world(),))
-    return _MESH
-
-
-def zero3() -> Placements:
-    return Placements.zero3()
-
-
-def wrap(model: nn.Module, units: Sequence[nn.Module], **context_kwargs):
-    """``fully_shard`` every module of ``units`` (in the given order) in one scope."""
-    with fully_shard_context(device="cpu", **context_kwargs) as ctx:
-        for unit in units:
-            fully_shard(unit, mesh=mesh(), placements=zero3())
-    return ctx
 
 
 # --------------------------------------------------------------------------------------
@@ -294,19 +254,16 @@ class Case:
     out_features: int = H
 
     def batch(self, generator: torch.Generator, rows: int):
-        if self.tokens:
-            x = torch.randint(0, VOCAB, (rows, 3), generator=generator)
-            y = torch.randint(0, VOCAB, (rows, 3), generator=generator)
-        else:
-            x = torch.randn(rows, self.in_features, generator=generator)
-            y = torch.randn(rows, self.out_features, generator=generator)
+        if not self.tokens:
+            return feature_batch(generator, rows, self.in_features, self.out_features)
+        x = torch.randint(0, VOCAB, (rows, 3), generator=generator)
+        y = torch.randint(0, VOCAB, (rows, 3), generator=generator)
         return x, y
 
     def loss(self, model: nn.Module, x, y):
-        out = model(x)
-        if self.tokens:
-            return F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
-        return F.mse_loss(out, y)
+        if not self.tokens:
+            return mse(model, x, y)
+        return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
 CASES: Dict[str, Case] = {
@@ -324,74 +281,9 @@ CASES: Dict[str, Case] = {
 }
 
 
-def build_pair(case: Case, seed: int = 0):
-    """(model, reference, context): the reference is a deepcopy taken before wrapping."""
-    torch.manual_seed(seed)
-    model = case.build()
-    reference = copy.deepcopy(model)
-    ctx = wrap(model, model.units())
-    return model, reference, ctx
-
-
-def make_optimizer(kind: str, params):
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=0.02, weight_decay=0.1)
-    raise ValueError(kind)
-
-
-def local_rows(tensor: torch.Tensor) -> slice:
-    """This rank's rows of a global batch (equal slices)."""
-    n = tensor.shape[0] // world()
-    return tensor[rank() * n : (rank() + 1) * n]
-
-
-def global_mean(value: torch.Tensor) -> torch.Tensor:
-    """All-reduce SUM then divide: the mean over ranks of a scalar."""
-    value = value.detach().clone().float()
-    dist.all_reduce(value)
-    return value / world()
-
-
-def zero_missing_grads(model: nn.Module) -> None:
-    """The engine's contract for unused trainable parameters: their gradient is zero, not None."""
-    for p in model.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
-
-
-def train_pair(case: Case, optimizer: str, microbatches: int, steps: int = 5, seed: int = 0):
-    """Train the wrapped model and the reference side by side.
-
-    Returns (model, reference, ctx, losses, ref_losses)."""
-    model, reference, ctx = build_pair(case, seed)
-    opt = fully_shard_optimizer(make_optimizer(optimizer, model.parameters()))
-    ref_opt = make_optimizer(optimizer, reference.parameters())
-    generator = torch.Generator().manual_seed(seed + 1)  # same batches on every rank
-    losses, ref_losses = [], []
-    for _ in range(steps):
-        batches = [case.batch(generator, ROWS_PER_RANK * world()) for _ in range(microbatches)]
-        # Reference: the whole global batch at once.
-        ref_opt.zero_grad(set_to_none=True)
-        x = torch.cat([b[0] for b in batches])
-        y = torch.cat([b[1] for b in batches])
-        ref_loss = case.loss(reference, x, y)
-        ref_loss.backward()
-        zero_missing_grads(reference)
-        ref_opt.step()
-        ref_losses.append(ref_loss.detach())
-        # Sharded: this rank's slice of every microbatch.
-        opt.zero_grad(set_to_none=True)
-        total = torch.zeros(())
-        for i, (xb, yb) in enumerate(batches):
-            with microbatch(ctx, is_last=i == microbatches - 1):
-                loss = case.loss(model, local_rows(xb), local_rows(yb)) / microbatches
-                loss.backward()
-            total += loss.detach()
-        opt.step()
-        losses.append(global_mean(total))
-    return model, reference, ctx, torch.stack(losses), torch.stack(ref_losses)
+def train_case(case: Case, optimizer: str, microbatches: int, steps: int, seed: int = 0):
+    """``train_pair`` on a case's model, batches and loss; returns its six values."""
+    return train_pair(case.build, optimizer, microbatches, steps, batch=case.batch, loss=case.loss, seed=seed)
 
 
 # --------------------------------------------------------------------------------------
@@ -417,11 +309,7 @@ def num_rows(shape) -> int:
 
 def shard_infos(model: nn.Module, ctx) -> List[ShardInfo]:
     """One entry per name of ``model.named_parameters(remove_duplicate=False)``."""
-    owner = {}
-    for unit in ctx.units:
-        for group in unit.parameter_groups:
-            for fp in group.fsdp_parameters:
-                owner[id(fp.sharded_param)] = (unit, group, fp)
+    owner = owners(ctx)
     infos = []
     for name, param in model.named_parameters(remove_duplicate=False):
         unit, group, fp = owner[id(param)]
@@ -438,19 +326,7 @@ def expected_local(full: torch.Tensor, info: ShardInfo) -> torch.Tensor:
 
 def gather_full(local: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     """Rebuild the full tensor from every rank's local rows (own all-gather, padded)."""
-    layout = info.group.layout
-    index = info.fsdp_param.index
-    shape = info.fsdp_param.shape
-    row_numel = int(torch.Size(shape[1:]).numel()) if len(shape) > 0 else 1
-    ranges = [layout.local_piece(index, r)[:2] for r in range(world())]
-    max_rows = max(end - start for start, end in ranges)
-    padded = torch.zeros(max_rows * row_numel, dtype=local.dtype)
-    flat = local.detach().reshape(-1)
-    padded[: flat.numel()] = flat
-    chunks = [torch.empty_like(padded) for _ in range(world())]
-    dist.all_gather(chunks, padded)
-    rows = [chunk[: (end - start) * row_numel] for chunk, (start, end) in zip(chunks, ranges)]
-    return torch.cat(rows).reshape(shape)
+    return gather_rows(local, info.group.layout, info.fsdp_param.index, info.fsdp_param.shape)
 
 
 def storage_size(tensor: torch.Tensor) -> int:
@@ -465,6 +341,4 @@ def is_view_of(local: torch.Tensor, flat: torch.Tensor, element_offset: int) -> 
 
 
 def is_sharded_dtensor(param) -> bool:
-    from torch.distributed.tensor import Shard
-
     return isinstance(param, DTensor) and tuple(param.placements) == (Shard(0),)

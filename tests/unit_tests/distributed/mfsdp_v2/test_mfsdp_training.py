@@ -9,7 +9,7 @@ gradients are compared row by row with the matching rows of the reference tensor
 import pytest
 import torch
 
-from _mfsdp_models import CASES, expected_local, gather_full, shard_infos, train_pair
+from _mfsdp_models import CASES, expected_local, gather_full, shard_infos, train_case
 
 STEPS = 5
 
@@ -37,7 +37,7 @@ def _check_against_reference(model, reference, ctx, losses, ref_losses, atol):
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_reference(case, optimizer, microbatches):
-    model, reference, ctx, losses, ref_losses = train_pair(CASES[case], optimizer, microbatches, STEPS)
+    model, reference, ctx, _, losses, ref_losses = train_case(CASES[case], optimizer, microbatches, STEPS)
     assert losses.shape == (STEPS,)
     # The run must actually train (guards against a test that compares two frozen models).
     assert not torch.allclose(ref_losses[0], ref_losses[-1])
@@ -46,7 +46,7 @@ def test_matches_reference(case, optimizer, microbatches):
 
 def test_full_weights_rebuilt_from_all_ranks_match_reference():
     """Rebuild every full weight from all ranks' local rows (own all-gather) after training."""
-    model, reference, ctx, _, _ = train_pair(CASES["nested"], "adamw", 3, STEPS)
+    model, reference, ctx, _, _, _ = train_case(CASES["nested"], "adamw", 3, STEPS)
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     for info in shard_infos(model, ctx):
         full = gather_full(info.param.to_local(), info)

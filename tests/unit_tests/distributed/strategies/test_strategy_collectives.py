@@ -25,17 +25,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _strategy_common import (
-    DistTap,
-    Net,
-    batches,
-    case_id,
-    check,
-    local_rows,
-    sizes,
-    strategy_cases,
-    wrap,
-)
+from _dist_helpers import batches, check, local_rows, wrap
+from _strategy_common import DistTap, Net, case_id, sharding, sizes, strategy_cases
 from megatron.core.distributed.mfsdp_v2 import MixedPrecisionPolicy, fully_shard_optimizer, microbatch
 
 CASES = strategy_cases()
@@ -108,7 +99,7 @@ def test_collectives_per_step(case, precision, microbatches):
     cast, policy, compute_bytes, comm_bytes = PRECISIONS[precision]
     torch.manual_seed(0)
     model = Net()
-    ctx = wrap(model, case, policy=policy, cast=cast)
+    ctx = wrap(model, **sharding(case), policy=policy, cast=cast)
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
     expected = expected_collectives(case, ctx, microbatches, compute_bytes, comm_bytes)
     # The kinds and totals from the docstring, checked before comparing record by record.
@@ -153,7 +144,7 @@ def test_once_per_step_reductions_wait_for_last_microbatch(case):
     none of them (no all-reduce, and no reduce-scatter for no_shard/ZeRO-1)."""
     torch.manual_seed(0)
     model = Net()
-    ctx = wrap(model, case)
+    ctx = wrap(model, **sharding(case))
     generator = torch.Generator().manual_seed(1)
     xb, yb = batches(generator, 1)[0]
     ctx.counter.reset()

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _strategy_common import H, ROWS_PER_RANK, build_pair, case_id, local_rows, strategy_cases, world
+from _dist_helpers import H, ROWS_PER_RANK, build_pair, local_rows, world
+from _strategy_common import Net, case_id, sharding, strategy_cases
 from megatron.core.distributed.mfsdp_v2 import microbatch
 from megatron.core.optimizer import count_zeros, get_params_norm
 
@@ -14,7 +15,7 @@ CASES = strategy_cases()
 
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_zero_count_and_params_norm_match_the_reference(case):
-    model, reference, ctx = build_pair(case)
+    model, reference, ctx = build_pair(Net, **sharding(case))
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(ROWS_PER_RANK * world(), H, generator=generator)
     x[:, :3] = 0  # three input features unused: their columns of inp.weight get zero gradients

@@ -23,22 +23,10 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from _strategy_common import (
-    Block,
-    Net,
-    batches,
-    case_id,
-    compare_params,
-    dtype_bytes,
-    local_rows,
-    make_optimizer,
-    sizes,
-    strategy_cases,
-    wrap,
-)
+from _dist_helpers import batches, compare_params, local_rows, make_optimizer, wrap
+from _strategy_common import Net, case_id, dtype_bytes, sharding, sizes, strategy_cases
 from megatron.core.distributed.mfsdp_v2 import fully_shard_optimizer, microbatch
 
 CASES = strategy_cases()
@@ -67,7 +55,7 @@ def test_persistent_bytes_match_formula(case, precision):
     cast = torch.bfloat16 if precision == "bf16" else None
     torch.manual_seed(0)
     model = Net()
-    ctx = wrap(model, case, cast=cast)
+    ctx = wrap(model, **sharding(case), cast=cast)
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
     generator = torch.Generator().manual_seed(1)
     for i, (xb, yb) in enumerate(batches(generator, 2)):
@@ -115,21 +103,9 @@ def test_persistent_bytes_match_formula(case, precision):
 # --------------------------------------------------------------------------------------
 
 
-class MetaNet(nn.Module):
+class MetaNet(Net):
     """Every unit owns exactly one Linear, so ``reset_parameters`` order inside a unit
     cannot matter: units inp, blocks[0], blocks[1] and the root (which owns ``head``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(8, 12)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(12, 8)
-
-    def forward(self, x):
-        x = torch.tanh(self.inp(x))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
     def units(self):
         return [self.inp, self.blocks[0], self.blocks[1], self]
@@ -147,7 +123,7 @@ def test_meta_init_matches_reference(case):
         model = MetaNet()
     torch.manual_seed(0)
     reference = MetaNet()
-    ctx = wrap(model, case)
+    ctx = wrap(model, **sharding(case))
     for p in model.parameters():
         assert not p.is_meta and not p.to_local().is_meta
     sharded_weights = case[0] in ("zero3", "hsdp", "hfsdp")
@@ -183,7 +159,7 @@ def test_meta_init_never_materializes_the_whole_model(case):
     the main weights (S per group, S < ceil(T/N) + widest row)."""
     with torch.device("meta"):
         model = MetaNet()
-    ctx = wrap(model, case)
+    ctx = wrap(model, **sharding(case))
     units = model.units()
     linear_of = dict(zip(units, model.unit_linears()))
     seen = []

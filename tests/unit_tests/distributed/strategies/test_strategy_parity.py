@@ -14,22 +14,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _strategy_common import (
+from _dist_helpers import (
     ROWS_PER_RANK,
-    Block,
     batches,
     build_pair,
-    case_id,
     check,
     compare_params,
     global_mean,
     local_rows,
     make_optimizer,
-    sizes,
-    strategy_cases,
     train_pair,
     wrap,
 )
+from _strategy_common import Net, case_id, sharding, sizes, strategy_cases
 from megatron.core.distributed.mfsdp_v2 import fully_shard_optimizer, microbatch
 
 CASES = strategy_cases()
@@ -49,7 +46,7 @@ TRAINING_CONFIGS = [("sgd", 1, True), ("sgd", 3, False), ("adamw", 1, False), ("
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_reference(case, optimizer, microbatches, set_to_none):
     model, reference, ctx, _, losses, ref_losses = train_pair(
-        case, optimizer, microbatches, STEPS, set_to_none=set_to_none
+        Net, optimizer, microbatches, STEPS, set_to_none=set_to_none, **sharding(case)
     )
     # The run must train (a frozen model would make the comparison vacuous).
     assert (ref_losses[0] - ref_losses[-1]).abs() > 1e-3
@@ -66,7 +63,7 @@ def test_backwards_without_microbatch_accumulate(case):
     """Two plain backwards per step (no ``microbatch``): every strategy, including ZeRO-1
     and HFSDP whose once-per-step reductions run at each of them, must end with the sum of
     both backwards' gradients (averaged over ranks)."""
-    model, reference, ctx = build_pair(case)
+    model, reference, ctx = build_pair(Net, **sharding(case))
     opt = fully_shard_optimizer(make_optimizer("sgd", model.parameters()))
     ref_opt = make_optimizer("sgd", reference.parameters())
     generator = torch.Generator().manual_seed(3)
@@ -89,7 +86,7 @@ def test_grad_divisor_divides_gradients(case):
     with microbatches (step 1) and with two plain backwards (step 2). The reference runs
     plain SGD with lr/4, which makes the same updates from the undivided gradients."""
     divisor = 4.0
-    model, reference, ctx = build_pair(case, grad_divisor=divisor)
+    model, reference, ctx = build_pair(Net, **sharding(case), grad_divisor=divisor)
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.2))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2 / divisor)
     generator = torch.Generator().manual_seed(5)
@@ -110,14 +107,8 @@ def test_grad_divisor_divides_gradients(case):
         compare_params(model, reference, grads=False)
 
 
-class SharedUse(nn.Module):
+class SharedUse(Net):
     """``blocks[0]`` (a unit) is called twice in every forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(8, 12)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(12, 8)
 
     def forward(self, x):
         x = torch.tanh(self.inp(x))
@@ -126,13 +117,10 @@ class SharedUse(nn.Module):
         x = self.blocks[0](x)
         return self.head(x)
 
-    def units(self):
-        return [self.blocks[0], self.blocks[1], self]
-
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_unit_called_twice_in_forward(case):
-    model, reference, ctx, _, losses, ref_losses = train_pair(case, "adamw", 2, 2, model_cls=SharedUse)
+    model, reference, ctx, _, losses, ref_losses = train_pair(SharedUse, "adamw", 2, 2, **sharding(case))
     torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=2e-5)
     compare_params(model, reference)
 
@@ -167,7 +155,7 @@ def test_zero_dim_and_coprime_rows(case):
     torch.manual_seed(0)
     model = OddShapes()
     reference = copy.deepcopy(model)
-    ctx = wrap(model, case)
+    ctx = wrap(model, **sharding(case))
     (group,) = model.parameter_groups
     _, inner = sizes(case)
     total = sum(math.prod(s) for s in ODD_SHAPES)  # 21 + 35 + 15 + 3 + 1

@@ -17,8 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import _strategy_common as common
-from _strategy_common import case_id, strategy_cases, train_pair
+import _dist_helpers as helpers
+from _dist_helpers import check, train_pair
+from _strategy_common import Net, case_id, sharding, strategy_cases
 from megatron.core.distributed.mfsdp_v2 import MixedPrecisionPolicy, fully_shard_context
 from megatron.core.distributed.mfsdp_v2 import backward as backward_module
 from megatron.core.distributed.mfsdp_v2 import work as comm
@@ -59,15 +60,14 @@ def _configure(monkeypatch, prefetch: int, in_flight: int, unify: bool) -> None:
     _set_prefetch_depth(monkeypatch, prefetch)
     monkeypatch.setattr(backward_module, "MAX_REDUCTIONS_IN_FLIGHT", in_flight)
     scoped = functools.partial(fully_shard_context, unify_communication_stream=unify)
-    monkeypatch.setattr(common, "fully_shard_context", scoped)
-    monkeypatch.setattr(models, "fully_shard_context", scoped)
+    monkeypatch.setattr(helpers, "fully_shard_context", scoped)
 
 
 def _checked(run):
     """``run()`` under a fresh checker; every rank fails if any rank saw a report."""
     with StreamChecker() as checker:
         result = run()
-    common.check(not checker.reports, checker.format_reports())
+    check(not checker.reports, checker.format_reports())
     return checker, result
 
 
@@ -77,8 +77,8 @@ def test_strategies_keep_the_stream_protocol(case, variant, monkeypatch):
     _, policy, microbatches, prefetch, in_flight, unify = variant
     _configure(monkeypatch, prefetch, in_flight, unify)
     kwargs = {} if policy is None else {"policy": policy}
-    plain = train_pair(case, "adamw", microbatches, 2, **kwargs)
-    checker, checked = _checked(lambda: train_pair(case, "adamw", microbatches, 2, **kwargs))
+    plain = train_pair(Net, "adamw", microbatches, 2, **sharding(case), **kwargs)
+    checker, checked = _checked(lambda: train_pair(Net, "adamw", microbatches, 2, **sharding(case), **kwargs))
     model, _, ctx = checked[:3]
     assert isinstance(ctx.device_handle, SimulatedStreamsHandle)
     assert isinstance(plain[2].device_handle, CpuDeviceHandle)
@@ -97,14 +97,14 @@ MODEL_CASES = [("frozen", False), ("tied", True), ("unused_branch", False), ("ch
 @pytest.mark.parametrize("name,unify", MODEL_CASES, ids=[f"{n}-{'unified' if u else 'two-streams'}" for n, u in MODEL_CASES])
 def test_model_cases_keep_the_stream_protocol(name, unify, monkeypatch):
     _configure(monkeypatch, 1, 1, unify)
-    _, (_, _, _, losses, ref_losses) = _checked(lambda: models.train_pair(models.CASES[name], "adamw", 2, steps=2))
+    _, (_, _, _, _, losses, ref_losses) = _checked(lambda: models.train_case(models.CASES[name], "adamw", 2, steps=2))
     torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=2e-5)
 
 
 def test_unit_called_twice_keeps_the_stream_protocol():
     from test_strategy_parity import SharedUse
 
-    _checked(lambda: train_pair(("zero3", None), "sgd", 2, 2, model_cls=SharedUse))
+    _checked(lambda: train_pair(SharedUse, "sgd", 2, 2))
 
 
 # --------------------------------------------------------------------------------------
@@ -134,14 +134,14 @@ def _reports_from(run):
 
 def _assert_reported(reports, kind, other_stream, this_stream="default"):
     found = [r for r in reports if r.kind == kind and r.other.stream == other_stream and r.access.stream == this_stream]
-    common.check(bool(found), f"no {kind} of {other_stream} data on {this_stream}; reports:\n"
+    check(bool(found), f"no {kind} of {other_stream} data on {this_stream}; reports:\n"
                  + "\n".join(str(r) for r in reports))
     return found
 
 
 def test_missing_wait_before_using_the_gathered_buffer_is_reported(monkeypatch):
     _skip_stream_waits(monkeypatch, "allgather")
-    reports = _reports_from(lambda: train_pair(("zero3", None), "sgd", 1, 1))
+    reports = _reports_from(lambda: train_pair(Net, "sgd", 1, 1))
     found = _assert_reported(reports, "read-after-write", "allgather")
     assert any("allgather" in r.other.op for r in found)  # the all-gather's output, read by compute
 
@@ -155,14 +155,14 @@ def test_reduce_input_freed_before_its_collective_ends_is_reported(monkeypatch):
         return work
 
     monkeypatch.setattr(comm, "reduce_scatter", reduce_scatter)
-    reports = _reports_from(lambda: train_pair(("zero3", None), "sgd", 1, 1))
+    reports = _reports_from(lambda: train_pair(Net, "sgd", 1, 1))
     found = _assert_reported(reports, "reuse-after-free", "reduce_scatter")
     assert any("reduce_scatter" in r.other.op for r in found)
 
 
 def test_grad_exposed_without_the_reduce_scatter_event_is_reported(monkeypatch):
     _skip_stream_waits(monkeypatch, "reduce_scatter")
-    reports = _reports_from(lambda: train_pair(("zero3", None), "sgd", 1, 1))
+    reports = _reports_from(lambda: train_pair(Net, "sgd", 1, 1))
     _assert_reported(reports, "read-after-write", "reduce_scatter")
 
 

@@ -1,7 +1,8 @@
 """Tiny GPT configurations built through the trainer's own flags and model builder.
 
-``full_weights`` rebuilds every (possibly sharded) parameter with the strategy tests'
-own all-gather, so no engine layout query is involved in any comparison.
+``full_weights`` rebuilds every (possibly sharded) parameter with the distributed tests'
+own all-gather (``_dist_helpers.full_tensors``), so no engine layout query is involved in
+any comparison.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, *[os.pardir] * 4))
-sys.path.insert(0, os.path.join(HERE, os.pardir, "strategies"))
 sys.path.insert(0, REPO)
 
-from _strategy_common import full_tensors  # noqa: E402
+from _dist_helpers import full_tensors  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "

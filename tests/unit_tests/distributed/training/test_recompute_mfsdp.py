@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _trainer_models import batches, full_tensors, gpt_provider, trainer_args
+from _dist_helpers import full_tensors
+from _trainer_models import batches, gpt_provider, trainer_args
 from megatron.core.pipeline_parallel import forward_backward_no_pipelining
 from megatron.training.model_builder import build_model
 

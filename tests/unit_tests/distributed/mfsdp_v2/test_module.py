@@ -20,7 +20,8 @@ from megatron.core.distributed.mfsdp_v2 import (
     fully_shard_optimizer,
 )
 
-from _mfsdp_models import H, Checkpointed, Nested, global_mean, local_rows, mesh, world, wrap
+from _dist_helpers import H, global_mean, local_rows, mesh_1d, world, wrap
+from _mfsdp_models import Checkpointed, Nested
 
 Phase = FsdpModule.Phase
 
@@ -133,7 +134,7 @@ def test_plain_optimizer_on_mixed_precision_model_updates_the_model(strategy):
         model = nn.Sequential(nn.Linear(H, H), nn.Tanh(), nn.Linear(H, H)).to(torch.bfloat16)
         policy = MixedPrecisionPolicy(main_params_dtype=torch.float32)
         with fully_shard_context(device="cpu"):
-            fully_shard(model, mesh=mesh(), placements=getattr(Placements, strategy)(), mixed_precision_policy=policy)
+            fully_shard(model, mesh=mesh_1d(), placements=getattr(Placements, strategy)(), mixed_precision_policy=policy)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         if hooked:
             fully_shard_optimizer(opt)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _mfsdp_models import mesh, wrap
+from _dist_helpers import wrap
 
 
 def _frozen_chain():

@@ -7,21 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _dist_helpers import H, build_pair, local_rows, mesh_1d, world, wrap
 from _mfsdp_models import (
     CASES,
-    H,
     Nested,
     UnusedBranch,
-    build_pair,
     expected_local,
     gather_full,
     is_sharded_dtensor,
     is_view_of,
-    local_rows,
     shard_infos,
     storage_size,
-    world,
-    wrap,
 )
 from megatron.core.distributed.mfsdp_v2 import fully_shard_optimizer, microbatch
 
@@ -58,7 +54,7 @@ def _assert_grads(model, ctx, expected, what):
 
 
 def test_gradients_are_averaged_over_ranks():
-    model, reference, ctx = build_pair(CASES["nested"])
+    model, reference, ctx = build_pair(CASES["nested"].build)
     x, y = _batch(1)
     _ref_backward(reference, x, y)
     _backward(model, x, y)
@@ -70,7 +66,7 @@ def test_gradients_are_averaged_over_ranks():
 
 
 def test_grad_is_a_dtensor_view_of_main_grad():
-    model, reference, ctx = build_pair(CASES["nested"])
+    model, reference, ctx = build_pair(CASES["nested"].build)
     x, y = _batch(1)
     _backward(model, x, y)
     for info in shard_infos(model, ctx):
@@ -87,7 +83,7 @@ def test_grad_is_a_dtensor_view_of_main_grad():
 
 
 def test_successive_backwards_accumulate():
-    model, reference, ctx = build_pair(CASES["nested"])
+    model, reference, ctx = build_pair(CASES["nested"].build)
     for seed in (1, 2, 3):
         x, y = _batch(seed)
         _ref_backward(reference, x, y)
@@ -96,7 +92,7 @@ def test_successive_backwards_accumulate():
 
 
 def test_microbatches_accumulate_until_the_last():
-    model, reference, ctx = build_pair(CASES["nested"])
+    model, reference, ctx = build_pair(CASES["nested"].build)
     seeds = (1, 2, 3)
     for i, seed in enumerate(seeds):
         x, y = _batch(seed)
@@ -106,7 +102,7 @@ def test_microbatches_accumulate_until_the_last():
 
 
 def test_zero_grad_set_to_none_makes_the_next_backward_overwrite():
-    model, reference, ctx = build_pair(CASES["nested"])
+    model, reference, ctx = build_pair(CASES["nested"].build)
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
     x, y = _batch(1)
     _backward(model, x, y)
@@ -125,7 +121,7 @@ def test_zero_grad_set_to_none_makes_the_next_backward_overwrite():
 
 def test_zero_grad_set_to_none_over_microbatches():
     """After zero_grad(set_to_none=True) only the *first* microbatch overwrites."""
-    model, reference, ctx = build_pair(CASES["nested"])
+    model, reference, ctx = build_pair(CASES["nested"].build)
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
     x, y = _batch(1)
     _backward(model, x, y)
@@ -138,7 +134,7 @@ def test_zero_grad_set_to_none_over_microbatches():
 
 
 def test_module_zero_grad_sets_to_none_too():
-    model, reference, ctx = build_pair(CASES["nested"])
+    model, reference, ctx = build_pair(CASES["nested"].build)
     x, y = _batch(1)
     _backward(model, x, y)
     model.zero_grad()
@@ -150,7 +146,7 @@ def test_module_zero_grad_sets_to_none_too():
 
 
 def test_zero_grad_without_set_to_none_accumulates_onto_the_zeroed_buffer():
-    model, reference, ctx = build_pair(CASES["nested"])
+    model, reference, ctx = build_pair(CASES["nested"].build)
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
     x, y = _batch(1)
     _backward(model, x, y)
@@ -171,7 +167,7 @@ def test_zero_grad_without_set_to_none_accumulates_onto_the_zeroed_buffer():
 
 def test_grads_survive_the_next_forward():
     """A forward alone (no backward) leaves the exposed gradients as they were."""
-    model, reference, ctx = build_pair(CASES["nested"])
+    model, reference, ctx = build_pair(CASES["nested"].build)
     x, y = _batch(1)
     _ref_backward(reference, x, y)
     _backward(model, x, y)
@@ -181,7 +177,7 @@ def test_grads_survive_the_next_forward():
 
 
 def test_unused_branch_gets_a_zero_gradient_and_is_resharded():
-    model, reference, ctx = build_pair(CASES["unused_branch"])
+    model, reference, ctx = build_pair(CASES["unused_branch"].build)
     x, y = _batch(1)
     _ref_backward(reference, x, y)
     _backward(model, x, y)
@@ -210,7 +206,7 @@ def test_unused_unit_is_reduced_at_the_end_of_backward(monkeypatch):
     """The unused unit's reduction happens (once per backward) even though no gradient arrived."""
     from megatron.core.distributed.mfsdp_v2 import work as comm
 
-    model, reference, ctx = build_pair(CASES["unused_branch"])
+    model, reference, ctx = build_pair(CASES["unused_branch"].build)
     groups = {id(g): u for u in ctx.units for g in u.parameter_groups}
     reduced = []
     original = comm.reduce_scatter
@@ -232,14 +228,12 @@ def test_grad_divisor_divides_on_top_of_the_rank_average():
 
     from megatron.core.distributed.mfsdp_v2 import Placements, fully_shard, fully_shard_context
 
-    from _mfsdp_models import mesh
-
     torch.manual_seed(0)
     model = Nested()
     reference = copy.deepcopy(model)
     with fully_shard_context(device="cpu") as ctx:
         for unit in model.units():
-            fully_shard(unit, mesh=mesh(), placements=Placements.zero3(), grad_divisor=4.0)
+            fully_shard(unit, mesh=mesh_1d(), placements=Placements.zero3(), grad_divisor=4.0)
     x, y = _batch(1)
     _ref_backward(reference, x, y)
     _backward(model, x, y)

@@ -6,19 +6,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from _mfsdp_models import (
-    CASES,
-    H,
-    Block,
-    Checkpointed,
-    Nested,
-    build_pair,
-    is_sharded_dtensor,
-    local_rows,
-    storage_size,
-    world,
-    wrap,
-)
+from _dist_helpers import H, build_pair, local_rows, world, wrap
+from _mfsdp_models import Block, CASES, Checkpointed, Nested, is_sharded_dtensor, storage_size
 
 
 def _unsharded_bytes(unit):
@@ -206,7 +195,7 @@ def test_activation_checkpointing_recomputes_without_extra_reductions(use_reentr
 def test_every_unit_resharded_after_backward_for_every_case():
     for name in ("nested", "sibling_roots", "parameterless_parent", "frozen", "tied", "unused_branch"):
         case = CASES[name]
-        model, _, ctx = build_pair(case)
+        model, _, ctx = build_pair(case.build)
         x, y = case.batch(torch.Generator().manual_seed(0), 2 * world())
         case.loss(model, local_rows(x), local_rows(y)).backward()
         for unit in ctx.units:

@@ -7,23 +7,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from _mfsdp_models import (
-    CASES,
-    H,
-    Block,
-    Nested,
-    build_pair,
-    expected_local,
-    gather_full,
-    local_rows,
-    mesh,
-    shard_infos,
-    world,
-    wrap,
-    zero3,
-)
+from _dist_helpers import H, build_pair, local_rows, mesh_1d, world, wrap
+from _mfsdp_models import Block, CASES, Nested, expected_local, gather_full, shard_infos
 from megatron.core.distributed.mfsdp_v2 import (
     MixedPrecisionPolicy,
+    Placements,
     fully_shard,
     fully_shard_context,
     fully_shard_optimizer,
@@ -44,7 +32,7 @@ def _backward(model, seed=0):
 
 
 def test_optimizer_parameters_are_the_sharded_dtensors():
-    model, _, ctx = build_pair(CASES["tied"])
+    model, _, ctx = build_pair(CASES["tied"].build)
     opt = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
     params = [p for g in opt.param_groups for p in g["params"]]
     assert all(isinstance(p, DTensor) for p in params)
@@ -55,7 +43,7 @@ def test_optimizer_parameters_are_the_sharded_dtensors():
 
 
 def test_sgd_step_updates_main_weight_by_minus_lr_times_grad():
-    model, _, ctx = build_pair(CASES["nested"])
+    model, _, ctx = build_pair(CASES["nested"].build)
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
     _backward(model)
     before = {i.name: i.param.to_local().clone() for i in shard_infos(model, ctx)}
@@ -76,7 +64,7 @@ def test_compute_weights_follow_the_main_weights_after_step():
     model = Nested().to(torch.bfloat16)
     with fully_shard_context(device="cpu") as ctx:
         for unit in model.units():
-            fully_shard(unit, mesh=mesh(), placements=zero3(),
+            fully_shard(unit, mesh=mesh_1d(), placements=Placements.zero3(),
                         mixed_precision_policy=MixedPrecisionPolicy(main_params_dtype=torch.float32))
     groups = [g for u in ctx.units for g in u.parameter_groups]
     assert all(g.main_weight.dtype == torch.float32 for g in groups)
@@ -104,7 +92,7 @@ def test_compute_weights_follow_the_main_weights_after_step():
 
 
 def test_forward_after_step_uses_the_updated_weights():
-    model, reference, ctx = build_pair(CASES["nested"])
+    model, reference, ctx = build_pair(CASES["nested"].build)
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(3)
@@ -118,7 +106,7 @@ def test_forward_after_step_uses_the_updated_weights():
 
 
 def test_step_with_closure_raises():
-    model, _, ctx = build_pair(CASES["nested"])
+    model, _, ctx = build_pair(CASES["nested"].build)
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
     _backward(model)
     before = [p.to_local().clone() for p in model.parameters()]

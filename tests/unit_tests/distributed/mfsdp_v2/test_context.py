@@ -4,9 +4,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _mfsdp_models import H, Block, Nested, Siblings, mesh, wrap, zero3
+from _dist_helpers import H, mesh_1d, wrap
+from _mfsdp_models import Block, Nested, Siblings
 from megatron.core.distributed.mfsdp_v2 import (
     FsdpContext,
+    Placements,
     current_fully_shard_context,
     fully_shard,
     fully_shard_context,
@@ -47,7 +49,7 @@ def test_streams_exist_as_soon_as_the_scope_opens():
                 assert callable(getattr(stream, method))
         assert allgather is not reduce_scatter  # two streams unless unified
         model = Block()
-        fully_shard(model, mesh=mesh(), placements=zero3())
+        fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
     assert current_fully_shard_context() is None
     # Built once: the same objects after the scope closed.
     assert ctx.allgather_stream is allgather
@@ -154,7 +156,7 @@ def test_names_follow_named_modules_of_the_root():
 def test_fully_shard_returns_the_same_module():
     with fully_shard_context(device="cpu") as ctx:
         model = Block()
-        assert fully_shard(model, mesh=mesh(), placements=zero3()) is model
+        assert fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3()) is model
     assert ctx.units == [model] and ctx.roots == [model]
 
 
@@ -162,7 +164,7 @@ def test_nothing_is_final_inside_the_scope():
     with fully_shard_context(device="cpu") as ctx:
         model = Nested()
         for unit in model.units():
-            fully_shard(unit, mesh=mesh(), placements=zero3())
+            fully_shard(unit, mesh=mesh_1d(), placements=Placements.zero3())
         assert not ctx.finalized
         assert ctx.roots == [] and ctx.forward_order == [] and ctx.backward_order == []
         assert model.name is None
@@ -176,7 +178,7 @@ def test_fully_shard_outside_a_scope():
     model = Block()
     params = list(model.parameters())
     with pytest.raises(RuntimeError, match="inside fully_shard_context"):
-        fully_shard(model, mesh=mesh(), placements=zero3())
+        fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
     assert all(a is b for a, b in zip(model.parameters(), params)) and type(model) is Block
 
 
@@ -188,14 +190,14 @@ def test_nested_scopes_are_refused():
         # The outer scope is still the active one and still usable.
         assert current_fully_shard_context() is outer
         model = Block()
-        fully_shard(model, mesh=mesh(), placements=zero3())
+        fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
     assert outer.finalized
 
 
 def test_forward_inside_the_scope_is_refused():
     with fully_shard_context(device="cpu"):
         model = Block()
-        fully_shard(model, mesh=mesh(), placements=zero3())
+        fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
         with pytest.raises(RuntimeError, match="Exit fully_shard_context"):
             model(torch.randn(2, H))
     model(torch.randn(2, H)).sum().backward()  # fine once the scope is closed
@@ -204,7 +206,7 @@ def test_forward_inside_the_scope_is_refused():
 def test_microbatch_inside_the_scope_is_refused():
     with fully_shard_context(device="cpu") as ctx:
         model = Block()
-        fully_shard(model, mesh=mesh(), placements=zero3())
+        fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
         with pytest.raises(RuntimeError, match="Exit fully_shard_context"):
             with microbatch(ctx, is_last=True):
                 pass
@@ -217,7 +219,7 @@ def test_scope_left_through_an_exception_is_not_finalized():
     with pytest.raises(KeyError):
         with fully_shard_context(device="cpu") as ctx:
             for unit in model.units():
-                fully_shard(unit, mesh=mesh(), placements=zero3())
+                fully_shard(unit, mesh=mesh_1d(), placements=Placements.zero3())
             raise KeyError("user error while building")
     assert current_fully_shard_context() is None
     assert not ctx.finalized and ctx.roots == [] and ctx.forward_order == []

@@ -18,22 +18,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _strategy_common import (
-    Net,
+from _dist_helpers import (
     batches,
     build_pair,
-    case_id,
     check,
     compare_params,
     full_tensors,
     global_mean,
-    groups_of,
     local_rows,
-    setup,
-    sizes,
-    strategy_cases,
     wrap,
 )
+from _strategy_common import Net, case_id, groups_of, sharding, sizes, strategy_cases
 from megatron.core.distributed.mfsdp_v2 import (
     MixedPrecisionPolicy,
     fully_shard,
@@ -66,7 +61,7 @@ def test_main_weights_are_main_params_dtype(case):
     torch.manual_seed(0)
     model = Net().to(BF16)
     reference = copy.deepcopy(model)
-    ctx = wrap(model, case)
+    ctx = wrap(model, **sharding(case))
     for _, group in groups_of(ctx):
         assert group.main_weight.dtype == torch.float32
     for p in model.parameters():
@@ -79,7 +74,7 @@ def test_main_weights_are_main_params_dtype(case):
 def test_compute_weights_keep_model_dtype(case, dtype):
     torch.manual_seed(0)
     model = Net()
-    ctx = wrap(model, case, cast=dtype)
+    ctx = wrap(model, **sharding(case), cast=dtype)
     owned = {model.blocks[0]: [model.blocks[0].lin], model.blocks[1]: [model.blocks[1].lin], model: [model.inp, model.head]}
     seen = []
     for unit in ctx.units:
@@ -101,7 +96,7 @@ def test_compute_weights_alias_main_weights_when_dtypes_match(case):
     for cast in (None, BF16):
         torch.manual_seed(0)
         model = Net()
-        ctx = wrap(model, case, cast=cast)
+        ctx = wrap(model, **sharding(case), cast=cast)
         for _, group in groups_of(ctx):
             same = cast is None
             if name in ("zero3", "hsdp"):
@@ -129,7 +124,7 @@ def test_compute_weights_alias_main_weights_when_dtypes_match(case):
 def test_main_grads_dtype_defaults_to_compute_dtype(case, cast, policy, expected):
     torch.manual_seed(0)
     model = Net()
-    ctx = wrap(model, case, cast=cast, policy=policy)
+    ctx = wrap(model, **sharding(case), cast=cast, policy=policy)
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
     run_step(model, ctx, opt, torch.Generator().manual_seed(1), dtype=cast or torch.float32)
     for _, group in groups_of(ctx):
@@ -143,7 +138,7 @@ def test_main_grads_dtype_defaults_to_compute_dtype(case, cast, policy, expected
 def test_grad_comm_dtype_is_honoured(case):
     """fp32 model, grad_comm_dtype=bf16: every gradient reduction moves 2-byte elements,
     main_grad stays fp32, and gradients match the reference within bf16 rounding."""
-    model, reference, ctx = build_pair(case, policy=MixedPrecisionPolicy(grad_comm_dtype=BF16))
+    model, reference, ctx = build_pair(Net, **sharding(case), policy=MixedPrecisionPolicy(grad_comm_dtype=BF16))
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     outer, inner = sizes(case)
@@ -211,7 +206,7 @@ def test_policy_equal_to_model_dtypes_is_no_policy(case):
         for policy in (implicit, explicit):
             torch.manual_seed(0)
             model = Net()
-            ctx = wrap(model, case, cast=cast, policy=policy)
+            ctx = wrap(model, **sharding(case), cast=cast, policy=policy)
             opt = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.02))
             generator = torch.Generator().manual_seed(1)
             ctx.counter.reset()
@@ -231,7 +226,7 @@ def test_model_to_inside_scope_is_respected():
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model).to(BF16)
-    ctx = wrap(model, mesh_case, cast=BF16)  # model.to(bf16) inside the scope, then fully_shard
+    ctx = wrap(model, **sharding(mesh_case), cast=BF16)  # model.to(bf16) inside the scope, then fully_shard
     for _, group in groups_of(ctx):
         assert group.dtype == BF16 and group.model_weight.dtype == BF16
     x = torch.randn(2, 8, dtype=BF16)
@@ -245,7 +240,7 @@ def test_model_to_inside_scope_is_respected():
 def test_model_to_after_wrapping_raises(case):
     torch.manual_seed(0)
     model = Net()
-    wrap(model, case)
+    wrap(model, **sharding(case))
     before = full_tensors(list(model.parameters()))
     for call in (
         lambda: model.to(BF16),
@@ -267,14 +262,13 @@ def test_model_to_after_wrapping_raises(case):
 def test_model_to_inside_scope_after_a_child_was_wrapped_raises():
     torch.manual_seed(0)
     model = Net()
-    mesh_case = ("zero3", None)
-    mesh, placements = setup(mesh_case)
+    zero3 = sharding(("zero3", None))
     with fully_shard_context(device="cpu"):
-        fully_shard(model.blocks[0], mesh=mesh, placements=placements)
+        fully_shard(model.blocks[0], **zero3)
         with pytest.raises(RuntimeError, match="fully_shard"):
             model.to(BF16)
-        fully_shard(model.blocks[1], mesh=mesh, placements=placements)
-        fully_shard(model, mesh=mesh, placements=placements)
+        fully_shard(model.blocks[1], **zero3)
+        fully_shard(model, **zero3)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("no_shard", "zero1", "zero3", "hfsdp")], ids=case_id)
@@ -286,7 +280,7 @@ def test_optimizer_grad_dtype_and_precision_aware(case):
         torch.manual_seed(0)
         model = Net()
         reference = copy.deepcopy(model).to(BF16)
-        ctx = wrap(model, case, cast=BF16)
+        ctx = wrap(model, **sharding(case), cast=BF16)
         fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.0), precision_aware=precision_aware)
         mbs = batches(torch.Generator().manual_seed(1), 2)
         for i, (xb, yb) in enumerate(mbs):
@@ -311,7 +305,7 @@ def test_main_grads_equal_to_main_params_make_grad_the_main_grad(case):
     ``.main_grad`` itself, also for a precision-aware optimizer."""
     torch.manual_seed(0)
     model = Net()
-    ctx = wrap(model, case, cast=BF16, policy=MixedPrecisionPolicy(main_grads_dtype=torch.float32))
+    ctx = wrap(model, **sharding(case), cast=BF16, policy=MixedPrecisionPolicy(main_grads_dtype=torch.float32))
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), precision_aware=True)
     run_step(model, ctx, opt, torch.Generator().manual_seed(1), dtype=BF16)
     for p in model.parameters():
@@ -342,7 +336,7 @@ def test_groups_split_by_dtype_and_requires_grad(case):
     torch.manual_seed(0)
     model = MixedDtypes()
     reference = copy.deepcopy(model)
-    ctx = wrap(model, case)
+    ctx = wrap(model, **sharding(case))
     groups = model.parameter_groups
     keys = {(g.dtype, g.requires_grad): sorted(fqn for p in g.fsdp_parameters for fqn in p.fqns) for g in groups}
     assert len(groups) == 4 and keys == {
@@ -380,10 +374,9 @@ def test_groups_split_by_dtype_and_requires_grad(case):
 def test_unsupported_dtype_is_refused_and_module_untouched():
     torch.manual_seed(0)
     model = Net().double()
-    mesh, placements = setup(("zero3", None))
     with pytest.raises(NotImplementedError, match="float64"):
         with fully_shard_context(device="cpu"):
-            fully_shard(model, mesh=mesh, placements=placements)
+            fully_shard(model, **sharding(("zero3", None)))
     assert all(type(p) is nn.Parameter and p.dtype == torch.float64 for p in model.parameters())
     with pytest.raises(NotImplementedError):
         MixedPrecisionPolicy(main_params_dtype=torch.float64)
@@ -422,7 +415,7 @@ def test_bf16_compute_fp32_main_weights_track_reference(case):
     torch.manual_seed(0)
     model = Net()
     reference = _Bf16Reference(model, lr=0.1)
-    ctx = wrap(model, case, cast=BF16)
+    ctx = wrap(model, **sharding(case), cast=BF16)
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     generator = torch.Generator().manual_seed(1)
     losses, ref_losses = [], []

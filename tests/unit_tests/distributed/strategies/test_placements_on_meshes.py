@@ -6,7 +6,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from _strategy_common import Net, batches, hybrid_shapes, local_rows, mesh_1d, mesh_2d
+from _dist_helpers import batches, local_rows, mesh_1d, mesh_2d
+from _strategy_common import Net, hybrid_shapes
 from megatron.core.distributed.mfsdp_v2 import (
     FsdpModule,
     Placements,

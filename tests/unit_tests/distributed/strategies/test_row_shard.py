@@ -15,7 +15,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from megatron.core.distributed.mfsdp_v2 import clip_grad_norm_
 from megatron.core.distributed.mfsdp_v2.row_shard import NestedRowShard
 
-from _strategy_common import H, case_id, check, strategy_cases, train_pair, world
+from _dist_helpers import H, check, train_pair, world
+from _strategy_common import Net, case_id, sharding, strategy_cases
 
 CASES = strategy_cases()
 
@@ -38,8 +39,8 @@ class Narrow(nn.Module):
 
 def _trained(case, model_cls=None):
     """Two AdamW steps of the wrapped model and its reference; ``.grad`` holds the last step's."""
-    kwargs = {} if model_cls is None else {"model_cls": model_cls}
-    model, reference, ctx, opt, _, _ = train_pair(case, "adamw", microbatches=2, steps=2, **kwargs)
+    build = Net if model_cls is None else model_cls
+    model, reference, ctx, opt, _, _ = train_pair(build, "adamw", microbatches=2, steps=2, **sharding(case))
     return model, reference, ctx, opt
 
 

@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from _dist_helpers import H, mesh_1d, rank, world, wrap
 from _mfsdp_models import (
-    H,
     Frozen,
     Nested,
     Tied,
@@ -18,12 +18,8 @@ from _mfsdp_models import (
     gather_full,
     is_sharded_dtensor,
     is_view_of,
-    mesh,
     num_rows,
-    rank,
     shard_infos,
-    world,
-    wrap,
 )
 from megatron.core.distributed.mfsdp_v2 import FsdpModule
 
@@ -41,7 +37,7 @@ def test_parameters_are_shard0_dtensor_views_of_main_weight():
     for info in infos:
         param = info.param
         assert isinstance(param, nn.Parameter) and is_sharded_dtensor(param), info.name
-        assert param.device_mesh == mesh()
+        assert param.device_mesh == mesh_1d()
         assert param.shape == originals[info.name].shape  # global shape
         local = param.to_local()
         # Whole rows: the local tensor has the trailing dims of the full tensor.
@@ -169,7 +165,7 @@ def test_main_grad_exists_right_after_fully_shard():
 
     with fully_shard_context(device="cpu"):
         block = nn.Linear(H, H)
-        fully_shard(block, mesh=mesh(), placements=Placements.zero3())
+        fully_shard(block, mesh=mesh_1d(), placements=Placements.zero3())
         (group,) = block.parameter_groups
         assert group.main_grad is not None and group.main_grad.numel() == group.layout.shard_numel
 
@@ -270,9 +266,10 @@ def test_scalar_parameter_is_replicated_in_main_weight():
     """0-d parameters have no rows to shard: every rank holds the value (Replicate)."""
     from torch.distributed.tensor import Replicate
 
-    from _mfsdp_models import CASES, build_pair, local_rows
+    from _dist_helpers import build_pair, local_rows
+    from _mfsdp_models import CASES
 
-    model, reference, ctx = build_pair(CASES["scalar_parameter"])
+    model, reference, ctx = build_pair(CASES["scalar_parameter"].build)
     scale = model.block.scale
     assert isinstance(scale, DTensor) and tuple(scale.placements) == (Replicate(),)
     assert scale.shape == () and scale.to_local().shape == ()

@@ -5,7 +5,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from _mfsdp_models import H, Block, Nested, mesh, wrap, zero3
+from _dist_helpers import H, mesh_1d, wrap
+from _mfsdp_models import Block, Nested
 from megatron.core.distributed.mfsdp_v2 import (
     FsdpModule,
     Placements,
@@ -48,7 +49,7 @@ def test_fully_shard_outside_a_scope_raises():
     model = Block()
     before = _snapshot(model)
     with pytest.raises(RuntimeError, match="inside fully_shard_context"):
-        fully_shard(model, mesh=mesh(), placements=zero3())
+        fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
     _assert_unchanged(model, before)
 
 
@@ -62,7 +63,7 @@ def test_nested_scope_raises():
 def test_forward_before_the_scope_exits_raises():
     with fully_shard_context(device="cpu") as ctx:
         model = Block()
-        fully_shard(model, mesh=mesh(), placements=zero3())
+        fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
         with pytest.raises(RuntimeError, match="Exit fully_shard_context"):
             model(torch.randn(2, H))
     _trains(model, ctx)
@@ -73,9 +74,9 @@ def test_module_containing_a_unit_of_another_context_raises():
     other = wrap(model.left, [model.left])
     before = _snapshot(model)
     with fully_shard_context(device="cpu") as ctx:
-        fully_shard(model.right, mesh=mesh(), placements=zero3())
+        fully_shard(model.right, mesh=mesh_1d(), placements=Placements.zero3())
         with pytest.raises(ValueError, match="another fully_shard_context") as info:
-            fully_shard(model, mesh=mesh(), placements=zero3())
+            fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
         assert "left" in str(info.value)  # names the offending submodule
     assert model.left.context is other
     assert type(model) is Nested and not hasattr(model, "_fsdp_state")
@@ -85,15 +86,15 @@ def test_module_containing_a_unit_of_another_context_raises():
 def test_wrapping_twice_raises():
     with fully_shard_context(device="cpu") as ctx:
         model = Block()
-        fully_shard(model, mesh=mesh(), placements=zero3())
+        fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
         params = [id(p) for p in model.parameters()]
         with pytest.raises(ValueError, match="already managed by FSDP"):
-            fully_shard(model, mesh=mesh(), placements=zero3())
+            fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
         assert [id(p) for p in model.parameters()] == params
     assert ctx.units == [model]
     with fully_shard_context(device="cpu"):
         with pytest.raises(ValueError, match="already managed by FSDP"):
-            fully_shard(model, mesh=mesh(), placements=zero3())
+            fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
     _trains(model, ctx)
 
 
@@ -111,14 +112,14 @@ class _TiedAcrossUnits(nn.Module):
 def test_parameter_owned_by_two_units_raises_naming_it():
     model = _TiedAcrossUnits()
     with fully_shard_context(device="cpu") as ctx:
-        fully_shard(model.a, mesh=mesh(), placements=zero3())
+        fully_shard(model.a, mesh=mesh_1d(), placements=Placements.zero3())
         before = _snapshot(model.b)
         with pytest.raises(ValueError, match=r"'lin\.weight'"):
-            fully_shard(model.b, mesh=mesh(), placements=zero3())
+            fully_shard(model.b, mesh=mesh_1d(), placements=Placements.zero3())
         _assert_unchanged(model.b, before, ctx, 1)
         before = _snapshot(model)
         with pytest.raises(ValueError, match=r"'b\.lin\.weight'"):
-            fully_shard(model, mesh=mesh(), placements=zero3())
+            fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
         assert type(model) is _TiedAcrossUnits and not hasattr(model, "_fsdp_state")
         assert len(ctx.units) == 1
 
@@ -155,11 +156,11 @@ def test_unsupported_dtype_raises_and_changes_nothing(dtype):
     before = _snapshot(model)
     with fully_shard_context(device="cpu") as ctx:
         with pytest.raises(NotImplementedError, match="float32, bfloat16 and float16") as info:
-            fully_shard(model, mesh=mesh(), placements=zero3())
+            fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
         assert "extra" in str(info.value)
         _assert_unchanged(model, before, ctx, 0)
         del model.extra
-        fully_shard(model, mesh=mesh(), placements=zero3())  # nothing stale from the failure
+        fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())  # nothing stale from the failure
     _trains(model, ctx)
 
 
@@ -169,13 +170,13 @@ def test_shard1_raises_and_changes_nothing():
     shard1 = Placements((0,), (Shard(1),), (Shard(1),), (Shard(1),))
     with fully_shard_context(device="cpu") as ctx:
         with pytest.raises(NotImplementedError, match=r"Shard\(0\)"):
-            fully_shard(model, mesh=mesh(), placements=shard1)
+            fully_shard(model, mesh=mesh_1d(), placements=shard1)
         _assert_unchanged(model, before, ctx, 0)
         mixed = Placements((0,), (Shard(0),), (Replicate(),), (Shard(0),))
         with pytest.raises(NotImplementedError, match="zero3"):
-            fully_shard(model, mesh=mesh(), placements=mixed)
+            fully_shard(model, mesh=mesh_1d(), placements=mixed)
         _assert_unchanged(model, before, ctx, 0)
-        fully_shard(model, mesh=mesh(), placements=zero3())
+        fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3())
     _trains(model, ctx)
 
 
@@ -191,7 +192,7 @@ def test_dp_axis_not_in_mesh_raises_and_changes_nothing():
     before = _snapshot(model)
     with fully_shard_context(device="cpu") as ctx:
         with pytest.raises(ValueError, match="out of range"):
-            fully_shard(model, mesh=mesh(), placements=Placements.zero3(dp_axis=1))
+            fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3(dp_axis=1))
         _assert_unchanged(model, before, ctx, 0)
 
 
@@ -199,13 +200,13 @@ def test_wrong_argument_types_raise():
     with fully_shard_context(device="cpu") as ctx:
         model = Block()
         with pytest.raises(TypeError, match="Placements"):
-            fully_shard(model, mesh=mesh(), placements="zero3")
+            fully_shard(model, mesh=mesh_1d(), placements="zero3")
         with pytest.raises(TypeError, match="DeviceMesh"):
-            fully_shard(model, mesh=None, placements=zero3())
+            fully_shard(model, mesh=None, placements=Placements.zero3())
         with pytest.raises(TypeError, match="nn.Module"):
-            fully_shard(torch.zeros(2), mesh=mesh(), placements=zero3())
+            fully_shard(torch.zeros(2), mesh=mesh_1d(), placements=Placements.zero3())
         with pytest.raises(ValueError, match="grad_divisor"):
-            fully_shard(model, mesh=mesh(), placements=zero3(), grad_divisor=0)
+            fully_shard(model, mesh=mesh_1d(), placements=Placements.zero3(), grad_divisor=0)
         assert len(ctx.units) == 0 and type(model) is Block
 
 
@@ -215,7 +216,7 @@ def test_new_parameters_may_reuse_the_address_of_a_wrapped_original():
     with fully_shard_context(device="cpu") as ctx:
         first = nn.Linear(H, H)
         freed_ids = {id(first.weight), id(first.bias)}
-        fully_shard(first, mesh=mesh(), placements=zero3())
+        fully_shard(first, mesh=mesh_1d(), placements=Placements.zero3())
         keep, reused = [], None
         for _ in range(10000):
             p = nn.Parameter(torch.zeros(2))
@@ -227,5 +228,5 @@ def test_new_parameters_may_reuse_the_address_of_a_wrapped_original():
         assert reused is not None
         holder = nn.Module()
         holder.weight = reused
-        fully_shard(holder, mesh=mesh(), placements=zero3())
+        fully_shard(holder, mesh=mesh_1d(), placements=Placements.zero3())
     assert ctx.units == [first, holder]
