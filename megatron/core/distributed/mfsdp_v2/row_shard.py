@@ -109,7 +109,7 @@ class RowShard(Shard):
         if mesh.get_coordinate() is None:
             return tensor
         pieces, _ = self._split_tensor(tensor, mesh.size(mesh_dim=mesh_dim), with_padding=True)
-        out = funcol.reduce_scatter_tensor(torch.cat(pieces), reduce_op, 0, (mesh, mesh_dim))
+        out = funcol.reduce_scatter_single(torch.cat(pieces), reduce_op, 0, (mesh, mesh_dim))
         out = funcol.wait_tensor(out)
         return out.narrow(0, 0, self.rows[mesh.get_local_rank(mesh_dim)])
 
