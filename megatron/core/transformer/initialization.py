@@ -8,6 +8,10 @@ by ``(seed, fully-qualified name)``, with Megatron's distributions:
   residual stream (``linear_proj``, ``linear_fc2``), ``init_method_std / sqrt(2 * num_layers)``;
 * norm weights one, biases zero.
 
+A parameter that is a piece of a larger global tensor (tensor or expert parallelism, see
+``megatron/core/global_slices.py``) is drawn at its global shape and cut to this rank's
+piece, so every layout holds pieces of the same global weights.
+
 A parameter's values then depend on nothing but the seed and its name: not on the order
 in which modules are built or visited, the world size, the sharding strategy, the device,
 or whether the model was built on ``meta``. A sharded model initializes one unit at a
@@ -22,6 +26,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
+
+from megatron.core.global_slices import global_slices_of
 
 
 def parameter_seed(seed: int, fqn: str) -> int:
@@ -69,9 +75,10 @@ def initialize_parameters_(root: nn.Module, seed: int, prefix: str = "",
                 fqn = name + attr
                 generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, fqn))
                 # Drawn in fp32 on the CPU: the same bits for every device and parameter dtype.
-                values = torch.empty(param.shape, dtype=torch.float32)
+                piece = global_slices_of(module).get(attr)
+                values = torch.empty(param.shape if piece is None else piece.global_shape, dtype=torch.float32)
                 _fill(module, attr, fqn, values, generator)
-                param.copy_(values)
+                param.copy_(values if piece is None else piece.take(values))
             for child_name, child in reversed(list(module._modules.items())):
                 if child is not None and not (stop_at is not None and stop_at(child)):
                     stack.append((f"{name}{child_name}.", child))

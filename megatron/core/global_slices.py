@@ -1,0 +1,67 @@
+"""Where a rank's parameter sits inside the layout-independent global tensor.
+
+Tensor and expert parallelism give each rank a piece of some parameters: a column-parallel
+weight holds rows of the global weight, a row-parallel weight columns, SwiGLU's fused
+``linear_fc1`` two row blocks (its gate rows and its up rows), an expert-parallel weight
+the experts of this rank. The module that owns such a parameter says so in a
+``global_slices`` attribute: ``{parameter attribute name: GlobalSlice}``.
+
+Everything that must not depend on the layout reads it: the invariant initializer draws
+the global tensor and keeps this rank's piece, checkpoints store global tensors at their
+true offsets, and converters assemble the global tensor. A parameter without an entry is
+the same on every rank of its tensor/expert-parallel group (norms, row-parallel biases).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Tuple
+
+import torch
+import torch.nn as nn
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalSlice:
+    """The local tensor is the concatenation, along ``dim``, of ``ranges`` of the global
+    tensor of shape ``global_shape`` (``(start, stop)`` pairs in global coordinates)."""
+
+    global_shape: Tuple[int, ...]
+    dim: int
+    ranges: Tuple[Tuple[int, int], ...]
+
+    def __post_init__(self):
+        if not 0 <= self.dim < len(self.global_shape):
+            raise ValueError(f"GlobalSlice dim {self.dim} is outside a {len(self.global_shape)}-D tensor.")
+        size = self.global_shape[self.dim]
+        for start, stop in self.ranges:
+            if not 0 <= start < stop <= size:
+                raise ValueError(f"GlobalSlice range ({start}, {stop}) is outside [0, {size}) on dim {self.dim}.")
+
+    @property
+    def local_shape(self) -> Tuple[int, ...]:
+        shape = list(self.global_shape)
+        shape[self.dim] = sum(stop - start for start, stop in self.ranges)
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the global tensor ``full`` (a new tensor)."""
+        if tuple(full.shape) != tuple(self.global_shape):
+            raise ValueError(f"expected a global tensor of shape {self.global_shape}, got {tuple(full.shape)}.")
+        return torch.cat([full.narrow(self.dim, start, stop - start) for start, stop in self.ranges], dim=self.dim)
+
+
+def partition(global_shape, dim: int, rank: int, size: int, blocks: int = 1) -> GlobalSlice:
+    """Rank ``rank`` of ``size``'s piece when dim ``dim`` is split evenly, each of ``blocks``
+    equal blocks split on its own (``blocks=2`` for SwiGLU's [gate; up] rows)."""
+    global_shape = tuple(int(s) for s in global_shape)
+    total = global_shape[dim]
+    if total % (blocks * size):
+        raise ValueError(f"dim {dim} of size {total} does not split into {blocks} block(s) x {size} ranks.")
+    block, piece = total // blocks, total // (blocks * size)
+    ranges = tuple((b * block + rank * piece, b * block + (rank + 1) * piece) for b in range(blocks))
+    return GlobalSlice(global_shape, dim, ranges)
+
+
+def global_slices_of(module: nn.Module) -> Dict[str, GlobalSlice]:
+    return getattr(module, "global_slices", None) or {}
