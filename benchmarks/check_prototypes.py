@@ -8,7 +8,8 @@ change that must not change numerics is proven to train bit for bit like its pre
     python -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/check_prototypes.py --engine-rev HEAD
     ... --engine-rev main --no-prototypes    # only the engine at main against the tree's
 
-For ZeRO-3, ZeRO-2 (and HSDP at 4 ranks), fp32 and bf16-with-fp32-main, 1 and 3
+For ZeRO-3, ZeRO-2 (and HSDP at 4 ranks; with ``--no-prototypes`` also ZeRO-1, no_shard
+and HFSDP), fp32 and bf16-with-fp32-main, 1 and 3
 microbatches, ``zero_grad(set_to_none=True)`` and ``False``: a stock and a patched copy of
 one GPT train 3 steps on the same data; losses, local weights and local gradients must
 agree (bitwise for power-of-two world sizes, where x/N and x*(1/N) are the same number).
@@ -63,6 +64,8 @@ def main() -> None:
     meshes = cd.Meshes()
     spec = cd.ModelSpec(layers=2, hidden=64, heads=2, vocab=128, seq=16, micro_batch=6)
     names = ["mfsdp_zero3", "mfsdp_zero2"] + (["mfsdp_hsdp"] if meshes.hsdp is not None else [])
+    if args.no_prototypes:  # an engine revision is checked under every strategy
+        names += ["mfsdp_zero1", "mfsdp_no_shard"] + (["mfsdp_hfsdp"] if meshes.hsdp is not None else [])
     exact = (dist.get_world_size() & (dist.get_world_size() - 1)) == 0
     failures = 0
     for variant, name, dtype_name, micro, set_to_none in itertools.product(

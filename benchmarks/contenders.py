@@ -40,7 +40,8 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.model_stats import num_parameters  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
-ALL_CONTENDERS = ("mfsdp_zero3", "mfsdp_zero2", "mfsdp_hsdp", "fsdp2", "ddp")
+ALL_CONTENDERS = ("mfsdp_zero3", "mfsdp_zero2", "mfsdp_zero1", "mfsdp_no_shard", "mfsdp_hsdp", "mfsdp_hfsdp",
+                  "fsdp2", "ddp")
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -315,10 +316,14 @@ def build(name: str, ref: nn.Module, dtype: torch.dtype, meshes: Meshes, opts: O
         return build_mfsdp(name, ref, dtype, lambda P: P.zero3(), meshes.flat, opts, world(), engine)
     if name == "mfsdp_zero2":
         return build_mfsdp(name, ref, dtype, lambda P: P.zero2(), meshes.flat, opts, world(), engine)
-    if name == "mfsdp_hsdp":
+    if name == "mfsdp_zero1":
+        return build_mfsdp(name, ref, dtype, lambda P: P.zero1(), meshes.flat, opts, world(), engine)
+    if name in ("mfsdp_hsdp", "mfsdp_hfsdp"):
         if meshes.hsdp is None:
-            raise ValueError("mfsdp_hsdp needs an even world size of at least 4 (a 2 x N/2 mesh).")
-        return build_mfsdp(name, ref, dtype, lambda P: P.hsdp("outer", "inner"), meshes.hsdp, opts, 2, engine)
+            raise ValueError(f"{name} needs an even world size of at least 4 (a 2 x N/2 mesh).")
+        if name == "mfsdp_hsdp":
+            return build_mfsdp(name, ref, dtype, lambda P: P.hsdp("outer", "inner"), meshes.hsdp, opts, 2, engine)
+        return build_mfsdp(name, ref, dtype, lambda P: P.hfsdp("outer", "inner"), meshes.hsdp, opts, world(), engine)
     if name == "fsdp2":
         return build_fsdp2(name, ref, dtype, meshes.flat, opts)
     if name == "ddp":

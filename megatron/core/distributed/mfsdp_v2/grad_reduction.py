@@ -1,25 +1,64 @@
 """A group's gradients: from autograd's unsharded ``.grad`` to the reduced ``.grad`` the
 optimizer reads.
 
-``GradientReduction`` is a mixin of ``ParameterGroup``: the stash of each gradient into
-the reduce-scatter input as it arrives, the reduction into ``main_grad`` (reduce-scatter,
-all-reduce, the outer-axis reduction of HSDP/HFSDP on the last microbatch), and exposing
-``.grad``/``.main_grad`` at the end of backward. It uses the group's layouts and views
-(``shard_views.py``), buffers (``main_grad``, ``reduced_grad``), ``precision``, process
-groups and ``resources`` (streams, counter).
+``GradientReduction`` is a mixin of ``ParameterGroup``. A gradient starts as this rank's
+partial sum on every axis ("P" everywhere); each microbatch takes it to the strategy's
+gradient placement (a reduce-scatter into ``main_grad`` where that is Shard(0), local
+accumulation where it is Partial), and the last microbatch takes ``main_grad`` on to the
+optimizer placement in ``reduced_grad``, inner axis first (``single_axis_steps``):
+
+    inner Partial -> Shard       ZeRO-1: reduce-scatter the local sum
+    inner Partial -> Replicate   no_shard: all-reduce in place
+    outer Partial -> Replicate   HSDP: all-reduce in place
+    outer Partial -> Shard       HFSDP: reduce-scatter of the inner shard
+
+The mixin also stashes each gradient into the reduce-scatter input as it arrives and
+exposes ``.grad``/``.main_grad`` at the end of backward.
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
 from . import work as comm
+from .flat_buffer import single_axis_steps
 
 
 class GradientReduction:
-    """Reduction of one group's gradients into ``main_grad``."""
+    """Reduction of one group's gradients into ``main_grad`` and ``reduced_grad``."""
+
+    def _init_gradient_state(self) -> None:
+        S, n = self.layout.shard_numel, len(self.fsdp_parameters)
+        # Fixed per group, used on every step: computed once.
+        self._padding_ranges = [
+            (s * S + used, S - used)
+            for s, used in ((s, self.layout.used_numel(s)) for s in range(self.layout.num_shards))
+            if used < S
+        ]
+        self._num_trainable = sum(1 for p in self.fsdp_parameters if p.requires_grad)
+        # Parameters whose next reduction overwrites instead of accumulating.
+        self._overwrite = [False] * n
+        self._fresh = [False] * n
+        self._received = set()
+        self._grads_reduced = False  # a reduction reached reduced_grad since .grad was last set
+        # Sharded gradients: each unsharded gradient is moved into the reduce-scatter input
+        # as soon as autograd has accumulated it, so the unit never holds its gradients and
+        # that input at the same time.
+        self._stash_grads = self.requires_grad and self.strategy.grad_sharded
+        self._reduce_input: Optional[torch.Tensor] = None
+        self._stashed: set = set()
+        self._grad_views = None
+
+    def _make_grad_hook(self, p):
+        def hook(param: torch.Tensor) -> None:
+            self._received.add(p.index)
+            if self._stash_grads:
+                self._stash_grad(p)
+            self.on_grad_ready(self)
+
+        return hook
 
     def all_grads_received(self) -> bool:
         return len(self._received) == self._num_trainable
@@ -47,13 +86,34 @@ class GradientReduction:
         """Reduce this backward's gradients into main_grad (missing gradients count as zero)."""
         if not self.requires_grad:
             return []
-        ctx, device, strategy = self.resources, self.device, self.strategy
+        strategy = self.strategy
         self._received.clear()
+        self._begin_accumulation()
+        works: List[comm.CollectiveWork] = []
+        if strategy.grad_sharded:
+            works.append(self._reduce_scatter_microbatch())
+        else:
+            # Accumulate locally. no_shard reduces in place, on top of what earlier backwards
+            # already reduced, and the all-reduce divides the whole buffer: so grad_divisor is
+            # applied to the new local gradients here and the all-reduce divides by the rank
+            # count only.
+            in_place = not strategy.optim_sharded
+            self._take_grads_into(self.main_grad, accumulate=True, scale=1 / self.grad_divisor if in_place else 1)
+        if is_last_microbatch:
+            for axis, before, after in single_axis_steps(strategy.gradient, strategy.optimizer):
+                works.append(self._last_microbatch_step(axis, before, after, works[-1] if works else None))
+        if is_last_microbatch or strategy.gradient == strategy.optimizer:
+            self._grads_reduced = True
+        elif strategy.grad_sharded:
+            self._grads_reduced = False
+        return works
+
+    def _begin_accumulation(self) -> None:
+        """Once per step (the first reduction after .grad was exposed): a parameter whose
+        .grad was set to None starts a fresh accumulation; a .grad that is a cast copy
+        (mixed precision) may have been changed in place (zero_grad(set_to_none=False),
+        clipping), so its values become the base of the accumulation."""
         for p in self.fsdp_parameters:
-            # Once per step (the first reduction after .grad was exposed): a parameter whose
-            # .grad was set to None starts a fresh accumulation; a .grad that is a cast copy
-            # (mixed precision) may have been changed in place (zero_grad(set_to_none=False),
-            # clipping), so its values become the base of the accumulation.
             if self._fresh[p.index]:
                 continue
             self._fresh[p.index] = True
@@ -62,83 +122,69 @@ class GradientReduction:
             elif p.sharded_param.grad is not p.sharded_param.main_grad and p.sharded_param.grad is not None:
                 with torch.no_grad():
                     self._optim_view(self.reduced_grad, p).copy_(p.sharded_param.grad.to_local())
+
+    def _reduce_scatter_microbatch(self) -> comm.CollectiveWork:
+        """Partial -> the gradient placement's Shard(0) on the inner axis, into main_grad."""
+        ctx, comm_dtype = self.resources, self.precision.grad_comm
+        flat, self._reduce_input = self._reduce_input, None
+        if flat is None:
+            flat = torch.empty(self.layout.gathered_numel, dtype=comm_dtype, device=self.main_grad.device)
+        self._take_grads_into(flat, skip=self._stashed)
+        self._stashed = set()
+        local = self.flat(flat, "P" * len(self.axis_groups))
         divisor = self.inner_size * self.grad_divisor
-        works: List[comm.CollectiveWork] = []
-        if strategy.grad_sharded:
-            comm_dtype = self.precision.grad_comm
-            flat, self._reduce_input = self._reduce_input, None
-            if flat is None:
-                flat = torch.empty(self.layout.gathered_numel, dtype=comm_dtype, device=self.main_grad.device)
-            self._take_grads_into(flat, skip=self._stashed)
-            self._stashed = set()
-            # HFSDP accumulates a local partial sum here and reduces it on the outer axis
-            # later; every other strategy accumulates straight into the reduced gradient.
-            direct = self.main_grad is self.reduced_grad
-            trainable = [p for p in self.fsdp_parameters if p.requires_grad]
-            if direct and comm_dtype == self.main_grad.dtype and all(self._overwrite[p.index] for p in trainable):
-                # Every slice starts fresh (the usual step after zero_grad()): reduce straight
-                # into main_grad, with no extra buffer and no accumulate pass.
-                self._overwrite = [False] * len(self.fsdp_parameters)
-                works.append(comm.reduce_scatter(
-                    self.main_grad, flat, self.inner_group, device=device, stream=ctx.reduce_scatter_stream,
-                    divisor=divisor, counter=ctx.counter,
-                ))
-            else:
-                with device.stream(ctx.reduce_scatter_stream):
-                    out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=flat.device)
-                works.append(comm.reduce_scatter(
-                    out, flat, self.inner_group, device=device, stream=ctx.reduce_scatter_stream,
-                    post_ops=[self._accumulate_op(out, self.main_grad, overwrite=direct, scale=1 / divisor)],
-                    counter=ctx.counter,
-                ))
-            if self.outer_group is not None and is_last_microbatch:
-                works.append(self._outer_reduce(works[-1]))
-            self._grads_reduced = self.outer_group is None or is_last_microbatch
-            return works
-        # Replicated gradients (no_shard, ZeRO-1): accumulate locally, reduce on the last microbatch.
-        # no_shard reduces in place, on top of what earlier backwards already reduced, and the
-        # all-reduce divides the whole buffer: so grad_divisor is applied to the new local
-        # gradients here and the all-reduce divides by the rank count only.
-        in_place = not strategy.optim_sharded
-        self._take_grads_into(self.main_grad, accumulate=True, scale=1 / self.grad_divisor if in_place else 1)
-        if not is_last_microbatch:
-            return works
-        if strategy.optim_sharded:  # ZeRO-1: reduce-scatter the local sum into the shard
-            comm_dtype = self.precision.grad_comm
-            comm.follow_current_stream(device, ctx.reduce_scatter_stream)  # main_grad was written there
-            with device.stream(ctx.reduce_scatter_stream):
-                out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=self.main_grad.device)
-                send = self.main_grad.to(comm_dtype)
-            local = self.main_grad
+        # HFSDP accumulates a local partial sum here and reduces it on the outer axis
+        # later; every other strategy accumulates straight into the reduced gradient.
+        direct = self.main_grad is self.reduced_grad
+        trainable = [p for p in self.fsdp_parameters if p.requires_grad]
+        if direct and comm_dtype == self.main_grad.dtype and all(self._overwrite[p.index] for p in trainable):
+            # Every slice starts fresh (the usual step after zero_grad()): reduce straight
+            # into main_grad, with no extra buffer and no accumulate pass.
+            self._overwrite = [False] * len(self.fsdp_parameters)
+            return local.redistribute(local.like(self.main_grad, self.strategy.gradient), ctx,
+                                      ctx.reduce_scatter_stream, divisor=divisor)
+        with self.device.stream(ctx.reduce_scatter_stream):
+            out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=flat.device)
+        return local.redistribute(
+            local.like(out, self.strategy.gradient), ctx, ctx.reduce_scatter_stream,
+            post_ops=[self._accumulate_op(out, self.main_grad, overwrite=direct, scale=1 / divisor)],
+        )
 
-            def clear_local() -> None:
-                local.zero_()
-
-            works.append(comm.reduce_scatter(
-                out, send, self.inner_group, device=device, stream=ctx.reduce_scatter_stream, divisor=divisor,
-                post_ops=[self._accumulate_op(out, self.reduced_grad, overwrite=True), clear_local],
-                counter=ctx.counter,
-            ))
-        else:  # no_shard: all-reduce in place. Content left from earlier steps is identical on
-            # every rank, so SUM / N returns it unchanged and new gradients are averaged onto it.
-            works.append(self._all_reduce_in_comm_dtype(self.main_grad, self.inner_group, self.inner_size))
-        if self.outer_group is not None:
-            works.append(self._outer_reduce(works[-1]))
-        self._grads_reduced = True
-        return works
-
-    def _outer_reduce(self, inner_work: comm.CollectiveWork) -> comm.CollectiveWork:
-        """Last microbatch: reduce over the outer axis (all-reduce for HSDP, reduce-scatter
-        of the inner shard for HFSDP)."""
+    def _last_microbatch_step(self, axis: int, before: str, after: str,
+                              previous: Optional[comm.CollectiveWork]) -> comm.CollectiveWork:
         ctx, stream = self.resources, self.resources.reduce_scatter_stream
-        # The outer reduction reads what the inner one wrote: order them (stream-ordered
-        # on CUDA; on CPU this completes the inner reduction first).
+        if axis != len(self.axis_groups) - 1:
+            # The outer reduction reads what the inner one wrote: order them (stream-ordered
+            # on CUDA; on CPU this completes the inner reduction first).
+            with self.device.stream(stream):
+                previous.wait()
+            if after[axis] == "R":  # HSDP: content left from earlier steps is identical on
+                # every outer rank, so SUM / M keeps it and averages the new gradients onto it.
+                return self._all_reduce_in_comm_dtype(self.reduced_grad, before, after, self.outer_size)
+            return self._outer_reduce_scatter(before, after)
+        if after[axis] == "R":  # no_shard: all-reduce in place. Content left from earlier steps
+            # is identical on every rank, so SUM / N returns it unchanged and new gradients are
+            # averaged onto it.
+            return self._all_reduce_in_comm_dtype(self.main_grad, before, after, self.inner_size)
+        # ZeRO-1: reduce-scatter the local sum into the shard.
+        comm_dtype = self.precision.grad_comm
+        comm.follow_current_stream(self.device, stream)  # main_grad was written there
         with self.device.stream(stream):
-            inner_work.wait()
-        if self.outer_layout is None:
-            # In place: content left from earlier steps is identical on every outer rank,
-            # so SUM / M keeps it and averages the new gradients onto it.
-            return self._all_reduce_in_comm_dtype(self.reduced_grad, self.outer_group, self.outer_size)
+            out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=self.main_grad.device)
+            send = self.flat(self.main_grad.to(comm_dtype), before)
+        local = self.main_grad
+
+        def clear_local() -> None:
+            local.zero_()
+
+        return send.redistribute(
+            send.like(out, after), ctx, stream, divisor=self.inner_size * self.grad_divisor,
+            post_ops=[self._accumulate_op(out, self.reduced_grad, overwrite=True), clear_local],
+        )
+
+    def _outer_reduce_scatter(self, before: str, after: str) -> comm.CollectiveWork:
+        """HFSDP, last microbatch: reduce-scatter the inner shard's partial sum over the outer axis."""
+        stream = self.resources.reduce_scatter_stream
         with self.device.stream(stream):
             flat = torch.zeros(self.outer_layout.gathered_numel, dtype=self.precision.grad_comm, device=self.main_grad.device)
             for piece_index, piece in enumerate(self.layout.pieces_by_shard[self.shard_index]):
@@ -150,9 +196,10 @@ class GradientReduction:
         def clear_partial() -> None:
             partial.zero_()
 
-        return comm.reduce_scatter(
-            out, flat, self.outer_group, device=self.device, stream=stream, divisor=self.outer_size,
-            post_ops=[self._accumulate_op(out, self.reduced_grad, overwrite=True), clear_partial], counter=ctx.counter,
+        send = self.flat(flat, before)
+        return send.redistribute(
+            send.like(out, after), self.resources, stream, divisor=self.outer_size,
+            post_ops=[self._accumulate_op(out, self.reduced_grad, overwrite=True), clear_partial],
         )
 
     def discard_partial_backward(self) -> None:
@@ -167,24 +214,22 @@ class GradientReduction:
             return getattr(p.sharded_param, "main_grad", None) is None
         return p.sharded_param.grad is None
 
-    def _all_reduce_in_comm_dtype(self, buffer: torch.Tensor, group, divisor: float) -> comm.CollectiveWork:
-        """All-reduce ``buffer`` in place, communicating in grad_comm_dtype."""
+    def _all_reduce_in_comm_dtype(self, buffer: torch.Tensor, before: str, after: str,
+                                  divisor: float) -> comm.CollectiveWork:
+        """Partial -> Replicate in place on ``buffer``, communicating in grad_comm_dtype."""
         comm_dtype, stream = self.precision.grad_comm, self.resources.reduce_scatter_stream
         if buffer.dtype == comm_dtype:
-            return comm.all_reduce(
-                buffer, group, device=self.device, stream=stream, divisor=divisor, counter=self.resources.counter
-            )
+            wire = self.flat(buffer, before)
+            return wire.redistribute(wire.like(buffer, after), self.resources, stream, divisor=divisor)
         comm.follow_current_stream(self.device, stream)  # the buffer may have been written there
         with self.device.stream(stream):
-            wire = buffer.to(comm_dtype)
+            wire = self.flat(buffer.to(comm_dtype), before)
 
         def copy_back() -> None:
-            buffer.copy_(wire)
+            buffer.copy_(wire.data)
 
-        return comm.all_reduce(
-            wire, group, device=self.device, stream=stream, divisor=divisor, post_ops=[copy_back],
-            counter=self.resources.counter,
-        )
+        return wire.redistribute(wire.like(wire.data, after), self.resources, stream, divisor=divisor,
+                                 post_ops=[copy_back])
 
     def _take_grads_into(self, flat: torch.Tensor, accumulate: bool = False, scale: float = 1,
                          skip: frozenset = frozenset()) -> None:

@@ -94,14 +94,35 @@ class Placements:
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """What the engine does for one ``Placements`` on one mesh (decoded once per unit)."""
+    """What the engine does for one ``Placements`` on one mesh (decoded once per unit).
+
+    ``parameter``, ``gradient`` and ``optimizer`` hold one placement code per axis, outer
+    first: "S" Shard(0), "R" Replicate, "P" Partial. They are the placements of the
+    group's buffers (see ``flat_buffer.py``): a step of training is a transition between
+    them (unshard: parameter -> all "R"; reduction: all "P" -> gradient -> optimizer;
+    refresh after the optimizer step: optimizer -> parameter)."""
 
     outer_dim: int | None  # mesh dim of the outer (replicate) axis, None on a 1-D layout
     inner_dim: int  # mesh dim of the sharding axis
-    param_sharded: bool  # ZeRO-3: parameters live sharded at rest
-    grad_sharded: bool  # ZeRO-2/3: reduce-scatter every microbatch
-    optim_sharded: bool  # ZeRO-1/2/3: optimizer state sharded on the inner axis
-    outer_optim_sharded: bool  # HFSDP: optimizer state also sharded on the outer axis
+    parameter: str
+    gradient: str
+    optimizer: str
+
+    @property
+    def param_sharded(self) -> bool:  # ZeRO-3: parameters live sharded at rest
+        return self.parameter[-1] == "S"
+
+    @property
+    def grad_sharded(self) -> bool:  # ZeRO-2/3: reduce-scatter every microbatch
+        return self.gradient[-1] == "S"
+
+    @property
+    def optim_sharded(self) -> bool:  # ZeRO-1/2/3: optimizer state sharded on the inner axis
+        return self.optimizer[-1] == "S"
+
+    @property
+    def outer_optim_sharded(self) -> bool:  # HFSDP: optimizer state also sharded on the outer axis
+        return self.outer_dim is not None and self.optimizer[0] == "S"
 
     @property
     def name(self) -> str:
@@ -127,13 +148,8 @@ def _mesh_dim(mesh: DeviceMesh, axis: Axis) -> int:
     return axis
 
 
-_INNER_COMBOS = {
-    # (parameter, gradient, optimizer) -> (param_sharded, grad_sharded, optim_sharded)
-    ("R", "P", "R"): (False, False, False),
-    ("R", "P", "S"): (False, False, True),
-    ("R", "S", "S"): (False, True, True),
-    ("S", "S", "S"): (True, True, True),
-}
+# The (parameter, gradient, optimizer) codes of the inner axis: no_shard, ZeRO-1, 2, 3.
+_INNER_COMBOS = (("R", "P", "R"), ("R", "P", "S"), ("R", "S", "S"), ("S", "S", "S"))
 
 
 def _code(p: Placement) -> str:
@@ -166,13 +182,16 @@ def decode_strategy(placements: Placements, mesh: DeviceMesh) -> Strategy:
     inner = codes[-1]
     if inner not in _INNER_COMBOS:
         raise NotImplementedError(f"Placement combination {inner} on the inner axis is not supported: use {supported}.")
-    param_sharded, grad_sharded, optim_sharded = _INNER_COMBOS[inner]
-    outer_dim, outer_optim = None, False
+    outer_dim = None
     if len(dims) == 2:
         outer = codes[0]
         if outer not in (("R", "P", "R"), ("R", "P", "S")):
             raise NotImplementedError(f"Placement combination {outer} on the outer axis is not supported: use {supported}.")
-        if outer == ("R", "P", "S") and not (grad_sharded and optim_sharded):
-            raise NotImplementedError("HFSDP (optimizer sharded on the outer axis) needs Shard(0) gradients on the inner axis.")
-        outer_dim, outer_optim = dims[0], outer[2] == "S"
-    return Strategy(outer_dim, dims[-1], param_sharded, grad_sharded, optim_sharded, outer_optim)
+        if outer == ("R", "P", "S") and inner != ("S", "S", "S"):
+            raise NotImplementedError(
+                "HFSDP (optimizer sharded on the outer axis) needs ZeRO-3 on the inner axis: "
+                "Shard(0) parameters, gradients and optimizer state (Placements.hfsdp())."
+            )
+        outer_dim = dims[0]
+    by_role = ["".join(c[i] for c in codes) for i in range(3)]
+    return Strategy(outer_dim, dims[-1], *by_role)

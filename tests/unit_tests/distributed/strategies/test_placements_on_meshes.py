@@ -76,11 +76,11 @@ def test_duplicate_axes_are_refused():
             Placements.hsdp(*axes)
 
 
-def _refused(mesh, placements, match):
-    """fully_shard raises ``ValueError(match)`` and leaves the module as it was."""
+def _refused(mesh, placements, match, error=ValueError):
+    """fully_shard raises ``error(match)`` and leaves the module as it was."""
     model = nn.Linear(4, 4)
     weight = model.weight
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         with fully_shard_context(device="cpu"):
             fully_shard(model, mesh=mesh, placements=placements)
     assert not isinstance(model, FsdpModule) and model.weight is weight and type(weight) is nn.Parameter
@@ -100,6 +100,13 @@ def test_axes_out_of_range_are_refused():
     _refused(mesh2, Placements.hsdp("outer", "dp"), "not a dimension")
     _refused(mesh_1d(), Placements.zero3(1), "out of range")
     _refused(mesh_1d(), Placements.zero3("dp"), "not a dimension")
+
+
+def test_hfsdp_without_zero3_on_the_inner_axis_is_refused():
+    # The optimizer's outer shard refreshes sharded compute weights; with replicated
+    # ones (ZeRO-2 inside) two axes would have to be gathered after every step.
+    mesh = mesh_2d(hybrid_shapes()[-1])
+    _refused(mesh, Placements((0, 1), (R, R), (P, S0), (S0, S0)), "needs ZeRO-3", NotImplementedError)
 
 
 def test_wrong_number_of_placements_is_refused():
