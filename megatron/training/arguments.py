@@ -158,7 +158,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
                    help="outer (replica) size of HSDP/HFSDP")
     g.add_argument("--outer-dp-sharding-strategy", choices=OUTER_SHARDING_STRATEGIES, default=None,
-                   help="no_shard: HSDP; optim: HFSDP (default no_shard)")
+                   help="no_shard: HSDP; optim: HFSDP, with optim_grads_params inside (default no_shard)")
     g.add_argument("--megatron-fsdp-main-params-dtype", choices=tuple(_DTYPES), default=None)
     g.add_argument("--megatron-fsdp-main-grads-dtype", choices=("auto",) + tuple(_DTYPES), default=None)
     g.add_argument("--megatron-fsdp-grad-comm-dtype", choices=("auto",) + tuple(_DTYPES), default=None)
@@ -359,12 +359,12 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
             "--outer-dp-sharding-strategy optim (HFSDP) needs --num-distributed-optimizer-instances > 1; "
             "set it, or drop --outer-dp-sharding-strategy."
         )
-    if args.outer_dp_sharding_strategy == "optim" and args.data_parallel_sharding_strategy in ("no_shard", "optim"):
-        # HFSDP shards optimizer state across instances, which needs gradients already
-        # reduce-scattered inside each instance.
+    if args.outer_dp_sharding_strategy == "optim" and args.data_parallel_sharding_strategy != "optim_grads_params":
+        # HFSDP shards optimizer state across instances; its updated shards refresh sharded
+        # compute weights, so each instance runs ZeRO-3 (as upstream requires).
         raise ValueError(
-            "--outer-dp-sharding-strategy optim (HFSDP) needs sharded gradients inside each instance; "
-            "use --data-parallel-sharding-strategy optim_grads or optim_grads_params."
+            "--outer-dp-sharding-strategy optim (HFSDP) needs ZeRO-3 inside each instance; "
+            "use --data-parallel-sharding-strategy optim_grads_params."
         )
     args.dp_outer_size = outer
     args.dp_inner_size = world_size // outer

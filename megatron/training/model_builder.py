@@ -59,9 +59,9 @@ def build_device_mesh(args, device_type: str):
 
 
 def build_placements(args):
-    """ZeRO-0..3 -> no_shard/zero1/zero2/zero3; with K>1 instances, outer no_shard -> HSDP,
-    outer optim -> HFSDP (inner strategy from --data-parallel-sharding-strategy)."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
+    """ZeRO-0..3 -> no_shard/zero1/zero2/zero3; with K>1 instances, outer no_shard -> HSDP
+    (inner strategy from --data-parallel-sharding-strategy), outer optim -> HFSDP."""
+    from torch.distributed.tensor import Partial, Replicate
 
     from megatron.core.distributed.mfsdp_v2 import Placements
 
@@ -78,14 +78,13 @@ def build_placements(args):
         if args.outer_dp_sharding_strategy == "optim":
             return Placements.hfsdp("outer", "inner")
         return Placements.hsdp("outer", "inner")
-    # Same structure as the presets, with a ZeRO-1/2 inner axis.
+    # HSDP with a no_shard/ZeRO-1/2 inner axis (HFSDP needs ZeRO-3 inside; see arguments.py).
     inner = presets[strategy]("inner")
-    outer_optimizer = Shard(0) if args.outer_dp_sharding_strategy == "optim" else Replicate()
     return Placements(
         ("outer", "inner"),
         (Replicate(), inner.parameter[0]),
         (Partial("avg"), inner.gradient[0]),
-        (outer_optimizer, inner.optimizer[0]),
+        (Replicate(), inner.optimizer[0]),
     )
 
 

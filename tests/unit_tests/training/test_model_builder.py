@@ -35,10 +35,10 @@ def test_zero_levels_map_to_presets(strategy, preset):
 def test_instances_map_to_hsdp_and_hfsdp():
     assert build_placements(ns("optim_grads_params", 2, "no_shard")) == Placements.hsdp("outer", "inner")
     assert build_placements(ns("optim_grads_params", 2, "optim")) == Placements.hfsdp("outer", "inner")
-    zero2_hfsdp = build_placements(ns("optim_grads", 2, "optim"))
-    assert zero2_hfsdp.parameter == (Replicate(), Replicate())
-    assert zero2_hfsdp.gradient == (Partial("avg"), Shard(0))
-    assert zero2_hfsdp.optimizer == (Shard(0), Shard(0))
+    zero2_hsdp = build_placements(ns("optim_grads", 2, "no_shard"))
+    assert zero2_hsdp.parameter == (Replicate(), Replicate())
+    assert zero2_hsdp.gradient == (Partial("avg"), Shard(0))
+    assert zero2_hsdp.optimizer == (Replicate(), Shard(0))
 
 
 def test_every_mapped_combination_is_supported_by_the_engine(world_of_one):
@@ -49,16 +49,15 @@ def test_every_mapped_combination_is_supported_by_the_engine(world_of_one):
     for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
         decode_strategy(build_placements(ns(strategy)), mesh1)
         decode_strategy(build_placements(ns(strategy, 2, "no_shard")), mesh2)
-    for strategy in ("optim_grads", "optim_grads_params"):
-        decode_strategy(build_placements(ns(strategy, 2, "optim")), mesh2)
+    decode_strategy(build_placements(ns("optim_grads_params", 2, "optim")), mesh2)
 
 
 def test_outer_optim_with_unsupported_inner_strategy_is_rejected_at_parse_time():
     base = ("--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
             "--lr 1e-3 --train-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 64 --use-mfsdp "
             "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim").split()
-    for inner in ("no_shard", "optim"):
-        with pytest.raises(ValueError, match="use --data-parallel-sharding-strategy optim_grads or optim_grads_params"):
+    for inner in ("no_shard", "optim", "optim_grads"):
+        with pytest.raises(ValueError, match="use --data-parallel-sharding-strategy optim_grads_params"):
             parse_args(base + ["--data-parallel-sharding-strategy", inner], world_size=2, cuda_available=False)
     # HSDP (outer no_shard) accepts every inner strategy.
     base_hsdp = base[: base.index("--outer-dp-sharding-strategy")]
