@@ -227,7 +227,7 @@ def _set_prefetch_depth(ctx, depth: int) -> None:
             stock(state)  # the next unit
             index = index_of(state) + 1
             if index < len(order):
-                stock(order[index]._fsdp_state)  # and the one after it
+                stock(order[index].fsdp_state)  # and the one after it
 
         return prefetch
 

@@ -57,7 +57,7 @@ class BackwardCoordinator:
         try:
             with hook_range("MFSDP finish_backward", self._device_handle):
                 for unit in self._units:
-                    unit._fsdp_state.reduce_if_pending()  # unused parameters: their gradient counts as zero
+                    unit.fsdp_state.reduce_if_pending()  # unused parameters: their gradient counts as zero
                 self._settle(lambda group: group.expose_grads())
         finally:
             self.callback_queued = False
@@ -75,7 +75,7 @@ class BackwardCoordinator:
                 work.wait()
         self.pending_reductions.clear()
         for unit in self._units:
-            state = unit._fsdp_state
+            state = unit.fsdp_state
             state.wait_pending_unshard()
             state.reshard()
             for group in state.groups:

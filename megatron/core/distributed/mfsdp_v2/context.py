@@ -17,7 +17,7 @@ import torch
 
 from .backward import BackwardCoordinator
 from .device import device_handle_for, resolve_device
-from .module import Phase
+from .phase import Phase
 from .optimizer import watch_plain_optimizers
 from .work import CollectiveCounter
 
@@ -85,10 +85,10 @@ class FsdpContext:
                     inside_other.add(id(sub))
         self.roots = [u for u in self.units if id(u) not in inside_other]
         for root in self.roots:
-            root._fsdp_state.is_root = True
+            root.fsdp_state.is_root = True
             for name, sub in root.named_modules():
                 if id(sub) in unit_ids:
-                    sub._fsdp_state.set_name(name)
+                    sub.fsdp_state.set_name(name)
         self.forward_order = []
         self.backward_order = []
         for root in self.roots:
@@ -96,9 +96,9 @@ class FsdpContext:
         for root in reversed(self.roots):
             self._collect(root, unit_ids, self.backward_order, reverse=True)
         for index, unit in enumerate(self.forward_order):
-            unit._fsdp_state.forward_index = index
+            unit.fsdp_state.forward_index = index
         for index, unit in enumerate(self.backward_order):
-            unit._fsdp_state.backward_index = index
+            unit.fsdp_state.backward_index = index
         self.finalized = True
 
     def _collect(self, module, unit_ids, out: List, reverse: bool) -> None:
@@ -122,8 +122,8 @@ class FsdpContext:
         # A unit whose gradients were already reduced in this backward (it ran earlier than
         # the static order predicts) needs no parameters any more: gathering it again would
         # keep it unsharded until the end of backward.
-        if index < len(order) and order[index]._fsdp_state.phase is not Phase.POST_BACKWARD:
-            order[index]._fsdp_state.issue_unshard()
+        if index < len(order) and order[index].fsdp_state.phase is not Phase.POST_BACKWARD:
+            order[index].fsdp_state.issue_unshard()
 
     def prefetch_forward(self, state) -> None:
         self._prefetch_after(state.forward_index + 1, self.forward_order)
@@ -134,13 +134,13 @@ class FsdpContext:
     def reshard_all(self) -> None:
         """Reshard every unit (e.g. after a forward without gradients)."""
         for unit in self.units:
-            unit._fsdp_state.wait_pending_unshard()
-            unit._fsdp_state.reshard()
+            unit.fsdp_state.wait_pending_unshard()
+            unit.fsdp_state.reshard()
 
     def persistent_bytes(self) -> dict:
         total: dict = {}
         for unit in self.units:
-            for group in unit._fsdp_state.groups:
+            for group in unit.fsdp_state.groups:
                 for key, value in group.persistent_bytes().items():
                     total[key] = total.get(key, 0) + value
         return total

@@ -1,7 +1,7 @@
 """The FsdpModule mixin and the per-unit state machine behind its hooks.
 
 Every unit has a ``phase`` (``FsdpModule.Phase``); all transitions go through one setter
-that checks them against ``_ALLOWED_TRANSITIONS``. Lifecycle of one unit in a training
+that checks them (``phase.py``). Lifecycle of one unit in a training
 step (ZeRO-3):
 
 1. pre_forward: wait for this unit's all-gather (issue it if no prefetch did), swap in
@@ -27,13 +27,13 @@ graphs that non-reentrant checkpointing replays) keep referring to the same obje
 
 from __future__ import annotations
 
-import enum
 from typing import List, Optional
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .phase import Phase, check_transition
 from .profiling import hook_range, unit_label
 from .work import CollectiveWork
 
@@ -71,28 +71,6 @@ def _on_input_gradients(callback, inputs):
     for i, tensor in zip(positions, outputs):
         leaves[i] = tensor
     return tree_unflatten(leaves, spec), True
-
-
-class Phase(enum.Enum):
-    """Where a unit is in its step (``FsdpModule.Phase``)."""
-
-    RESTING = enum.auto()  # between steps (a root may still hold its forward's weights)
-    FORWARD = enum.auto()  # between pre_forward and post_forward
-    BACKWARD = enum.auto()  # between pre_backward and post_backward; recomputation runs inside it
-    POST_BACKWARD = enum.auto()  # this backward reduced its gradients (or it has none to reduce)
-
-
-# (old, new) pairs the hooks may take. Reaching RESTING at the end of a backward
-# (finished or aborted) goes through UnitState.rest(), from any phase.
-_ALLOWED_TRANSITIONS = {
-    (Phase.RESTING, Phase.FORWARD),
-    (Phase.FORWARD, Phase.RESTING),
-    (Phase.RESTING, Phase.BACKWARD),
-    (Phase.BACKWARD, Phase.POST_BACKWARD),
-    # Gradients that arrive, or are settled as unused, without a pre-backward hook
-    # (no output of the unit required grad).
-    (Phase.RESTING, Phase.POST_BACKWARD),
-}
 
 
 class UnitState:
@@ -134,11 +112,7 @@ class UnitState:
 
     @phase.setter
     def phase(self, new: Phase) -> None:
-        if (self._phase, new) not in _ALLOWED_TRANSITIONS:
-            raise RuntimeError(
-                f"FSDP unit {unit_label(self.name)!r}: invalid phase transition {self._phase.name} -> "
-                f"{new.name}. This is an engine bug (or hooks were called by hand); please report it."
-            )
+        check_transition(unit_label(self.name), self._phase, new)
         self._phase = new
 
     def rest(self) -> None:
@@ -301,6 +275,12 @@ class FsdpModule:
 
     Phase = Phase
     _fsdp_state: UnitState
+
+    @property
+    def fsdp_state(self) -> UnitState:
+        """The engine's state of this unit (its groups, phase, prefetch indices): what the
+        context, the backward coordinator and the checkpoint adapter drive."""
+        return self._fsdp_state
 
     @property
     def phase(self) -> Phase:

@@ -77,7 +77,7 @@ def local_rows(tensor) -> torch.Tensor:
 
 def unit_meshes(contexts) -> List[Any]:
     """The device mesh of every unit, in registration order."""
-    return [unit._fsdp_state.mesh for ctx in contexts for unit in ctx.units]
+    return [unit.fsdp_state.mesh for ctx in contexts for unit in ctx.units]
 
 
 def unit_strategies(contexts) -> Dict[str, str]:
@@ -85,7 +85,7 @@ def unit_strategies(contexts) -> Dict[str, str]:
     out = {}
     for ctx in contexts:
         for unit in ctx.units:
-            out[unit.name or "<root>"] = unit._fsdp_state.strategy.name
+            out[unit.name or "<root>"] = unit.fsdp_state.strategy.name
     return out
 
 
