@@ -357,11 +357,11 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         raise ValueError(f"--num-distributed-optimizer-instances must be at least 1, got {outer}.")
     dp_size = args.data_parallel_size
     if dp_size % outer != 0:
-        raise ValueError(
-            f"--num-distributed-optimizer-instances ({outer}) must divide the data-parallel size "
-            f"({dp_size} = world size {world_size} / tensor-parallel size {args.tensor_model_parallel_size}); "
-            f"pick a divisor of {dp_size}."
-        )
+        size = (f"world size ({world_size})" if dp_size == world_size else
+                f"data-parallel size ({dp_size} = world size {world_size} / tensor-parallel size "
+                f"{args.tensor_model_parallel_size})")
+        raise ValueError(f"--num-distributed-optimizer-instances ({outer}) must divide the {size}; "
+                         f"pick a divisor of {dp_size}.")
     if args.outer_dp_sharding_strategy == "optim" and outer == 1:
         raise ValueError(
             "--outer-dp-sharding-strategy optim (HFSDP) needs --num-distributed-optimizer-instances > 1; "
