@@ -5,7 +5,8 @@ A Llama-style model (GQA, SwiGLU, RMSNorm, RoPE, untied output) in fp32 without 
 the initial global weights do not depend on the TP size, the two TP ranks of a
 data-parallel rank read the same samples, and the loss is normalized over the global
 batch, so the runs differ only by reduction order. MFSDP with sequence parallelism and
-DDP without it (DDP over the data-parallel group).
+DDP without it (DDP over the data-parallel group). The TP=2 run saves at iteration 2;
+resumed at TP=1 on 2 ranks, its checkpoint (global tensors) continues the same curve.
 """
 
 import pytest
@@ -20,18 +21,23 @@ ARGS[ARGS.index("--eval-iters") + 1] = "1"
 ARGS += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--num-query-groups", "2",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
 
+SAVE = "{save}"  # replaced by the checkpoint directory
 RUNS = {
     "tp1-dp2-mfsdp": (2, ["--use-mfsdp"]),
-    "tp2-dp2-mfsdp-sp": (4, ["--use-mfsdp", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "tp2-dp2-mfsdp-sp": (4, ["--use-mfsdp", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                             "--save", SAVE, "--save-interval", "2"]),
     "tp2-dp2-ddp": (4, ["--tensor-model-parallel-size", "2"]),
+    "tp1-dp2-resumed": (2, ["--use-mfsdp", "--load", SAVE + "/iter_0000002"]),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
+    save = str(tmp_path_factory.mktemp("checkpoints") / "tp2")
     for name, (nproc, flags) in RUNS.items():
         log_dir = tmp_path_factory.mktemp(name) / "logs"
+        flags = [f.replace(SAVE, save) for f in flags]
         proc = run_torchrun(ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
         out[name] = read_metrics(str(log_dir)) + (proc.stdout,)
     return out
@@ -49,3 +55,11 @@ def test_tensor_parallel_losses_equal_tp1(runs):
             assert tp_train[it]["consumed_samples"] == 8 * it
         assert tp_valid[ITERS]["lm_loss"] == pytest.approx(valid[ITERS]["lm_loss"], rel=2e-5), name
         assert "tensor parallel 2 x data parallel 2" in stdout, name
+
+
+def test_tp2_checkpoint_resumes_at_tp1(runs):
+    train, _, _ = runs["tp1-dp2-mfsdp"]
+    resumed, _, stdout = runs["tp1-dp2-resumed"]
+    assert "resumed from" in stdout and sorted(resumed) == list(range(3, ITERS + 1))
+    for it in range(3, ITERS + 1):
+        assert resumed[it]["lm_loss"] == pytest.approx(train[it]["lm_loss"], rel=2e-5, abs=1e-6), it
