@@ -428,7 +428,7 @@ class _Trainer:
                 with timers("optimizer-count-zeros", 1):
                     from megatron.core.optimizer import count_zeros
 
-                    self.num_zeros = count_zeros(self.params)
+                    self.num_zeros = count_zeros(self.params, **tensor_parallel_norm_args(args, self.built))
             if skipped:
                 # Megatron skips the update (and the LR step) rather than writing NaN/inf weights.
                 self.optimizer.zero_grad(set_to_none=True)

@@ -80,9 +80,28 @@ def _tensor_parallel_norm(params, value_of, norm_type, tensor_parallel_params, t
     return (power + replicated.to(power.device).pow(float(norm_type))).pow(1.0 / float(norm_type))
 
 
-def count_zeros(parameters: Params) -> int:
+def count_zeros(parameters: Params, tensor_parallel_params=(), tp_group=None) -> int:
     """Number of zero entries in the gradients, over the whole model (``--log-num-zeros-in-grad``).
-    Plain gradients are whole on every rank; sharded ones add up over their shard dims."""
+    Plain gradients are whole on every rank; sharded ones add up over their shard dims, and
+    the pieces of ``tensor_parallel_params`` over ``tp_group``."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        split_ids = {id(p) for p in tensor_parallel_params}
+        split = _count_zeros([p for p in parameters if id(p) in split_ids])
+        part = torch.tensor([float(split)], dtype=torch.float64, device=_reduce_device_of(parameters))
+        dist.all_reduce(part, group=tp_group)
+        return int(part.item()) + _count_zeros([p for p in parameters if id(p) not in split_ids])
+    return _count_zeros(parameters)
+
+
+def _reduce_device_of(parameters) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if any(p.is_cuda for p in parameters) else \
+        torch.device("cpu")
+
+
+def _count_zeros(parameters) -> int:
     def zeros(t: torch.Tensor) -> int:
         return int((t == 0).sum()) if t.numel() else 0
 

@@ -28,6 +28,9 @@ from _tp_models import (
     wrap_tp,
 )
 
+from megatron.core.optimizer import count_zeros, get_params_norm
+from megatron.core.tensor_parallel import tensor_parallel_parameters
+
 SEQUENCE_PARALLEL = (False, True) if dist.get_world_size() > 1 else (False,)
 
 
@@ -52,3 +55,11 @@ def test_tensor_parallel_training_equals_single_process(tp, strategy, arch, sequ
     torch.testing.assert_close(torch.stack(norms).float(), torch.stack(ref_norms).float(), rtol=1e-4, atol=1e-6)
     check(all(float(n) > MAX_NORM for n in ref_norms), "clipping was not active; lower MAX_NORM")
     assert_pieces_match(model, reference)
+    # --log-params-norm and --log-num-zeros-in-grad count each TP piece and replica once.
+    split = dict(tensor_parallel_params=tensor_parallel_parameters(model), tp_group=state.tp_group)
+    ref_norm = torch.linalg.vector_norm(torch.cat([p.detach().reshape(-1) for p in reference.parameters()]))
+    torch.testing.assert_close(get_params_norm(list(model.parameters()), **split), ref_norm, rtol=1e-5, atol=1e-6)
+    if arch == "llama":  # GPT-2's key-bias gradients are zero up to rounding: their zero count is noise
+        ref_zeros = sum(int((p.grad == 0).sum()) for p in reference.parameters())  # the padding rows
+        check(ref_zeros > 0 and count_zeros(list(model.parameters()), **split) == ref_zeros,
+              "zero-gradient count differs")
