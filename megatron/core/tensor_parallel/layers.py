@@ -51,16 +51,30 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float,
-                 tp_group: Optional[dist.ProcessGroup], sequence_parallel: bool = False, blocks: int = 1,
-                 dtype: Optional[torch.dtype] = None, skip_weight_param_allocation: bool = False):
+class _TensorParallelLayer(nn.Module):
+    """What every TP layer has: its group, sequence parallelism, Megatron's init std."""
+
+    def __init__(self, init_std: float, tp_group: Optional[dist.ProcessGroup], sequence_parallel: bool):
         super().__init__()
-        rank, size = tp_rank_and_size(tp_group)
-        self.input_size, self.output_size = input_size, output_size
         self.init_std = init_std
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
+
+    def reset_parameters(self) -> None:
+        # Global RNG, standalone use only; the trainer uses initialization.py (layout-invariant).
+        if self.weight is not None:
+            nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if getattr(self, "bias", None) is not None:
+            nn.init.zeros_(self.bias)
+
+
+class ColumnParallelLinear(_TensorParallelLayer):
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float,
+                 tp_group: Optional[dist.ProcessGroup], sequence_parallel: bool = False, blocks: int = 1,
+                 dtype: Optional[torch.dtype] = None, skip_weight_param_allocation: bool = False):
+        super().__init__(init_std, tp_group, sequence_parallel)
+        rank, size = tp_rank_and_size(tp_group)
+        self.input_size, self.output_size = input_size, output_size
         divide(output_size, size * blocks, "the output size of a column-parallel linear")
         self.global_slices = {"weight": partition((output_size, input_size), 0, rank, size, blocks)}
         if skip_weight_param_allocation:  # the caller passes the weight (tied output layer)
@@ -73,13 +87,6 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.bias = None
         self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        # Global RNG, standalone use only; the trainer uses initialization.py (layout-invariant).
-        if self.weight is not None:
-            nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``weight`` overrides the own one (the output layer's tied embedding)."""
@@ -98,24 +105,19 @@ class ColumnParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_TensorParallelLayer):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float,
                  tp_group: Optional[dist.ProcessGroup], sequence_parallel: bool = False,
                  dtype: Optional[torch.dtype] = None):
-        super().__init__()
+        super().__init__(init_std, tp_group, sequence_parallel)
         rank, size = tp_rank_and_size(tp_group)
         self.input_size, self.output_size = input_size, output_size
-        self.init_std = init_std
-        self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel
         divide(input_size, size, "the input size of a row-parallel linear")
         self.global_slices = {"weight": partition((output_size, input_size), 1, rank, size)}
         self.weight = nn.Parameter(torch.empty(self.global_slices["weight"].local_shape, dtype=dtype))
         # Added after the reduction, so it is the same on every TP rank.
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype)) if bias else None
         self.reset_parameters()
-
-    reset_parameters = ColumnParallelLinear.reset_parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
@@ -130,24 +132,18 @@ class RowParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_TensorParallelLayer):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float,
                  tp_group: Optional[dist.ProcessGroup], sequence_parallel: bool = False,
                  dtype: Optional[torch.dtype] = None):
-        super().__init__()
+        super().__init__(init_std, tp_group, sequence_parallel)
         rank, size = tp_rank_and_size(tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.init_std = init_std
-        self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel
         per_rank = divide(num_embeddings, size, "the padded vocabulary size")
         self.vocab_start_index, self.vocab_end_index = rank * per_rank, (rank + 1) * per_rank
         self.global_slices = {"weight": partition((num_embeddings, embedding_dim), 0, rank, size)}
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, dtype=dtype))
         self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[b, s] ids -> [b, s, h], or [b, s / tp, h] (this rank's sequence chunk) with

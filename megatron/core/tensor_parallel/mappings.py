@@ -70,96 +70,52 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    return x
 
 
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+def _region(name: str, forward, backward):
+    """The mapping ``name(x, group)``: ``forward(x, group)`` forward, ``backward(grad, group)``
+    backward; the identity at TP size 1."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    class Region(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
 
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(grad, ctx.group), None
 
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, x.dim() - 1, group)
+    def mapping(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        return x if _size(group) == 1 else Region.apply(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, grad.dim() - 1, ctx.group), None
-
-
-class _ScatterToSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, SEQUENCE_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, SEQUENCE_DIM, ctx.group), None
+    Region.__name__ = Region.__qualname__ = f"_{name}"
+    mapping.__name__ = mapping.__qualname__ = name
+    return mapping
 
 
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, SEQUENCE_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # The consumer (a column-parallel layer) saw the whole sequence on every rank and
-        # produced a partial gradient: sum it and keep this rank's chunk.
-        return _reduce_scatter(grad, SEQUENCE_DIM, ctx.group), None
+def _last(function):
+    return lambda x, group: function(x, x.dim() - 1, group)
 
 
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, SEQUENCE_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, SEQUENCE_DIM, ctx.group), None
+def _sequence(function):
+    return lambda x, group: function(x, SEQUENCE_DIM, group)
 
 
-def _apply(function, x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    return x if _size(group) == 1 else function.apply(x, group)
-
-
-def copy_to_tensor_model_parallel_region(x, group):
-    return _apply(_CopyToRegion, x, group)
-
-
-def reduce_from_tensor_model_parallel_region(x, group):
-    return _apply(_ReduceFromRegion, x, group)
-
-
-def gather_from_tensor_model_parallel_region(x, group):
-    return _apply(_GatherFromRegion, x, group)
-
-
-def scatter_to_sequence_parallel_region(x, group):
-    return _apply(_ScatterToSequenceRegion, x, group)
-
-
-def gather_from_sequence_parallel_region(x, group):
-    return _apply(_GatherFromSequenceRegion, x, group)
-
-
-def reduce_scatter_to_sequence_parallel_region(x, group):
-    return _apply(_ReduceScatterToSequenceRegion, x, group)
+# The table of the module docstring. The input of an all-reduce is cloned: autograd may
+# still need it. A gather_from_sequence_parallel_region feeds a column-parallel layer,
+# which saw the whole sequence on every rank and produced partial gradients: backward
+# sums them and keeps this rank's chunk.
+copy_to_tensor_model_parallel_region = _region("copy_to_tensor_model_parallel_region", _identity, _all_reduce)
+reduce_from_tensor_model_parallel_region = _region(
+    "reduce_from_tensor_model_parallel_region", lambda x, group: _all_reduce(x.clone(), group), _identity)
+gather_from_tensor_model_parallel_region = _region(
+    "gather_from_tensor_model_parallel_region", _last(_all_gather), _last(_split))
+scatter_to_sequence_parallel_region = _region(
+    "scatter_to_sequence_parallel_region", _sequence(_split), _sequence(_all_gather))
+gather_from_sequence_parallel_region = _region(
+    "gather_from_sequence_parallel_region", _sequence(_all_gather), _sequence(_reduce_scatter))
+reduce_scatter_to_sequence_parallel_region = _region(
+    "reduce_scatter_to_sequence_parallel_region", _sequence(_reduce_scatter), _sequence(_all_gather))
