@@ -6,12 +6,18 @@ the initial global weights do not depend on the TP size, the two TP ranks of a
 data-parallel rank read the same samples, and the loss is normalized over the global
 batch, so the runs differ only by reduction order. MFSDP with sequence parallelism and
 DDP without it (DDP over the data-parallel group). The TP=2 run saves at iteration 2;
-resumed at TP=1 on 2 ranks, its checkpoint (global tensors) continues the same curve.
+resumed at TP=1 on 2 ranks, its checkpoint (global tensors) continues the same curve,
+and the final checkpoints of both converts to the same Hugging Face model.
 """
 
-import pytest
+import os
+import subprocess
+import sys
 
-from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_torchrun
+import pytest
+import torch
+
+from test_pretrain_gpt import MODEL_ARGS, REPO, read_metrics, run_torchrun
 
 ITERS = 4
 ARGS = list(MODEL_ARGS)
@@ -21,25 +27,26 @@ ARGS[ARGS.index("--eval-iters") + 1] = "1"
 ARGS += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--num-query-groups", "2",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
 
-SAVE = "{save}"  # replaced by the checkpoint directory
+SAVE = "{save}"  # replaced by the checkpoints' directory
 RUNS = {
     "tp1-dp2-mfsdp": (2, ["--use-mfsdp"]),
     "tp2-dp2-mfsdp-sp": (4, ["--use-mfsdp", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                             "--save", SAVE, "--save-interval", "2"]),
+                             "--save", SAVE + "/tp2", "--save-interval", "2"]),
     "tp2-dp2-ddp": (4, ["--tensor-model-parallel-size", "2"]),
-    "tp1-dp2-resumed": (2, ["--use-mfsdp", "--load", SAVE + "/iter_0000002"]),
+    "tp1-dp2-resumed": (2, ["--use-mfsdp", "--load", SAVE + "/tp2/iter_0000002", "--save", SAVE + "/tp1"]),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    save = str(tmp_path_factory.mktemp("checkpoints") / "tp2")
+    save = str(tmp_path_factory.mktemp("checkpoints"))
     for name, (nproc, flags) in RUNS.items():
         log_dir = tmp_path_factory.mktemp(name) / "logs"
         flags = [f.replace(SAVE, save) for f in flags]
         proc = run_torchrun(ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
         out[name] = read_metrics(str(log_dir)) + (proc.stdout,)
+    out["checkpoints"] = save
     return out
 
 
@@ -63,3 +70,19 @@ def test_tp2_checkpoint_resumes_at_tp1(runs):
     assert "resumed from" in stdout and sorted(resumed) == list(range(3, ITERS + 1))
     for it in range(3, ITERS + 1):
         assert resumed[it]["lm_loss"] == pytest.approx(train[it]["lm_loss"], rel=2e-5, abs=1e-6), it
+
+
+def test_tp2_and_tp1_checkpoints_convert_to_the_same_hugging_face_model(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    converted = {}
+    for name in ("tp2", "tp1"):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert.py"), "--input",
+                               os.path.join(runs["checkpoints"], name), "--to", "hf", "--output", str(out), "--quiet"],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        converted[name] = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert converted["tp2"] and sorted(converted["tp2"]) == sorted(converted["tp1"])
+    for key, tensor in converted["tp1"].items():
+        torch.testing.assert_close(converted["tp2"][key], tensor, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
