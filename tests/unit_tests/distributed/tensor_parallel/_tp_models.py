@@ -38,8 +38,10 @@ ARCHITECTURES = {
                   position_embedding_type="rope"),
 }
 
-PLACEMENTS = {"zero3": lambda: Placements.zero3("dp"), "zero1": lambda: Placements.zero1("dp"),
-              "hsdp": lambda: Placements.hsdp("outer", "inner")}
+PLACEMENTS = {"zero3": lambda: Placements.zero3("dp"), "zero2": lambda: Placements.zero2("dp"),
+              "zero1": lambda: Placements.zero1("dp"), "no_shard": lambda: Placements.no_shard("dp"),
+              "hsdp": lambda: Placements.hsdp("outer", "inner"), "hfsdp": lambda: Placements.hfsdp("outer", "inner")}
+HYBRID = ("hsdp", "hfsdp")  # on the ("outer", "inner") DP axes
 
 _STATES: Dict[Tuple[int, int], ParallelState] = {}
 
@@ -157,3 +159,11 @@ def tp_world_layouts():
             if world // tp >= 2:
                 layouts.append((tp, "hsdp"))
     return layouts or [(1, "zero3"), (1, "zero1")]
+
+
+def more_tp_layouts():
+    """The other strategies with TP (fewer model variants)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return [(1, "zero2"), (1, "no_shard")]
+    return [(2, "zero2"), (2, "no_shard")] + ([(2, "hfsdp")] if world // 2 >= 2 else [])

@@ -1,4 +1,6 @@
-"""TP x MFSDP training equals a single-process reference (fp32).
+"""TP x MFSDP training equals a single-process reference (fp32): ZeRO-3, ZeRO-1 and HSDP
+for GPT-2 and Llama models with and without sequence parallelism at TP 2 and 4, and
+ZeRO-2, no_shard and HFSDP for the Llama model with sequence parallelism.
 
 The model's tensor-parallel pieces are sharded by the engine over the data-parallel
 sub-mesh only. Each step: every DP rank takes its rows of the global batch (all TP ranks
@@ -17,8 +19,10 @@ from _tp_models import (
     ARCHITECTURES,
     MAX_NORM,
     assert_pieces_match,
+    HYBRID,
     build_gpt,
     global_batches,
+    more_tp_layouts,
     named_pieces,
     parallel_state,
     reference_piece,
@@ -38,7 +42,16 @@ SEQUENCE_PARALLEL = (False, True) if dist.get_world_size() > 1 else (False,)
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("tp,strategy", tp_world_layouts())
 def test_tensor_parallel_training_equals_single_process(tp, strategy, arch, sequence_parallel):
-    state = parallel_state(tp, dp_outer=2 if strategy == "hsdp" else 1)
+    _check_training(tp, strategy, arch, sequence_parallel)
+
+
+@pytest.mark.parametrize("tp,strategy", more_tp_layouts())
+def test_other_strategies_with_tensor_parallelism(tp, strategy):
+    _check_training(tp, strategy, "llama", tp > 1)
+
+
+def _check_training(tp, strategy, arch, sequence_parallel):
+    state = parallel_state(tp, dp_outer=2 if strategy in HYBRID else 1)
     batches = global_batches(2)
     reference = build_gpt(arch)
     model = build_gpt(arch, state, sequence_parallel)
