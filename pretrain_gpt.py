@@ -54,10 +54,22 @@ def core_transformer_config_from_args(args):
         apply_layernorm_1p=getattr(args, "apply_layernorm_1p", False),
         attention_softmax_in_fp32=getattr(args, "attention_softmax_in_fp32", False),
         attention_backend=getattr(args, "attention_backend", "auto"),
+        **tensor_parallel_config_from_args(args),
     )
     if getattr(args, "squared_relu", False):
         config.activation_func = "squared_relu"
     return config
+
+
+def tensor_parallel_config_from_args(args):
+    """TP size, sequence parallelism and the TP group (from megatron.core.parallel_state)."""
+    from megatron.core import parallel_state
+
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    if tp == 1:
+        return {}
+    return dict(tensor_model_parallel_size=tp, sequence_parallel=args.sequence_parallel,
+                tp_group=parallel_state.get_tensor_model_parallel_group())
 
 
 def model_provider(args):

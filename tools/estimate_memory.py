@@ -80,6 +80,9 @@ def main(argv=None):
         args = parse_args(rest, world_size=known.world_size, cuda_available=False)
     except ValueError as error:
         raise SystemExit(f"estimate_memory.py: error: {error}")
+    if args.tensor_model_parallel_size > 1:
+        raise SystemExit("estimate_memory.py: error: the planner covers data parallelism only; drop "
+                         "--tensor-model-parallel-size (docs/design.md gives TP x FSDP's per-rank memory).")
     outer = known.outer_size or (args.num_distributed_optimizer_instances if args.dp_outer_size > 1 else 2)
     units, plans = estimate(args, known.world_size, outer)
     n = sum(u.numel for u in units)

@@ -70,6 +70,8 @@ def _for_one_process(args: argparse.Namespace) -> argparse.Namespace:
     args.data_parallel_size = 1
     args.dp_outer_size = 1
     args.dp_inner_size = 1
+    args.tensor_model_parallel_size = 1  # checkpoints hold global tensors
+    args.sequence_parallel = False
     args.outer_dp_sharding_strategy = "no_shard"
     args.load = None
     args.params_dtype = torch.float32

@@ -65,3 +65,14 @@ def partition(global_shape, dim: int, rank: int, size: int, blocks: int = 1) -> 
 
 def global_slices_of(module: nn.Module) -> Dict[str, GlobalSlice]:
     return getattr(module, "global_slices", None) or {}
+
+
+def global_slices_by_name(model: nn.Module) -> Dict[str, GlobalSlice]:
+    """``{parameter fqn: GlobalSlice}`` of every parameter that is a piece of a global
+    tensor (what checkpoints take as ``pieces``)."""
+    out = {}
+    for module_name, module in model.named_modules():
+        for attr, piece in global_slices_of(module).items():
+            if module._parameters.get(attr) is not None:
+                out[f"{module_name}.{attr}" if module_name else attr] = piece
+    return out

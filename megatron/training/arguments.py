@@ -9,6 +9,7 @@ environment (torchrun or SLURM), the same way ``initialize_distributed`` will.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Callable, Optional, Sequence
 
@@ -135,6 +136,10 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default nccl with CUDA, gloo without")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="ranks that split each layer (heads, FFN columns, vocabulary); the innermost mesh axis")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with tensor parallelism: split norms/dropout/residual activations along the sequence")
     g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
                    help="ignored (set by old launchers); LOCAL_RANK is read from the environment")
 
@@ -252,7 +257,8 @@ def _dtype_or_none(name: Optional[str]):
 def validate_args(args: argparse.Namespace, world_size: int, cuda_available: bool) -> argparse.Namespace:
     """Fill derived defaults and reject inconsistent combinations (ValueError)."""
     args.world_size = world_size
-    args.data_parallel_size = world_size  # no tensor/pipeline parallelism in this project
+    _validate_tensor_parallel_size(args, world_size)
+    args.data_parallel_size = world_size // args.tensor_model_parallel_size
     args.device_type = "cuda" if cuda_available else "cpu"
     _apply_fidelity_synonyms(args)
 
@@ -349,11 +355,13 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     outer = args.num_distributed_optimizer_instances
     if outer < 1:
         raise ValueError(f"--num-distributed-optimizer-instances must be at least 1, got {outer}.")
-    if world_size % outer != 0:
-        raise ValueError(
-            f"--num-distributed-optimizer-instances ({outer}) must divide the world size "
-            f"({world_size}); pick a divisor of {world_size}."
-        )
+    dp_size = args.data_parallel_size
+    if dp_size % outer != 0:
+        size = (f"world size ({world_size})" if dp_size == world_size else
+                f"data-parallel size ({dp_size} = world size {world_size} / tensor-parallel size "
+                f"{args.tensor_model_parallel_size})")
+        raise ValueError(f"--num-distributed-optimizer-instances ({outer}) must divide the {size}; "
+                         f"pick a divisor of {dp_size}.")
     if args.outer_dp_sharding_strategy == "optim" and outer == 1:
         raise ValueError(
             "--outer-dp-sharding-strategy optim (HFSDP) needs --num-distributed-optimizer-instances > 1; "
@@ -367,7 +375,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
             "use --data-parallel-sharding-strategy optim_grads_params."
         )
     args.dp_outer_size = outer
-    args.dp_inner_size = world_size // outer
+    args.dp_inner_size = dp_size // outer
     args.main_params_dtype = _dtype_or_none(args.megatron_fsdp_main_params_dtype) or torch.float32
     # Unset: fp32 main grads (Megatron's default: accumulate and reduce in fp32 even with
     # bf16 compute). "auto": the engine's rule (the compute dtype).
@@ -460,6 +468,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
 
     # --- tokenizer ---------------------------------------------------------------------------
     _validate_tokenizer(args)
+    _validate_tensor_parallel_model(args)
     _validate_activation(args)
     _validate_memory_args(args)
 
@@ -473,6 +482,46 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_fidelity(args)
     _validate_paths(args)
     return args
+
+
+def _validate_tensor_parallel_size(args, world_size: int) -> None:
+    tp = args.tensor_model_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor-model-parallel-size must be at least 1, got {tp}.")
+    if world_size % tp:
+        raise ValueError(
+            f"--tensor-model-parallel-size ({tp}) must divide the world size ({world_size}); "
+            f"launch a multiple of {tp} ranks or pick a divisor of {world_size}."
+        )
+    if args.sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop it or raise the TP size.")
+
+
+def _validate_tensor_parallel_model(args) -> None:
+    """Every split a TP size implies must be even (checked once the model shape is final)."""
+    tp = args.tensor_model_parallel_size
+    if tp == 1:
+        return
+    for flag, value in (("--num-attention-heads", args.num_attention_heads),
+                        ("--num-query-groups", args.num_query_groups),
+                        ("--ffn-hidden-size", args.ffn_hidden_size)):
+        if value % tp:
+            raise ValueError(f"{flag} ({value}) must be divisible by --tensor-model-parallel-size ({tp}); "
+                             "pick a TP size that divides it.")
+    if args.make_vocab_size_divisible_by % tp:
+        # The padded vocabulary does not depend on the TP size (checkpoints load at any
+        # TP size); a multiple of TP makes it split evenly.
+        raise ValueError(
+            f"--make-vocab-size-divisible-by ({args.make_vocab_size_divisible_by}) must be a multiple of "
+            f"--tensor-model-parallel-size ({tp}) so that the padded vocabulary splits evenly; "
+            f"use {math.lcm(args.make_vocab_size_divisible_by, tp)}."
+        )
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ValueError(f"--sequence-parallel splits the sequence: --seq-length ({args.seq_length}) must be "
+                         f"divisible by --tensor-model-parallel-size ({tp}).")
+    if args.transformer_impl != "local":
+        raise ValueError("--tensor-model-parallel-size > 1 uses the local layers; --transformer-impl "
+                         "transformer_engine with tensor parallelism is not supported yet.")
 
 
 def _validate_tokenizer(args):

@@ -245,12 +245,24 @@ def _is_mfsdp(model) -> bool:
 
 
 def _engine_group(model, async_group=None):
-    """Process group for the engine: the mesh's for MFSDP; the world for replicated models."""
+    """Process group for the engine: the mesh's for MFSDP; the world for replicated models
+    and under tensor parallelism (the engine's mesh is then the data-parallel sub-mesh)."""
     if async_group is not None:
         return async_group
-    if _is_mfsdp(model) or not dist.is_initialized():
+    if not dist.is_initialized():
+        return None
+    from megatron.core import parallel_state
+
+    if _is_mfsdp(model) and parallel_state.get_tensor_model_parallel_world_size() == 1:
         return None
     return dist.group.WORLD
+
+
+def _pieces(model) -> Dict[str, Any]:
+    """Tensor-parallel pieces of global tensors: saved and loaded as the global tensors."""
+    from megatron.core.global_slices import global_slices_by_name
+
+    return global_slices_by_name(model)
 
 
 def print_rank_0(message: str) -> None:
@@ -386,7 +398,7 @@ def save_checkpoint(
     }
     group = _async_group() if use_async else None
     result = engine.save_checkpoint(
-        module, optimizer, tmp, process_group=_engine_group(module, group), overwrite=True,
+        module, optimizer, tmp, process_group=_engine_group(module, group), overwrite=True, pieces=_pieces(module),
         async_save=use_async, extra_metadata={"iteration": int(iteration)},
     )
     if not use_async:
@@ -519,7 +531,7 @@ def load_checkpoint(
     start = time.time()
     try:
         engine.load_checkpoint(module, optimizer if load_optim else None, path,
-                               process_group=_engine_group(module))
+                               process_group=_engine_group(module), pieces=_pieces(module))
     except engine.OptimizerMismatchError as e:
         raise RuntimeError(f"{e} To load the model weights only, resume with --no-load-optim "
                            "(or --finetune to also restart at iteration 0).") from None

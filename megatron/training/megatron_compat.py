@@ -64,9 +64,10 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
                                     "no fused kernel: the loss is fp32 cross entropy either way"),
     "--cross-entropy-fusion-impl": (dict(choices=("native", "te"), default=None),
                                     "no fused kernel: the loss is fp32 cross entropy either way"),
-    "--sequence-parallel": (dict(action="store_true"), "no effect at tensor-parallel size 1 (as upstream)"),
-    "--use-tp-pp-dp-mapping": (dict(action="store_true"), "no effect: data parallelism only"),
-    "--no-async-tensor-model-parallel-allreduce": (dict(action="store_true"), "no effect without TP"),
+    "--use-tp-pp-dp-mapping": (dict(action="store_true"),
+                               "no effect: without pipeline parallelism it is the default order (TP innermost, then DP)"),
+    "--no-async-tensor-model-parallel-allreduce": (dict(action="store_true"),
+                                                   "always: the TP all-reduces run synchronously"),
     "--ddp-average-in-collective": (dict(action="store_true"), "always: gradients are averaged in the collective"),
     "--no-use-tokenizer-model-from-checkpoint-args": (dict(action="store_true"),
                                                       "always: the tokenizer comes from the command line"),
@@ -84,7 +85,6 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
 }
 
 PARALLEL_SIZES = (
-    "--tensor-model-parallel-size",
     "--pipeline-model-parallel-size",
     "--context-parallel-size",
     "--expert-model-parallel-size",
@@ -96,7 +96,7 @@ PARALLEL_SIZES = (
 _PP = "pipeline parallelism is not supported yet; drop it (the model runs on every data-parallel rank)"
 _MOE = "mixture-of-experts models are not supported yet; train a dense model (drop the MoE flags)"
 _FP8 = "FP8 training is not supported; use --bf16"
-_TP = "tensor parallelism is not supported yet; drop it"
+_TP = "overlapping tensor-parallel communication with compute is not supported yet; drop it"
 REJECTED: Dict[str, str] = {
     "--num-layers-per-virtual-pipeline-stage": _PP,
     "--num-virtual-stages-per-pipeline-rank": _PP,
@@ -173,7 +173,7 @@ def add_megatron_compat_args(parser: argparse.ArgumentParser) -> None:
     for flag, (kwargs, note) in MAPPED.items():
         g.add_argument(flag, help=f"mapped: {note}", **kwargs)
     for flag in PARALLEL_SIZES:
-        g.add_argument(flag, type=int, default=1, help="accepted at 1 (data parallelism only)")
+        g.add_argument(flag, type=int, default=1, help="accepted at 1 (not supported yet above 1)")
     g = parser.add_argument_group("Megatron-LM flags that are not supported")
     for flag in REJECTED:
         g.add_argument(flag, action=_Rejected, help=argparse.SUPPRESS)
@@ -188,8 +188,9 @@ def apply_megatron_compat(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be at least 1, got {size}.")
         if size > 1:
             raise ValueError(
-                f"{flag} {size} is not supported yet (data parallelism only); use {flag} 1 "
-                "and scale with more data-parallel ranks (--use-mfsdp shards the model across them)."
+                f"{flag} {size} is not supported yet (data and tensor parallelism only); use {flag} 1 "
+                "and scale with --tensor-model-parallel-size and more data-parallel ranks "
+                "(--use-mfsdp shards the model across them)."
             )
     if args.use_flash_attn and args.attention_backend == "auto":
         args.attention_backend = "flash"

@@ -47,15 +47,21 @@ class BuiltModel:
         return self.context is not None
 
 
-def build_device_mesh(args, device_type: str):
-    """1-D ``("dp",)`` mesh, or 2-D ``("outer", "inner")`` for HSDP/HFSDP."""
-    from torch.distributed.device_mesh import init_device_mesh
+def parallel_state_for(args, device_type: str):
+    """This process's parallel state (``megatron.core.parallel_state``; the trainer builds
+    it at start-up), or one built now for ``args`` (tools and tests that build a model alone)."""
+    from megatron.core import parallel_state
 
-    if args.dp_outer_size > 1:
-        return init_device_mesh(
-            device_type, (args.dp_outer_size, args.dp_inner_size), mesh_dim_names=("outer", "inner")
-        )
-    return init_device_mesh(device_type, (args.world_size,), mesh_dim_names=("dp",))
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_parallel_state()
+    return parallel_state.build_parallel_state(getattr(args, "tensor_model_parallel_size", 1), args.dp_outer_size,
+                                               device_type)
+
+
+def build_device_mesh(args, device_type: str):
+    """The data-parallel mesh the engine shards over: 1-D ``("dp",)``, or 2-D
+    ``("outer", "inner")`` for HSDP/HFSDP (a sub-mesh of the world mesh under TP)."""
+    return parallel_state_for(args, device_type).dp_mesh
 
 
 def build_placements(args):
@@ -140,10 +146,11 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
             materialize_units(units, args.seed)
         return BuiltModel(model, model, context, mesh, placements)
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized() and dist.get_world_size() // getattr(args, "tensor_model_parallel_size", 1) > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=parallel_state_for(args, device.type).dp_group,
         )
         return BuiltModel(ddp, model)
     return BuiltModel(model, model)
@@ -253,4 +260,25 @@ def get_grad_norm_and_clip(args, built: BuiltModel, optimizer: Optional[torch.op
     from megatron.core.optimizer import clip_grad_norm
 
     params = [p for p in built.unwrapped.parameters() if p.requires_grad]
-    return clip_grad_norm(params, args.clip_grad)
+    return clip_grad_norm(params, args.clip_grad, **tensor_parallel_norm_args(args, built))
+
+
+def tensor_parallel_norm_args(args, built: BuiltModel) -> dict:
+    """What the gradient/parameter norms need to count each TP piece once."""
+    if getattr(args, "tensor_model_parallel_size", 1) == 1:
+        return {}
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import tensor_parallel_parameters
+
+    return dict(tensor_parallel_params=tensor_parallel_parameters(built.unwrapped),
+                tp_group=parallel_state.get_tensor_model_parallel_group())
+
+
+def finalize_model_grads(args, built: BuiltModel) -> None:
+    """After the last microbatch's backward: under sequence parallelism, sum the gradients
+    of the TP-replicated parameters over TP (megatron/core/tensor_parallel/finalize_grads.py)."""
+    if getattr(args, "sequence_parallel", False):
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import all_reduce_sequence_parallel_grads
+
+        all_reduce_sequence_parallel_grads(built.unwrapped, parallel_state.get_tensor_model_parallel_group())

@@ -20,6 +20,7 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import (
@@ -42,7 +43,14 @@ from megatron.training.log_utils import (
     perplexity,
 )
 from megatron.training.timers import Timers, timers_to_log
-from megatron.training.model_builder import BuiltModel, build_model, build_optimizer, get_grad_norm_and_clip
+from megatron.training.model_builder import (
+    BuiltModel,
+    build_model,
+    build_optimizer,
+    finalize_model_grads,
+    get_grad_norm_and_clip,
+    tensor_parallel_norm_args,
+)
 
 
 def print_rank_0(*message) -> None:
@@ -185,6 +193,7 @@ def _pretrain(args, start_time, train_valid_test_datasets_provider, model_provid
         set_deterministic_mode()
     with _user_errors("distributed initialization"):
         device = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+        parallel = _initialize_parallel_state(args, device)
     if args.exit_signal_handler:
         install_exit_signal_handler(signal.Signals[args.exit_signal])
     writer = MetricsWriter()
@@ -203,10 +212,13 @@ def _pretrain(args, start_time, train_valid_test_datasets_provider, model_provid
         # Saved and loaded with the optimizer state (checkpointing.py reads this attribute).
         optimizer.grad_scaler = _build_grad_scaler(args)
         n_params = sum(p.numel() for p in built.unwrapped.parameters())
-        strategy = "DDP" if (not built.use_mfsdp and _world() > 1) else ("single rank" if not built.use_mfsdp else
+        strategy = "DDP" if (not built.use_mfsdp and args.data_parallel_size > 1) else ("single rank" if not built.use_mfsdp else
                    f"MFSDP {args.data_parallel_sharding_strategy}" + (
                        f", {args.dp_outer_size} instances ({'HFSDP' if args.outer_dp_sharding_strategy == 'optim' else 'HSDP'})"
                        if args.dp_outer_size > 1 else ""))
+        if args.tensor_model_parallel_size > 1:
+            strategy += (f", tensor parallel {args.tensor_model_parallel_size} x data parallel "
+                         f"{args.data_parallel_size}" + (", sequence parallel" if args.sequence_parallel else ""))
         print_rank_0(
             f"> model: {n_params:,} parameters ({n_params / 1e6:.2f}M), {strategy}, world size {_world()}, "
             f"device {device.type}, {args.num_microbatches} microbatch(es) of {args.micro_batch_size} per rank per step"
@@ -247,8 +259,9 @@ def _pretrain(args, start_time, train_valid_test_datasets_provider, model_provid
         trainer = _Trainer(args, built, optimizer, scheduler, forward_step_func, device, writer)
         train_iter = None
         if train_ds is not None and iteration < args.train_iters:
+            # Every TP rank of a data-parallel rank reads the same samples.
             loader = build_pretraining_data_loader(
-                train_ds, consumed, args.micro_batch_size, rank, _world(), args.num_workers,
+                train_ds, consumed, args.micro_batch_size, parallel.dp_rank, parallel.dp_size, args.num_workers,
                 pin_memory=device.type == "cuda",
             )
             # Starting the iterator draws a seed from the torch RNG; keep it out of the RNG
@@ -279,8 +292,15 @@ def _pretrain(args, start_time, train_valid_test_datasets_provider, model_provid
         return trainer.last_metrics
     finally:
         writer.close()
+        parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _initialize_parallel_state(args, device):
+    """The named mesh (data- and tensor-parallel axes), once per process."""
+    parallel_state.destroy_model_parallel()  # a previous pretrain() in this process
+    return parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.dp_outer_size, device.type)
 
 
 def _build_grad_scaler(args):
@@ -388,8 +408,9 @@ class _Trainer:
             reports = self.forward_backward(
                 self._forward_step, data_iterator, self.built.model, args.num_microbatches,
                 context=self.built.context, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                timers=timers,
+                timers=timers, dp_group=parallel_state.get_parallel_state().dp_group,
             )
+            finalize_model_grads(args, self.built)
         local = _reduce_reports(reports)
         loss_sum, tokens = _all_reduce_sum(local.tolist(), self.device).tolist()
         loss = loss_sum / max(tokens, 1.0)
@@ -407,7 +428,7 @@ class _Trainer:
                 with timers("optimizer-count-zeros", 1):
                     from megatron.core.optimizer import count_zeros
 
-                    self.num_zeros = count_zeros(self.params)
+                    self.num_zeros = count_zeros(self.params, **tensor_parallel_norm_args(args, self.built))
             if skipped:
                 # Megatron skips the update (and the LR step) rather than writing NaN/inf weights.
                 self.optimizer.zero_grad(set_to_none=True)
@@ -503,7 +524,7 @@ class _Trainer:
         if args.log_params_norm:
             from megatron.core.optimizer import get_params_norm
 
-            params_norm = float(get_params_norm(self.params))
+            params_norm = float(get_params_norm(self.params, **tensor_parallel_norm_args(args, self.built)))
         num_zeros = self.num_zeros if args.log_num_zeros_in_grad else None
         timer_text, timer_scalars = self.timers.report(timers_to_log(args.timing_log_level), interval_iters)
         line = format_iteration_line(
@@ -561,8 +582,9 @@ class _Trainer:
     # ------------------------------------------------------------------------------------
     def evaluate(self, dataset) -> float:
         args = self.args
+        parallel = parallel_state.get_parallel_state()
         loader = build_pretraining_data_loader(
-            dataset, 0, args.micro_batch_size, dist.get_rank(), _world(), 0,
+            dataset, 0, args.micro_batch_size, parallel.dp_rank, parallel.dp_size, 0,
             pin_memory=self.device.type == "cuda",
         )
         data_iter = DeviceIterator(loader, self.device)

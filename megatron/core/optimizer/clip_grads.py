@@ -4,7 +4,8 @@ The norm equals ``torch.nn.utils.clip_grad_norm_`` applied to an unsharded copy 
 gradients: every rank sums |g|^p over its local shard, the partial sums are all-reduced
 over the mesh dimensions on which the gradient is *sharded* (never over replicated
 dimensions, which would count the same elements twice), and plain tensors (DDP or a
-single rank) are identical on every rank, so they are not reduced at all.
+single rank) are identical on every rank, so they are not reduced at all. Under tensor
+parallelism the pieces of TP-split parameters are added up over the TP group as well.
 """
 
 from __future__ import annotations
@@ -44,22 +45,63 @@ def _group_key(grad):
     return grad.device_mesh, shard_dims
 
 
-def get_grad_norm(parameters: Params, norm_type: float = 2.0) -> torch.Tensor:
+def get_grad_norm(parameters: Params, norm_type: float = 2.0, tensor_parallel_params=(),
+                  tp_group=None) -> torch.Tensor:
     """Global ``norm_type`` norm of the gradients of ``parameters`` (fp32 scalar tensor, fp64
-    for fp64 gradients)."""
-    return _global_norm(_grads_of(parameters), norm_type)
+    for fp64 gradients). With tensor parallelism, ``tensor_parallel_params`` are the
+    parameters split over ``tp_group`` (their pieces add up over TP); every other one is
+    the same on every TP rank and counted once."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    return _tensor_parallel_norm(list(parameters), lambda p: p.grad, norm_type, tensor_parallel_params, tp_group)
 
 
-def get_params_norm(parameters: Params, norm_type: float = 2.0) -> torch.Tensor:
+def get_params_norm(parameters: Params, norm_type: float = 2.0, tensor_parallel_params=(),
+                    tp_group=None) -> torch.Tensor:
     """Global norm of the parameters themselves (Megatron's ``--log-params-norm``)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    return _global_norm([p.detach() for p in parameters], norm_type)
+    return _tensor_parallel_norm(list(parameters), lambda p: p.detach(), norm_type, tensor_parallel_params, tp_group)
 
 
-def count_zeros(parameters: Params) -> int:
+def _tensor_parallel_norm(params, value_of, norm_type, tensor_parallel_params, tp_group) -> torch.Tensor:
+    values = [(p, value_of(p)) for p in params]
+    values = [(p, v) for p, v in values if v is not None]
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return _global_norm([v for _, v in values], norm_type)
+    split_ids = {id(p) for p in tensor_parallel_params}
+    split = _global_norm([v for p, v in values if id(p) in split_ids], norm_type)
+    replicated = _global_norm([v for p, v in values if id(p) not in split_ids], norm_type)
+    if math.isinf(float(norm_type)):
+        dist.all_reduce(split, op=dist.ReduceOp.MAX, group=tp_group)
+        return torch.maximum(split, replicated.to(split.device))
+    power = split.pow(float(norm_type))
+    dist.all_reduce(power, group=tp_group)
+    return (power + replicated.to(power.device).pow(float(norm_type))).pow(1.0 / float(norm_type))
+
+
+def count_zeros(parameters: Params, tensor_parallel_params=(), tp_group=None) -> int:
     """Number of zero entries in the gradients, over the whole model (``--log-num-zeros-in-grad``).
-    Plain gradients are whole on every rank; sharded ones add up over their shard dims."""
+    Plain gradients are whole on every rank; sharded ones add up over their shard dims, and
+    the pieces of ``tensor_parallel_params`` over ``tp_group``."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        split_ids = {id(p) for p in tensor_parallel_params}
+        split = _count_zeros([p for p in parameters if id(p) in split_ids])
+        part = torch.tensor([float(split)], dtype=torch.float64, device=_reduce_device_of(parameters))
+        dist.all_reduce(part, group=tp_group)
+        return int(part.item()) + _count_zeros([p for p in parameters if id(p) not in split_ids])
+    return _count_zeros(parameters)
+
+
+def _reduce_device_of(parameters) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if any(p.is_cuda for p in parameters) else \
+        torch.device("cpu")
+
+
+def _count_zeros(parameters) -> int:
     def zeros(t: torch.Tensor) -> int:
         return int((t == 0).sum()) if t.numel() else 0
 
@@ -121,7 +163,8 @@ def _global_norm(grads: List[torch.Tensor], norm_type: float) -> torch.Tensor:
     return total if is_inf else total.pow(1.0 / norm_type)
 
 
-def clip_grad_norm(parameters: Params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm(parameters: Params, max_norm: float, norm_type: float = 2.0, tensor_parallel_params=(),
+                   tp_group=None) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``.
 
     Returns the norm *before* clipping, like ``torch.nn.utils.clip_grad_norm_``.
@@ -131,7 +174,7 @@ def clip_grad_norm(parameters: Params, max_norm: float, norm_type: float = 2.0) 
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
-    total_norm = get_grad_norm(parameters, norm_type)
+    total_norm = get_grad_norm(parameters, norm_type, tensor_parallel_params, tp_group)
     if max_norm <= 0 or not torch.isfinite(total_norm):
         return total_norm
     # Same coefficient as torch.nn.utils.clip_grad_norm_ (including its 1e-6).

@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .layers import build_linear, output_init_std
+from .layers import build_parallel_linear, output_init_std
 from .rope import apply_rotary_pos_emb
 from .transformer_config import TransformerConfig
 
@@ -51,15 +51,20 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
-        self.num_heads = config.num_attention_heads
-        self.num_query_groups = config.num_query_groups
+        # This rank's heads: with tensor parallelism, whole query groups (their q, k, v rows
+        # are one contiguous block of linear_qkv, the layout above) and their heads' columns
+        # of linear_proj.
+        tp = config.tensor_model_parallel_size
+        self.num_heads = config.num_attention_heads // tp
+        self.num_query_groups = config.num_query_groups // tp
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.head_dim = config.kv_channels
         qkv_size = config.query_projection_size + 2 * config.kv_projection_size
-        self.linear_qkv = build_linear(config, config.hidden_size, qkv_size, bias=config.add_bias_linear,
-                                       init_std=config.init_method_std)
-        self.linear_proj = build_linear(config, config.query_projection_size, config.hidden_size,
-                                        bias=config.add_bias_linear, init_std=output_init_std(config))
+        self.linear_qkv = build_parallel_linear(config, config.hidden_size, qkv_size, bias=config.add_bias_linear,
+                                                init_std=config.init_method_std, split="column")
+        self.linear_proj = build_parallel_linear(config, config.query_projection_size, config.hidden_size,
+                                                 bias=config.add_bias_linear, init_std=output_init_std(config),
+                                                 split="row")
 
     def split_qkv(self, mixed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[b, s, (H + 2G) * d] -> q [b, s, H, d], k [b, s, G, d], v [b, s, G, d] (layout above)."""
@@ -95,8 +100,9 @@ class SelfAttention(nn.Module):
         allowed, broadcastable to [b, heads, s, s]. It is applied in addition to the causal
         mask. rotary_pos_emb: (cos, sin) from ``RotaryEmbedding``; None for no RoPE.
         """
-        b, s, _ = hidden_states.shape
-        q, k, v = self.split_qkv(self.linear_qkv(hidden_states))
+        mixed = self.linear_qkv(hidden_states)
+        b, s, _ = mixed.shape  # the whole sequence (the input is a chunk of it under sequence parallelism)
+        q, k, v = self.split_qkv(mixed)
         if rotary_pos_emb is not None:
             q = apply_rotary_pos_emb(q, rotary_pos_emb)
             k = apply_rotary_pos_emb(k, rotary_pos_emb)

@@ -68,6 +68,21 @@ def build_linear(config: TransformerConfig, in_features: int, out_features: int,
     return Linear(in_features, out_features, bias=bias, init_std=init_std, dtype=config.params_dtype)
 
 
+def build_parallel_linear(config: TransformerConfig, in_features: int, out_features: int, bias: bool,
+                          init_std: float, split: str, blocks: int = 1) -> nn.Module:
+    """``build_linear`` at TP size 1; else a column-parallel (``split="column"``, outputs
+    split, ``blocks`` row blocks each split on its own) or row-parallel (``"row"``) linear."""
+    if config.tensor_model_parallel_size == 1:
+        return build_linear(config, in_features, out_features, bias=bias, init_std=init_std)
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    kwargs = dict(bias=bias, init_std=init_std, tp_group=config.tp_group,
+                  sequence_parallel=config.sequence_parallel, dtype=config.params_dtype)
+    if split == "column":
+        return ColumnParallelLinear(in_features, out_features, blocks=blocks, **kwargs)
+    return RowParallelLinear(in_features, out_features, **kwargs)
+
+
 def reset_parameters_of(root: nn.Module) -> None:
     """Re-initialize every parameter under ``root`` by calling ``reset_parameters()`` on each
     module that directly owns a parameter (local leaves, TE modules and apex norms all

@@ -9,7 +9,7 @@ With ``gated_linear_unit`` (SwiGLU when the activation is silu), ``linear_fc1`` 
 import torch
 import torch.nn as nn
 
-from .layers import build_linear, output_init_std
+from .layers import build_parallel_linear, output_init_std
 from .transformer_config import TransformerConfig
 
 
@@ -20,10 +20,14 @@ class MLP(nn.Module):
         self.activation = config.activation
         self.gated = config.gated_linear_unit
         fc1_out = config.ffn_hidden_size * (2 if self.gated else 1)
-        self.linear_fc1 = build_linear(config, config.hidden_size, fc1_out, bias=config.add_bias_linear,
-                                       init_std=config.init_method_std)
-        self.linear_fc2 = build_linear(config, config.ffn_hidden_size, config.hidden_size,
-                                       bias=config.add_bias_linear, init_std=output_init_std(config))
+        # Tensor parallelism: fc1 column-parallel (gate and up split on their own, so a
+        # rank's gate and up rows match), fc2 row-parallel.
+        self.linear_fc1 = build_parallel_linear(config, config.hidden_size, fc1_out, bias=config.add_bias_linear,
+                                                init_std=config.init_method_std, split="column",
+                                                blocks=2 if self.gated else 1)
+        self.linear_fc2 = build_parallel_linear(config, config.ffn_hidden_size, config.hidden_size,
+                                                bias=config.add_bias_linear, init_std=output_init_std(config),
+                                                split="row")
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         intermediate = self.linear_fc1(hidden_states)

@@ -6,8 +6,8 @@ can get wrong is checked in ``__post_init__`` and reported as a ``ValueError`` t
 how to fix it.
 """
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +114,12 @@ class TransformerConfig:
     apply_layernorm_1p: bool = False  # LayerNorm weight stored as gamma - 1 (zero-initialized)
     attention_softmax_in_fp32: bool = False  # attention in fp32 when the inputs are bf16/fp16
     attention_backend: str = "auto"  # SDPA kernels: auto, flash, fused, unfused/local (math)
+    # Tensor parallelism (megatron/core/tensor_parallel): heads, query groups, FFN columns and
+    # the vocabulary split over the ranks of ``tp_group``; ``sequence_parallel`` also splits
+    # the activations between the TP layers along the sequence.
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    tp_group: Any = field(default=None, repr=False, compare=False)  # a ProcessGroup of that size
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -207,6 +213,29 @@ class TransformerConfig:
             raise ValueError("apply_layernorm_1p applies to LayerNorm only; use normalization='LayerNorm' or drop it.")
         if self.attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_model_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_model_parallel_size must be a positive integer, got {tp!r}.")
+        if self.sequence_parallel and tp == 1:
+            raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1; drop it or raise the TP size.")
+        if tp == 1:
+            return
+        import torch.distributed as dist
+
+        if self.tp_group is None or dist.get_world_size(self.tp_group) != tp:
+            raise ValueError(
+                f"tensor_model_parallel_size {tp} needs tp_group, a process group of {tp} ranks "
+                "(megatron.core.parallel_state.get_tensor_model_parallel_group())."
+            )
+        if self.transformer_impl != "local":
+            raise ValueError("tensor parallelism uses the local layers; set transformer_impl='local'.")
+        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            if getattr(self, name) % tp:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be divisible by tensor_model_parallel_size "
+                                 f"({tp}); pick a TP size that divides it.")
 
     @property
     def rotary_dim(self) -> int:

@@ -157,8 +157,7 @@ def test_parallel_sizes_mapped_and_rejected_flags():
                  "--expert-model-parallel-size 1 --use-mcore-models --ckpt-format torch_dist "
                  "--dist-ckpt-strictness log_all --overlap-grad-reduce --no-gradient-accumulation-fusion")
     assert args.ckpt_format == "torch_dist" and args.gradient_accumulation_fusion is False
-    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
-                 "--expert-model-parallel-size"):
+    for flag in ("--pipeline-model-parallel-size", "--context-parallel-size", "--expert-model-parallel-size"):
         with pytest.raises(ValueError, match=f"{flag} 2 is not supported yet"):
             parse(f"{flag} 2")
     with pytest.raises(ValueError, match="--fp8-format is not supported: FP8 training is not supported; use --bf16"):
@@ -215,3 +214,49 @@ def test_paths_checked_at_parse_time(tmp_path):
     with pytest.raises(ValueError, match="--tensorboard-dir .* is a file"):
         parse(f"--tensorboard-dir {tmp_path}/file")
     assert parse(f"--load {tmp_path}/not-yet --save {tmp_path}/new/dir").load.endswith("not-yet")
+
+
+def test_tensor_parallel_sizes():
+    args = parse("--tensor-model-parallel-size 2 --sequence-parallel --use-mfsdp", world_size=4)
+    assert (args.tensor_model_parallel_size, args.data_parallel_size, args.sequence_parallel) == (2, 2, True)
+    assert args.global_batch_size == 4  # micro-batch x data-parallel size (TP ranks share a batch)
+    hsdp = parse("--tensor-model-parallel-size 2 --use-mfsdp --num-distributed-optimizer-instances 2", world_size=8)
+    assert (hsdp.dp_outer_size, hsdp.dp_inner_size) == (2, 2)
+
+
+TP_ERRORS = {
+    "world size": ("--tensor-model-parallel-size 3", 4, r"--tensor-model-parallel-size \(3\) must divide the world size \(4\)"),
+    "at least 1": ("--tensor-model-parallel-size 0", 1, "must be at least 1"),
+    "heads": ("--tensor-model-parallel-size 8 --hidden-size 48 --num-attention-heads 6 --ffn-hidden-size 64", 8,
+              r"--num-attention-heads \(6\) must be divisible by --tensor-model-parallel-size \(8\)"),
+    "query groups": ("--tensor-model-parallel-size 4 --num-query-groups 2", 4,
+                     r"--num-query-groups \(2\) must be divisible by --tensor-model-parallel-size \(4\)"),
+    "ffn": ("--tensor-model-parallel-size 4 --ffn-hidden-size 90", 4,
+            r"--ffn-hidden-size \(90\) must be divisible by --tensor-model-parallel-size \(4\)"),
+    "vocab": ("--tensor-model-parallel-size 4 --make-vocab-size-divisible-by 6", 4,
+              r"--make-vocab-size-divisible-by \(6\) must be a multiple of --tensor-model-parallel-size \(4\).*use 12"),
+    "sp without tp": ("--sequence-parallel", 2, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    "sp seq length": ("--tensor-model-parallel-size 4 --sequence-parallel --seq-length 30 --max-position-embeddings 32",
+                      4, r"--seq-length \(30\) must be divisible by --tensor-model-parallel-size \(4\)"),
+    "instances": ("--tensor-model-parallel-size 2 --use-mfsdp --num-distributed-optimizer-instances 4", 4,
+                  r"must divide the data-parallel size \(2 = world size 4 / tensor-parallel size 2\)"),
+    "pipeline": ("--pipeline-model-parallel-size 2", 2, "--pipeline-model-parallel-size 2 is not supported yet"),
+    "context": ("--context-parallel-size 2", 2, "--context-parallel-size 2 is not supported yet"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TP_ERRORS))
+def test_tensor_parallel_parse_errors(case):
+    extra, world_size, message = TP_ERRORS[case]
+    with pytest.raises(ValueError, match=message):
+        parse(extra, world_size=world_size)
+
+
+def test_tensor_parallel_with_transformer_engine_is_refused(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
+    with pytest.raises(ValueError, match="transformer_engine with tensor parallelism is not supported yet"):
+        parse("--tensor-model-parallel-size 2 --transformer-impl transformer_engine", world_size=2, cuda=True)

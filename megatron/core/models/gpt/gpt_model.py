@@ -122,10 +122,13 @@ class GPTModel(nn.Module):
         else:
             self.rotary_pos_emb = None
         self.decoder = TransformerBlock(config)
-        self.output_layer = OutputLayer(
-            config.hidden_size, vocab_size, init_std=config.init_method_std, dtype=config.params_dtype,
-            skip_weight_param_allocation=share_embeddings_and_output_weights,
-        )
+        if config.tensor_model_parallel_size > 1:
+            self.output_layer = _vocab_parallel_output_layer(config, vocab_size, share_embeddings_and_output_weights)
+        else:
+            self.output_layer = OutputLayer(
+                config.hidden_size, vocab_size, init_std=config.init_method_std, dtype=config.params_dtype,
+                skip_weight_param_allocation=share_embeddings_and_output_weights,
+            )
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         """The weight the output layer multiplies with (Megatron's name for it)."""
@@ -173,6 +176,8 @@ class GPTModel(nn.Module):
         hidden_states = self.decoder(hidden_states, attention_mask, rotary_pos_emb)
         output_weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
         logits = self.output_layer(hidden_states, weight=output_weight)
+        if self.config.tensor_model_parallel_size > 1:
+            return self._vocab_parallel_output(logits, labels)
         padded = self.unpadded_vocab_size < self.vocab_size
         if labels is None:
             if padded:
@@ -185,3 +190,27 @@ class GPTModel(nn.Module):
         loss = F.cross_entropy(logits.float().reshape(-1, self.unpadded_vocab_size), labels.reshape(-1).long(),
                                reduction="none")
         return loss.view(batch, seq)
+
+    def _vocab_parallel_output(self, logits: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
+        """Logits [b, s, V/tp] of this rank's vocabulary ids -> the per-token loss (no rank
+        gathers the logits), or without labels the gathered logits [b, s, V]."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
+
+        group = self.config.tp_group
+        vocab_start = self.output_layer.global_slices["weight"].ranges[0][0]
+        if self.unpadded_vocab_size < self.vocab_size:
+            ids = torch.arange(vocab_start, vocab_start + logits.shape[-1], device=logits.device)
+            logits = logits.masked_fill(ids >= self.unpadded_vocab_size, float("-inf"))
+        if labels is None:
+            return gather_from_tensor_model_parallel_region(logits, group)
+        return vocab_parallel_cross_entropy(logits, labels, group, vocab_start)
+
+
+def _vocab_parallel_output_layer(config: TransformerConfig, vocab_size: int, tied: bool) -> nn.Module:
+    """The output projection with the vocabulary split over TP (rows of the tied word
+    embedding, or its own weight): logits [b, s, V/tp]."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    return ColumnParallelLinear(config.hidden_size, vocab_size, bias=False, init_std=config.init_method_std,
+                                tp_group=config.tp_group, sequence_parallel=config.sequence_parallel,
+                                dtype=config.params_dtype, skip_weight_param_allocation=tied)

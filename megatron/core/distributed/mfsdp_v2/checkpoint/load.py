@@ -28,6 +28,7 @@ from .state import (
     optimizer_state,
     param_names,
     restore_optimizer_json,
+    saved_shape,
 )
 
 
@@ -39,6 +40,7 @@ def load_checkpoint(
     sync_model_weights: bool = True,
     process_group: Optional[dist.ProcessGroup] = None,
     verify: bool = True,
+    pieces: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Load a checkpoint written by ``save_checkpoint`` (any world size, any strategy)
     into ``model`` (and ``optimizer`` unless None), in place.
@@ -48,7 +50,8 @@ def load_checkpoint(
     name and shape against the model and optimizer. The optimizer's state is created if it
     has none yet. With ``sync_model_weights`` the compute weights are refreshed from the
     loaded main weights (collective for ZeRO-1/2 and HFSDP). Returns the manifest's
-    ``extra`` metadata.
+    ``extra`` metadata. ``pieces``: as for ``save_checkpoint`` (each rank reads its piece
+    of the global tensors).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_checkpoint expects an nn.Module, got {type(model).__name__}.")
@@ -58,6 +61,7 @@ def load_checkpoint(
     contexts = engine_view.contexts_of(model)
     comm = resolve_comm(engine_view.unit_meshes(contexts), process_group)
     names = check_optimizer_belongs(model, optimizer) if optimizer is not None else param_names(model)
+    pieces = pieces or {}
 
     # 1. The manifest (every rank reads it; all must succeed).
     manifest, error = None, None
@@ -69,9 +73,10 @@ def load_checkpoint(
 
     # 2. Names and shapes, model and optimizer.
     saved = checkpoint_tensors(manifest)
-    wanted_model = {MODEL_PREFIX + fqn: tuple(t.shape) for fqn, t, _ in named_tensors(model)}
+    wanted_model = {MODEL_PREFIX + fqn: saved_shape(fqn, t.shape, pieces) for fqn, t, _ in named_tensors(model)}
     comm.agree(_compare(saved, wanted_model, MODEL_PREFIX, "model"), CheckpointMismatchError)
-    error = None if optimizer is None else _optimizer_mismatch(manifest.get("optimizer"), optimizer, names, saved)
+    error = None if optimizer is None else _optimizer_mismatch(manifest.get("optimizer"), optimizer, names, saved,
+                                                               pieces)
     comm.agree(error, OptimizerMismatchError)
 
     # 3. File integrity: each rank checks a share of the files, then all agree.
@@ -88,9 +93,9 @@ def load_checkpoint(
         with_state |= set(manifest["optimizer"].get("scalar_state", {}))
         _initialize_optimizer_state(optimizer, names, with_state)
     engine = engine_view.sharded_parameters(contexts)
-    state = model_state(model, engine)
+    state = model_state(model, engine, pieces)
     if optimizer is not None:
-        tensors, _ = optimizer_state(optimizer, engine, names)
+        tensors, _ = optimizer_state(optimizer, engine, names, pieces)
         state.update({k: v for k, v in tensors.items() if k in saved})
     read_state(state, checkpoint_dir, manifest, group=comm.group, no_dist=comm.no_dist)
     if optimizer is not None:
@@ -139,7 +144,7 @@ def _compare(saved: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], wanted: Dict
             + f". Build the {what} with the configuration the checkpoint was saved with.")
 
 
-def _optimizer_mismatch(saved_optimizer, optimizer, names, saved) -> Optional[str]:
+def _optimizer_mismatch(saved_optimizer, optimizer, names, saved, pieces) -> Optional[str]:
     """Why the checkpoint's optimizer state does not fit ``optimizer``, or None."""
     if saved_optimizer is None:
         return "the checkpoint holds no optimizer state; load it with optimizer=None (model weights only)."
@@ -149,7 +154,7 @@ def _optimizer_mismatch(saved_optimizer, optimizer, names, saved) -> Optional[st
     error = _check_param_groups(saved_optimizer["param_groups"], optimizer, names)
     if error is not None:
         return error
-    wanted = _optimizer_keys_after_init(optimizer, names, saved)
+    wanted = _optimizer_keys_after_init(optimizer, names, saved, pieces)
     in_optimizer = {names[id(p)] for p in optimizer_params(optimizer)}
     return _compare({k: v for k, v in saved.items() if k.startswith(OPTIMIZER_PREFIX)
                      and k[len(OPTIMIZER_PREFIX):].rsplit(".", 1)[0] in in_optimizer},
@@ -169,7 +174,7 @@ def _check_param_groups(saved_groups, optimizer, names) -> Optional[str]:
     return None
 
 
-def _optimizer_keys_after_init(optimizer, names, saved) -> Dict[str, Tuple[int, ...]]:
+def _optimizer_keys_after_init(optimizer, names, saved, pieces) -> Dict[str, Tuple[int, ...]]:
     """The optimizer tensor keys the load will fill, predicted from the checkpoint for
     parameters whose state is not initialized yet."""
     wanted = {}
@@ -179,7 +184,8 @@ def _optimizer_keys_after_init(optimizer, names, saved) -> Dict[str, Tuple[int, 
         if state:
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    wanted[f"{OPTIMIZER_PREFIX}{fqn}.{key}"] = tuple(value.shape)
+                    shape = saved_shape(fqn, value.shape, pieces) if value.dim() > 0 else ()
+                    wanted[f"{OPTIMIZER_PREFIX}{fqn}.{key}"] = shape
             continue
         prefix = f"{OPTIMIZER_PREFIX}{fqn}."
         for key, (shape, _) in saved.items():

@@ -27,6 +27,7 @@ def save_checkpoint(
     overwrite: bool = False,
     async_save: bool = False,
     extra_metadata: Optional[Dict[str, Any]] = None,
+    pieces: Optional[Dict[str, Any]] = None,
 ):
     """Save the model's main weights (and the optimizer state) into ``checkpoint_dir``.
 
@@ -37,7 +38,9 @@ def save_checkpoint(
     replaced only with ``overwrite=True``.
 
     ``process_group``: the ranks that take part (default: the model's mesh, or no
-    communication for a plain model). ``async_save=True`` copies the local pieces to CPU
+    communication for a plain model; a tensor-parallel model needs the whole world).
+    ``pieces``: ``{fqn: piece}`` of the parameters that are pieces of global tensors
+    (see ``state.py``); they are saved as the global tensors. ``async_save=True`` copies the local pieces to CPU
     memory, then writes them in a background thread and returns a
     ``concurrent.futures.Future`` (its result is the checkpoint directory); it needs a
     ``process_group`` that no other thread uses meanwhile (e.g. a dedicated
@@ -67,10 +70,10 @@ def save_checkpoint(
 
     engine_view.reshard_all(contexts)
     engine = engine_view.sharded_parameters(contexts)
-    state = model_state(model, engine)
+    state = model_state(model, engine, pieces)
     saved_optimizer = None
     if optimizer is not None:
-        tensors, scalars = optimizer_state(optimizer, engine, names)
+        tensors, scalars = optimizer_state(optimizer, engine, names, pieces)
         state.update(tensors)
         saved_optimizer = optimizer_json(optimizer, names, scalars)
     header = manifest_header(comm.size, engine_view.unit_strategies(contexts), saved_optimizer, extra_metadata)

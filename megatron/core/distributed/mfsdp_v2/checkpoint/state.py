@@ -9,6 +9,13 @@ the manifest.
 
 The entries are ``ChunkedTensor`` views of the live tensors, so the same state serves a
 save (DCP reads them) and a load (DCP writes into them).
+
+``pieces`` (optional, ``{fqn: piece}``) names the parameters that are a rank's piece of a
+larger global tensor (tensor or expert parallelism): ``piece.global_shape`` and the
+``(start, stop)`` ``piece.ranges`` along ``piece.dim`` that the local tensor concatenates
+(``megatron.core.global_slices.GlobalSlice`` has this shape). Their entries, and those of
+optimizer state laid out like them, are the global tensors with the local data at its
+true offsets, so a checkpoint does not depend on the tensor-parallel layout either.
 """
 
 from __future__ import annotations
@@ -90,28 +97,56 @@ def _pieces_like(rows: ShardedRows, local: torch.Tensor, what: str) -> List[Tupl
     return [((rows.row_start,) + (0,) * (len(shape) - 1), local)]
 
 
-def _sharded(rows: ShardedRows, tensor, what: str) -> ChunkedTensor:
+def _sharded(rows: ShardedRows, tensor, what: str, piece=None) -> ChunkedTensor:
     local = local_rows(tensor)
-    return ChunkedTensor(rows.shape, local.dtype, local.device, _pieces_like(rows, local, what))
+    return _in_global(ChunkedTensor(rows.shape, local.dtype, local.device, _pieces_like(rows, local, what)), piece)
 
 
-def model_state(model: nn.Module, engine: Dict[int, ShardedRows]) -> Dict[str, torch.Tensor]:
+def _in_global(entry: ChunkedTensor, piece) -> ChunkedTensor:
+    """``entry`` (in the coordinates of this rank's piece) in the global tensor's coordinates."""
+    if piece is None:
+        return entry
+    dim, chunks = piece.dim, []
+    for offsets, local in entry._chunks:
+        start, end = offsets[dim], offsets[dim] + local.shape[dim]
+        cursor = 0  # where the current range begins in the piece
+        for global_start, global_stop in piece.ranges:
+            lo, hi = max(start, cursor), min(end, cursor + global_stop - global_start)
+            if lo < hi:
+                moved = list(offsets)
+                moved[dim] = global_start + lo - cursor
+                chunks.append((tuple(moved), local.narrow(dim, lo - start, hi - lo)))
+            cursor += global_stop - global_start
+    return ChunkedTensor(piece.global_shape, entry.dtype, entry.device, chunks)
+
+
+def saved_shape(fqn: str, shape, pieces) -> Tuple[int, ...]:
+    """The shape under which a tensor of ``shape`` laid out like parameter ``fqn`` is saved."""
+    piece = pieces.get(fqn)
+    if piece is not None and tuple(shape) == tuple(piece.local_shape):
+        return tuple(piece.global_shape)
+    return tuple(shape)
+
+
+def model_state(model: nn.Module, engine: Dict[int, ShardedRows], pieces=None) -> Dict[str, torch.Tensor]:
     """DCP entries of every parameter and persistent buffer (``engine``: the managed ones)."""
+    pieces = pieces or {}
     state: Dict[str, torch.Tensor] = {}
     for fqn, tensor, _ in named_tensors(model):
         rows = engine.get(id(tensor))
         if rows is not None:
-            state[MODEL_PREFIX + fqn] = _sharded(rows, tensor, f"'{fqn}'")
+            state[MODEL_PREFIX + fqn] = _sharded(rows, tensor, f"'{fqn}'", pieces.get(fqn))
         elif isinstance(tensor, DTensor):
             state[MODEL_PREFIX + fqn] = tensor.detach()  # not ours: torch's even sharding is right
         else:
-            state[MODEL_PREFIX + fqn] = whole(tensor)
+            state[MODEL_PREFIX + fqn] = _in_global(whole(tensor), pieces.get(fqn))
     return state
 
 
-def optimizer_state(optimizer, engine: Dict[int, ShardedRows],
-                    names: Dict[int, str]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, Any]]]:
+def optimizer_state(optimizer, engine: Dict[int, ShardedRows], names: Dict[int, str],
+                    pieces=None) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, Any]]]:
     """Tensor state as DCP entries, plus JSON-able scalar state per fqn."""
+    pieces = pieces or {}
     tensors: Dict[str, torch.Tensor] = {}
     scalars: Dict[str, Dict[str, Any]] = {}
     for p in optimizer_params(optimizer):
@@ -122,14 +157,16 @@ def optimizer_state(optimizer, engine: Dict[int, ShardedRows],
         rows = engine.get(id(p))
         for key, value in state.items():
             name = f"{OPTIMIZER_PREFIX}{fqn}.{key}"
-            if isinstance(value, DTensor) and rows is not None and tuple(value.shape) == tuple(p.shape):
-                tensors[name] = _sharded(rows, value, f"optimizer state '{fqn}.{key}'")
+            like_param = isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(p.shape)
+            piece = pieces.get(fqn) if like_param else None
+            if isinstance(value, DTensor) and rows is not None and like_param:
+                tensors[name] = _sharded(rows, value, f"optimizer state '{fqn}.{key}'", piece)
             elif isinstance(value, DTensor):
                 tensors[name] = value.detach()
             elif isinstance(value, torch.Tensor):
                 # A plain tensor is the same on every rank (e.g. Adam's `step`), or the whole
                 # state of a plain model's parameter.
-                tensors[name] = whole(value)
+                tensors[name] = _in_global(whole(value), piece)
             else:
                 scalars.setdefault(fqn, {})[key] = _to_json(value, f"optimizer state '{fqn}.{key}'")
     return tensors, scalars
