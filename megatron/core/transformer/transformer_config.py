@@ -7,10 +7,12 @@ how to fix it.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
+
+from .moe.config import check_moe_config
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -114,6 +116,26 @@ class TransformerConfig:
     apply_layernorm_1p: bool = False  # LayerNorm weight stored as gamma - 1 (zero-initialized)
     attention_softmax_in_fp32: bool = False  # attention in fp32 when the inputs are bf16/fp16
     attention_backend: str = "auto"  # SDPA kernels: auto, flash, fused, unfused/local (math)
+    # Mixture of experts (megatron/core/transformer/moe/; Megatron-LM's fields and defaults,
+    # checked by moe/config.py). num_moe_experts None: every layer has a dense MLP.
+    num_moe_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None  # default ffn_hidden_size
+    moe_layer_freq: Union[int, List[int]] = 1
+    moe_router_topk: int = 2
+    moe_router_pre_softmax: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_dtype: Optional[str] = None
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
+    moe_token_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_grouped_gemm: bool = False
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_token_dispatcher_type: str = "alltoall"
+    expert_model_parallel_size: int = 1
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -207,6 +229,7 @@ class TransformerConfig:
             raise ValueError("apply_layernorm_1p applies to LayerNorm only; use normalization='LayerNorm' or drop it.")
         if self.attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
+        check_moe_config(self)
 
     @property
     def rotary_dim(self) -> int:
