@@ -58,9 +58,10 @@ def build_device_mesh(args, device_type: str):
     return init_device_mesh(device_type, (args.world_size,), mesh_dim_names=("dp",))
 
 
-def build_placements(args):
-    """ZeRO-0..3 -> no_shard/zero1/zero2/zero3; with K>1 instances, outer no_shard -> HSDP,
-    outer optim -> HFSDP (inner strategy from --data-parallel-sharding-strategy)."""
+def build_placements(args, axis: str = "dp"):
+    """ZeRO-0..3 -> no_shard/zero1/zero2/zero3 over the mesh dim ``axis``; with K>1 instances,
+    outer no_shard -> HSDP, outer optim -> HFSDP (inner strategy from
+    --data-parallel-sharding-strategy)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     from megatron.core.distributed.mfsdp_v2 import Placements
@@ -73,7 +74,7 @@ def build_placements(args):
     }
     strategy = args.data_parallel_sharding_strategy
     if args.dp_outer_size == 1:
-        return presets[strategy]("dp")
+        return presets[strategy](axis)
     if strategy == "optim_grads_params":
         if args.outer_dp_sharding_strategy == "optim":
             return Placements.hfsdp("outer", "inner")
@@ -133,9 +134,12 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
         with fully_shard_context(
             device=device, unify_communication_stream=args.mfsdp_unify_communication_stream
         ) as context:
-            # Children first: each layer is its own unit; the root then owns the rest.
-            units = [fully_shard(layer, mesh, placements, mixed_precision_policy=policy)
-                     for layer in transformer_layers(model)]
+            # Children first: each layer is its own unit (its experts one before it); the
+            # root then owns the rest.
+            units = []
+            for layer in transformer_layers(model):
+                units += shard_experts(layer, args, policy)
+                units.append(fully_shard(layer, mesh, placements, mixed_precision_policy=policy))
             units.append(fully_shard(model, mesh, placements, mixed_precision_policy=policy))
         if meta:
             materialize_units(units, args.seed)
@@ -148,6 +152,21 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
         )
         return BuiltModel(ddp, model)
     return BuiltModel(model, model)
+
+
+def shard_experts(layer: torch.nn.Module, args, policy) -> list:
+    """A MoE layer's experts as their own unit: sharded over the expert-data-parallel mesh
+    (the ranks holding the same experts) with ``grad_divisor`` = the EP size
+    (``megatron/core/transformer/moe/expert_parallel.py`` says why). [] for a dense layer."""
+    from megatron.core.distributed.mfsdp_v2 import fully_shard
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    moe = getattr(layer, "mlp", None)
+    if not isinstance(moe, MoELayer):
+        return []
+    ep = moe.expert_parallel
+    return [fully_shard(moe.experts, ep.expert_dp_mesh, build_placements(args, axis="expert_dp"),
+                        mixed_precision_policy=policy, grad_divisor=ep.size)]
 
 
 META_BUILD_FAILED = (
@@ -252,6 +271,12 @@ def build_optimizer(args, built: BuiltModel):
 def get_grad_norm_and_clip(args, built: BuiltModel, optimizer: Optional[torch.optim.Optimizer] = None):
     """Global grad norm over all (sharded) gradients; clipped to --clip-grad when > 0."""
     from megatron.core.optimizer import clip_grad_norm
+    from megatron.core.transformer.moe.expert_parallel import (
+        clip_grad_norm_with_experts, expert_parallel_of, expert_parameters)
 
     params = [p for p in built.unwrapped.parameters() if p.requires_grad]
+    ep = expert_parallel_of(built.unwrapped)
+    if ep is not None and ep.size > 1:
+        # Expert gradients differ across the EP group: their norm adds up over it too.
+        return clip_grad_norm_with_experts(params, expert_parameters(built.unwrapped), ep, args.clip_grad)
     return clip_grad_norm(params, args.clip_grad)

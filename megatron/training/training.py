@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
+from megatron.core.transformer.moe.metrics import collect_moe_metrics, format_moe_metrics
+from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
 from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import (
     exit_signal_received,
@@ -384,6 +387,9 @@ class _Trainer:
         args = self.args
         timers = self.timers
         self.optimizer.zero_grad(set_to_none=True)
+        # The router losses' gradients get the factor each micro-batch's loss gets.
+        loss_scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+        set_aux_loss_backward_scale(self.built.unwrapped, loss_scale / args.num_microbatches)
         with timers("forward-backward", 1), self._autocast():
             reports = self.forward_backward(
                 self._forward_step, data_iterator, self.built.model, args.num_microbatches,
@@ -506,6 +512,9 @@ class _Trainer:
             params_norm = float(get_params_norm(self.params))
         num_zeros = self.num_zeros if args.log_num_zeros_in_grad else None
         timer_text, timer_scalars = self.timers.report(timers_to_log(args.timing_log_level), interval_iters)
+        moe = collect_moe_metrics(self.built.unwrapped, _comm_device(self.device))
+        losses = {"lm loss": loss}
+        losses.update({name: moe[name] for name in MOE_LOSS_NAMES if name in moe})
         line = format_iteration_line(
             iteration=iteration,
             train_iters=args.train_iters,
@@ -513,7 +522,8 @@ class _Trainer:
             elapsed_ms_per_iteration=seconds_per_iteration * 1000.0,
             learning_rate=lr,
             global_batch_size=args.global_batch_size,
-            losses={"lm loss": loss},
+            losses=losses,
+            moe_text=format_moe_metrics(moe),
             grad_norm=grad_norm,
             skipped_iterations=self.skipped_iterations,
             nan_iterations=self.nan_iterations,
@@ -545,6 +555,7 @@ class _Trainer:
             "num_zeros": num_zeros,
             "params_norm": params_norm,
         }
+        metrics.update(moe)
         self.last_metrics = {k: v for k, v in metrics.items() if v is not None}
         self.writer.write("train", iteration, self.last_metrics)
         # Megatron's flag-governed TensorBoard scalars, under its tag names.
