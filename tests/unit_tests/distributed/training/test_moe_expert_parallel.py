@@ -150,3 +150,26 @@ def test_expert_weights_are_pieces_of_the_ep1_weights():
     built = build_model(gpt_provider, moe_args(ep, "optim_grads_params", 0.0), torch.device("cpu"))
     compare_weights(built, reference_model(moe_args(ep, "optim_grads_params", 0.0)), rtol=0, atol=0)
     check(True)
+
+
+def test_checkpoint_stores_experts_globally_and_loads_at_every_ep_size(tmp_path_factory):
+    """Saved at the largest EP size, after training: loads at every EP size (experts by
+    global index), and the offline reader sees the global [experts * rows, ...] tensors."""
+    from megatron.core.distributed.mfsdp_v2.checkpoint import load_checkpoint, load_tensors, save_checkpoint
+
+    path = str(tmp_path_factory.mktemp("moe_ckpt")) if dist.get_rank() == 0 else None
+    holder = [path]
+    dist.broadcast_object_list(holder)
+    path = holder[0]
+    ep = EP_SIZES[-1]
+    built, reference, _ = run_case(ep, "optim_grads_params", 0.0)
+    save_checkpoint(built.model, None, path)
+    for load_ep in EP_SIZES:
+        for strategy in ("optim_grads_params", "optim"):
+            fresh = build_model(gpt_provider, moe_args(load_ep, strategy, 0.0), torch.device("cpu"))
+            load_checkpoint(fresh.model, None, path)
+            compare_weights(fresh, reference)
+    key = "model.decoder.layers.0.mlp.experts.linear_fc1.weight"
+    offline = load_tensors(path, [key])[key]
+    torch.testing.assert_close(offline, dict(reference.named_parameters())[key[len("model."):]].detach(),
+                               rtol=2e-5, atol=2e-6)

@@ -22,12 +22,14 @@ from .state import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
     check_optimizer_belongs,
+    global_pieces,
     model_state,
     named_tensors,
     optimizer_params,
     optimizer_state,
     param_names,
     restore_optimizer_json,
+    stored_shape,
 )
 
 
@@ -69,9 +71,11 @@ def load_checkpoint(
 
     # 2. Names and shapes, model and optimizer.
     saved = checkpoint_tensors(manifest)
-    wanted_model = {MODEL_PREFIX + fqn: tuple(t.shape) for fqn, t, _ in named_tensors(model)}
+    pieces = global_pieces(model)  # pieces of global tensors are compared at their global shape
+    wanted_model = {MODEL_PREFIX + fqn: stored_shape(t, pieces) for fqn, t, _ in named_tensors(model)}
     comm.agree(_compare(saved, wanted_model, MODEL_PREFIX, "model"), CheckpointMismatchError)
-    error = None if optimizer is None else _optimizer_mismatch(manifest.get("optimizer"), optimizer, names, saved)
+    error = None if optimizer is None else _optimizer_mismatch(manifest.get("optimizer"), optimizer, names, saved,
+                                                                 pieces)
     comm.agree(error, OptimizerMismatchError)
 
     # 3. File integrity: each rank checks a share of the files, then all agree.
@@ -90,7 +94,7 @@ def load_checkpoint(
     engine = engine_view.sharded_parameters(contexts)
     state = model_state(model, engine)
     if optimizer is not None:
-        tensors, _ = optimizer_state(optimizer, engine, names)
+        tensors, _ = optimizer_state(optimizer, engine, names, pieces)
         state.update({k: v for k, v in tensors.items() if k in saved})
     read_state(state, checkpoint_dir, manifest, group=comm.group, no_dist=comm.no_dist)
     if optimizer is not None:
@@ -139,7 +143,7 @@ def _compare(saved: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], wanted: Dict
             + f". Build the {what} with the configuration the checkpoint was saved with.")
 
 
-def _optimizer_mismatch(saved_optimizer, optimizer, names, saved) -> Optional[str]:
+def _optimizer_mismatch(saved_optimizer, optimizer, names, saved, pieces) -> Optional[str]:
     """Why the checkpoint's optimizer state does not fit ``optimizer``, or None."""
     if saved_optimizer is None:
         return "the checkpoint holds no optimizer state; load it with optimizer=None (model weights only)."
@@ -149,7 +153,7 @@ def _optimizer_mismatch(saved_optimizer, optimizer, names, saved) -> Optional[st
     error = _check_param_groups(saved_optimizer["param_groups"], optimizer, names)
     if error is not None:
         return error
-    wanted = _optimizer_keys_after_init(optimizer, names, saved)
+    wanted = _optimizer_keys_after_init(optimizer, names, saved, pieces)
     in_optimizer = {names[id(p)] for p in optimizer_params(optimizer)}
     return _compare({k: v for k, v in saved.items() if k.startswith(OPTIMIZER_PREFIX)
                      and k[len(OPTIMIZER_PREFIX):].rsplit(".", 1)[0] in in_optimizer},
@@ -169,7 +173,7 @@ def _check_param_groups(saved_groups, optimizer, names) -> Optional[str]:
     return None
 
 
-def _optimizer_keys_after_init(optimizer, names, saved) -> Dict[str, Tuple[int, ...]]:
+def _optimizer_keys_after_init(optimizer, names, saved, pieces) -> Dict[str, Tuple[int, ...]]:
     """The optimizer tensor keys the load will fill, predicted from the checkpoint for
     parameters whose state is not initialized yet."""
     wanted = {}
@@ -179,7 +183,8 @@ def _optimizer_keys_after_init(optimizer, names, saved) -> Dict[str, Tuple[int, 
         if state:
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    wanted[f"{OPTIMIZER_PREFIX}{fqn}.{key}"] = tuple(value.shape)
+                    like_param = tuple(value.shape) == tuple(p.shape)
+                    wanted[f"{OPTIMIZER_PREFIX}{fqn}.{key}"] = stored_shape(p, pieces) if like_param else tuple(value.shape)
             continue
         prefix = f"{OPTIMIZER_PREFIX}{fqn}."
         for key, (shape, _) in saved.items():

@@ -15,7 +15,8 @@ from . import engine_view
 from .agreement import Comm, resolve_comm
 from .dcp_adapter import data_files, staged, write_state
 from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, digest_files, fsync_dir, write_manifest
-from .state import check_optimizer_belongs, model_state, optimizer_json, optimizer_state, param_names
+from .state import (check_optimizer_belongs, global_pieces, model_state, optimizer_json, optimizer_state,
+                    param_names)
 
 
 def save_checkpoint(
@@ -70,7 +71,7 @@ def save_checkpoint(
     state = model_state(model, engine)
     saved_optimizer = None
     if optimizer is not None:
-        tensors, scalars = optimizer_state(optimizer, engine, names)
+        tensors, scalars = optimizer_state(optimizer, engine, names, global_pieces(model))
         state.update(tensors)
         saved_optimizer = optimizer_json(optimizer, names, scalars)
     header = manifest_header(comm.size, engine_view.unit_strategies(contexts), saved_optimizer, extra_metadata)

@@ -9,6 +9,11 @@ the manifest.
 
 The entries are ``ChunkedTensor`` views of the live tensors, so the same state serves a
 save (DCP reads them) and a load (DCP writes into them).
+
+A parameter that is a piece of a larger global tensor (expert or tensor parallelism: its
+module's ``global_slices``, ``megatron/core/global_slices.py``) is stored as that global
+tensor, this rank's chunks at their global offsets; so a checkpoint loads at any
+expert-parallel size, or into a model holding every expert.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+from megatron.core.global_slices import GlobalSlice, global_slices_of
 
 from .dcp_adapter import ChunkedTensor, whole
 from .engine_view import ShardedRows, local_rows
@@ -45,6 +52,38 @@ def named_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor, bool]]:
             seen.add(id(buf))
             out.append((f"{module_name}.{name}" if module_name else name, buf, False))
     return out
+
+
+def global_pieces(model: nn.Module) -> Dict[int, GlobalSlice]:
+    """``{id(parameter): GlobalSlice}`` of the parameters that are pieces of a global tensor."""
+    return {id(getattr(module, attr)): piece for module in model.modules()
+            for attr, piece in global_slices_of(module).items() if getattr(module, attr, None) is not None}
+
+
+def stored_shape(tensor: torch.Tensor, pieces: Dict[int, GlobalSlice]) -> Tuple[int, ...]:
+    """The shape a tensor (or optimizer state shaped like it) has in the checkpoint."""
+    piece = pieces.get(id(tensor))
+    return tuple(piece.global_shape) if piece is not None else tuple(tensor.shape)
+
+
+def _globalize(entry: ChunkedTensor, piece: GlobalSlice) -> ChunkedTensor:
+    """The same chunks in the coordinates of the global tensor: each chunk is cut where
+    ``piece``'s ranges meet and moved to their offsets (views, so a load writes through)."""
+    if tuple(entry.shape) != tuple(piece.local_shape):
+        raise RuntimeError(f"internal error: a tensor of shape {tuple(entry.shape)} is declared as a "
+                           f"{tuple(piece.local_shape)} piece of {tuple(piece.global_shape)}; please report this.")
+    d, chunks = piece.dim, []
+    for offsets, local in entry._chunks:
+        lo, hi = offsets[d], offsets[d] + local.shape[d]
+        position = 0  # where the current range starts in local coordinates
+        for start, stop in piece.ranges:
+            a, b = max(lo, position), min(hi, position + stop - start)
+            if a < b:
+                moved = list(offsets)
+                moved[d] = start + a - position
+                chunks.append((tuple(moved), local.narrow(d, a - lo, b - a)))
+            position += stop - start
+    return ChunkedTensor(piece.global_shape, entry.dtype, entry.device, chunks)
 
 
 def param_names(model: nn.Module) -> Dict[int, str]:
@@ -98,20 +137,26 @@ def _sharded(rows: ShardedRows, tensor, what: str) -> ChunkedTensor:
 def model_state(model: nn.Module, engine: Dict[int, ShardedRows]) -> Dict[str, torch.Tensor]:
     """DCP entries of every parameter and persistent buffer (``engine``: the managed ones)."""
     state: Dict[str, torch.Tensor] = {}
+    pieces = global_pieces(model)
     for fqn, tensor, _ in named_tensors(model):
         rows = engine.get(id(tensor))
         if rows is not None:
-            state[MODEL_PREFIX + fqn] = _sharded(rows, tensor, f"'{fqn}'")
+            entry = _sharded(rows, tensor, f"'{fqn}'")
         elif isinstance(tensor, DTensor):
-            state[MODEL_PREFIX + fqn] = tensor.detach()  # not ours: torch's even sharding is right
+            entry = tensor.detach()  # not ours: torch's even sharding is right
         else:
-            state[MODEL_PREFIX + fqn] = whole(tensor)
+            entry = whole(tensor)
+        if id(tensor) in pieces and isinstance(entry, ChunkedTensor):
+            entry = _globalize(entry, pieces[id(tensor)])
+        state[MODEL_PREFIX + fqn] = entry
     return state
 
 
-def optimizer_state(optimizer, engine: Dict[int, ShardedRows],
-                    names: Dict[int, str]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, Any]]]:
-    """Tensor state as DCP entries, plus JSON-able scalar state per fqn."""
+def optimizer_state(optimizer, engine: Dict[int, ShardedRows], names: Dict[int, str],
+                    pieces: Dict[int, GlobalSlice] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, Any]]]:
+    """Tensor state as DCP entries, plus JSON-able scalar state per fqn. ``pieces``
+    (``global_pieces(model)``): state shaped like such a parameter is stored globally too."""
+    pieces = pieces or {}
     tensors: Dict[str, torch.Tensor] = {}
     scalars: Dict[str, Dict[str, Any]] = {}
     for p in optimizer_params(optimizer):
@@ -122,7 +167,8 @@ def optimizer_state(optimizer, engine: Dict[int, ShardedRows],
         rows = engine.get(id(p))
         for key, value in state.items():
             name = f"{OPTIMIZER_PREFIX}{fqn}.{key}"
-            if isinstance(value, DTensor) and rows is not None and tuple(value.shape) == tuple(p.shape):
+            like_param = isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(p.shape)
+            if isinstance(value, DTensor) and rows is not None and like_param:
                 tensors[name] = _sharded(rows, value, f"optimizer state '{fqn}.{key}'")
             elif isinstance(value, DTensor):
                 tensors[name] = value.detach()
@@ -132,6 +178,9 @@ def optimizer_state(optimizer, engine: Dict[int, ShardedRows],
                 tensors[name] = whole(value)
             else:
                 scalars.setdefault(fqn, {})[key] = _to_json(value, f"optimizer state '{fqn}.{key}'")
+                continue
+            if like_param and id(p) in pieces and isinstance(tensors[name], ChunkedTensor):
+                tensors[name] = _globalize(tensors[name], pieces[id(p)])
     return tensors, scalars
 
 
