@@ -24,9 +24,18 @@ def run(tmp_path, name, nproc, *flags):
     return train, proc.stdout
 
 
-def test_ep2_at_4_ranks_matches_ep1_at_2_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """EP=1 at 2 ranks; EP=2 at 4 ranks, saving at iteration 2."""
+    tmp_path = tmp_path_factory.mktemp("moe")
     ep1, _ = run(tmp_path, "ep1", 2)
-    ep2, log = run(tmp_path, "ep2", 4, "--expert-model-parallel-size", "2")
+    save = tmp_path / "ckpt"
+    ep2, log = run(tmp_path, "ep2", 4, "--expert-model-parallel-size", "2", "--save", str(save), "--save-interval", "2")
+    return ep1, ep2, log, save
+
+
+def test_ep2_at_4_ranks_matches_ep1_at_2_ranks(layouts):
+    ep1, ep2, log, _ = layouts
     curve1 = [ep1[i]["lm_loss"] for i in range(1, ITERS + 1)]
     curve2 = [ep2[i]["lm_loss"] for i in range(1, ITERS + 1)]
     assert curve2 == pytest.approx(curve1, rel=2e-5)
@@ -48,3 +57,13 @@ def test_router_losses_and_dropped_tokens_are_logged(tmp_path):
     # Capacity ceil(64 * 2 / 4 * 0.5) = 16 of 64 x 2 assignments per rank and layer: at least 64 dropped each.
     assert first["moe_dropped_tokens"] >= 2 * 2 * 64
     assert "load_balancing_loss: " in log and "z_loss: " in log and "dropped tokens: " in log
+
+
+def test_checkpoint_saved_at_ep2_resumes_at_ep1(layouts, tmp_path):
+    """Experts are stored by global index (weights and Adam state): the EP=2 run's
+    checkpoint of iteration 2 resumes at EP=1 on 2 ranks exactly where the EP=2 run went on."""
+    _, ep2, _, save = layouts
+    resumed, log = run(tmp_path, "resumed", 2, "--load", str(save / "iter_0000002"))
+    assert "resumed from" in log
+    for it in (3, 4):
+        assert resumed[it]["lm_loss"] == pytest.approx(ep2[it]["lm_loss"], rel=2e-5)
