@@ -9,6 +9,7 @@ Without --data-path or --mock-data the Shakespeare corpus is used (built once pe
 tokenizer by tools/prepare_shakespeare.py into data/cache).
 """
 
+import dataclasses
 import os
 import sys
 from functools import partial
@@ -71,6 +72,10 @@ def model_provider(args):
     config = core_transformer_config_from_args(args)
     expert_parallel = None
     if config.num_moe_experts:
+        if not torch.distributed.is_initialized():
+            # One process (tools reading a checkpoint with its saved flags): every expert is
+            # local. Checkpoints store experts globally, so any saved EP size loads.
+            config = dataclasses.replace(config, expert_model_parallel_size=1)
         expert_parallel = build_expert_parallel(config.expert_model_parallel_size, getattr(args, "device_type", "cpu"))
     return GPTModel(
         config,
