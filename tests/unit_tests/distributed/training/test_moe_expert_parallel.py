@@ -104,8 +104,8 @@ def compare_weights(built, reference, rtol=2e-5, atol=2e-6):
         torch.testing.assert_close(full, ref, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-def run_case(ep, strategy, aux):
-    args = moe_args(ep, strategy, aux)
+def run_case(ep, strategy, aux, *extra):
+    args = moe_args(ep, strategy, aux, *extra)
     built = build_model(gpt_provider, args, torch.device("cpu"))
     reference = reference_model(args)
     result = train(args, built, reference, aux)
@@ -120,6 +120,23 @@ def test_expert_parallel_matches_ep1_reference(ep, strategy, aux):
     assert losses == pytest.approx(ref_losses, rel=2e-5)
     assert norms == pytest.approx(ref_norms, rel=2e-5)
     assert ref_losses[-1] < ref_losses[0]  # the steps did something
+    compare_weights(built, reference)
+
+
+@pytest.mark.parametrize("extra", [("--recompute-granularity", "full"), ("--moe-grouped-gemm",),
+                                   ("--moe-shared-expert-intermediate-size", "16", "--moe-z-loss-coeff", "0.01")])
+def test_expert_parallel_with_recompute_grouped_gemm_and_shared_experts(extra):
+    """Full recompute (the all-to-all runs again in backward), grouped GEMM, shared experts
+    and the z-loss at the largest EP size, still equal to the EP=1 reference."""
+    ep = EP_SIZES[-1]
+    args = moe_args(ep, "optim_grads_params", 0.1, *extra)
+    built = build_model(gpt_provider, args, torch.device("cpu"))
+    ref_args = moe_args(1, None, 0.1, *extra, world_size=1, mfsdp=False)
+    reference = gpt_provider(ref_args)
+    initialize_parameters_(reference, ref_args.seed)
+    losses, ref_losses, norms, ref_norms = train(args, built, reference, 0.1)
+    assert losses == pytest.approx(ref_losses, rel=2e-5)
+    assert norms == pytest.approx(ref_norms, rel=2e-5)
     compare_weights(built, reference)
 
 
