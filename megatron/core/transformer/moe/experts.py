@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from megatron.core.global_slices import partition
 
-from ..layers import output_init_std
+from ..layers import normal_weight_zero_bias_, output_init_std
 
 
 class ExpertLinear(nn.Module):
@@ -52,10 +52,7 @@ class ExpertLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        with torch.no_grad():
-            nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
-            if self.bias is not None:
-                nn.init.zeros_(self.bias)
+        normal_weight_zero_bias_(self)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: List[int],
                 row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -97,13 +97,11 @@ def collect_moe_metrics(model: torch.nn.Module, device: torch.device = torch.dev
 def format_moe_metrics(metrics: Dict[str, float]) -> str:
     """The log line's MoE part: per-layer max/mean tokens per expert, dropped tokens."""
     loads = []
-    layer = 1
     keys = sorted((k for k in metrics if k.endswith("/max_tokens_per_expert")),
                   key=lambda k: int(k.split("/")[1][len("layer"):]))
     for key in keys:
         prefix = key[: -len("max_tokens_per_expert")]
         loads.append(f"{prefix.split('/')[1]} {metrics[key]:.1f}/{metrics[prefix + 'mean_tokens_per_expert']:.1f}")
-        layer += 1
     text = ""
     if loads:
         text += " tokens per expert max/mean: " + ", ".join(loads) + " |"

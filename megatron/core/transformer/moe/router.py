@@ -33,6 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..layers import normal_weight_zero_bias_
+
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -167,10 +169,7 @@ class TopKRouter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        with torch.no_grad():
-            nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
-            if self.bias is not None:
-                nn.init.zeros_(self.bias)
+        normal_weight_zero_bias_(self)
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         dtype = _ROUTER_DTYPES[self.config.moe_router_dtype] or x.dtype
