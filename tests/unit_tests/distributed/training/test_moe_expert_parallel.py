@@ -21,6 +21,7 @@ from _trainer_models import full_weights, gpt_provider, trainer_args
 from megatron.core.distributed.mfsdp_v2 import fully_shard, fully_shard_optimizer, microbatch
 from megatron.core.global_slices import global_slices_of
 from megatron.core.transformer.initialization import initialize_parameters_
+from megatron.core.transformer.moe.metrics import collect_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
 from megatron.training import model_builder
 from megatron.training.model_builder import build_model, get_grad_norm_and_clip
@@ -122,10 +123,12 @@ def test_expert_parallel_matches_ep1_reference(ep, strategy, aux):
 
 
 @pytest.mark.parametrize("extra", [("--recompute-granularity", "full"), ("--moe-grouped-gemm",),
-                                   ("--moe-shared-expert-intermediate-size", "16", "--moe-z-loss-coeff", "0.01")])
-def test_expert_parallel_with_recompute_grouped_gemm_and_shared_experts(extra):
+                                   ("--moe-shared-expert-intermediate-size", "16", "--moe-z-loss-coeff", "0.01"),
+                                   ("--moe-expert-capacity-factor", "1.0")])
+def test_expert_parallel_with_recompute_grouped_gemm_shared_experts_and_dropping(extra):
     """Full recompute (the all-to-all runs again in backward), grouped GEMM, shared experts
-    and the z-loss at the largest EP size, still equal to the EP=1 reference."""
+    with the z-loss, and capacity dropping (per micro-batch per rank, like the aux loss) at
+    the largest EP size, still equal to the EP=1 reference."""
     ep = EP_SIZES[-1]
     args = moe_args(ep, "optim_grads_params", 0.1, *extra)
     built = build_model(gpt_provider, args, torch.device("cpu"))
@@ -136,6 +139,8 @@ def test_expert_parallel_with_recompute_grouped_gemm_and_shared_experts(extra):
     assert losses == pytest.approx(ref_losses, rel=2e-5)
     assert norms == pytest.approx(ref_norms, rel=2e-5)
     compare_weights(built, reference)
+    if "--moe-expert-capacity-factor" in extra:
+        assert collect_moe_metrics(built.unwrapped)["moe_dropped_tokens"] > 0  # the case drops tokens
 
 
 WRONG_DIVISORS = sorted({1 if EP_SIZES[-1] > 1 else 2, 2 * EP_SIZES[-1]})
