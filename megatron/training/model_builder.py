@@ -280,3 +280,27 @@ def get_grad_norm_and_clip(args, built: BuiltModel, optimizer: Optional[torch.op
         # Expert gradients differ across the EP group: their norm adds up over it too.
         return clip_grad_norm_with_experts(params, expert_parameters(built.unwrapped), ep, args.clip_grad)
     return clip_grad_norm(params, args.clip_grad)
+
+
+def get_params_norm_of(built: BuiltModel, params) -> torch.Tensor:
+    """--log-params-norm: the global norm of ``params`` (the experts' over the EP group too)."""
+    from megatron.core.optimizer import get_params_norm
+    from megatron.core.transformer.moe.expert_parallel import (
+        expert_parallel_of, expert_parameters, norm_with_experts)
+
+    ep = expert_parallel_of(built.unwrapped)
+    if ep is not None and ep.size > 1:
+        return norm_with_experts(params, expert_parameters(built.unwrapped), ep, get_params_norm)
+    return get_params_norm(params)
+
+
+def count_zeros_of(built: BuiltModel, params) -> int:
+    """--log-num-zeros-in-grad: zero gradient entries of ``params`` (the experts' over the EP group too)."""
+    from megatron.core.optimizer import count_zeros
+    from megatron.core.transformer.moe.expert_parallel import (
+        count_zeros_with_experts, expert_parallel_of, expert_parameters)
+
+    ep = expert_parallel_of(built.unwrapped)
+    if ep is not None and ep.size > 1:
+        return count_zeros_with_experts(params, expert_parameters(built.unwrapped), ep)
+    return count_zeros(params)

@@ -45,7 +45,8 @@ from megatron.training.log_utils import (
     perplexity,
 )
 from megatron.training.timers import Timers, timers_to_log
-from megatron.training.model_builder import BuiltModel, build_model, build_optimizer, get_grad_norm_and_clip
+from megatron.training.model_builder import (BuiltModel, build_model, build_optimizer, count_zeros_of,
+                                             get_grad_norm_and_clip, get_params_norm_of)
 
 
 def print_rank_0(*message) -> None:
@@ -411,9 +412,7 @@ class _Trainer:
                 self.grad_scaler.update(skipped)
             if args.log_num_zeros_in_grad:
                 with timers("optimizer-count-zeros", 1):
-                    from megatron.core.optimizer import count_zeros
-
-                    self.num_zeros = count_zeros(self.params)
+                    self.num_zeros = count_zeros_of(self.built, self.params)
             if skipped:
                 # Megatron skips the update (and the LR step) rather than writing NaN/inf weights.
                 self.optimizer.zero_grad(set_to_none=True)
@@ -507,9 +506,7 @@ class _Trainer:
         loss_scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         params_norm = None
         if args.log_params_norm:
-            from megatron.core.optimizer import get_params_norm
-
-            params_norm = float(get_params_norm(self.params))
+            params_norm = float(get_params_norm_of(self.built, self.params))
         num_zeros = self.num_zeros if args.log_num_zeros_in_grad else None
         timer_text, timer_scalars = self.timers.report(timers_to_log(args.timing_log_level), interval_iters)
         moe = collect_moe_metrics(self.built.unwrapped, _comm_device(self.device))

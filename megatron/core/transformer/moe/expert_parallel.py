@@ -96,29 +96,39 @@ def expert_parameters(model: nn.Module) -> List[nn.Parameter]:
     return [p for layer in moe_layers(model) for p in layer.experts.parameters()]
 
 
-def _norm_squared(values: torch.Tensor) -> torch.Tensor:
-    return values.double() ** 2
+def _split(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor]):
+    expert_ids = {id(p) for p in experts}
+    params = list(params)
+    return params, [p for p in params if id(p) not in expert_ids], [p for p in params if id(p) in expert_ids]
+
+
+def _sum_over_ep(value: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    value = value.double().to(_comm_device(ep))
+    if ep.size > 1:
+        dist.all_reduce(value, group=ep.group)
+    return value.cpu()
+
+
+def norm_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor], ep: ExpertParallel,
+                      norm_of) -> torch.Tensor:
+    """The global 2-norm ``norm_of`` (e.g. ``get_grad_norm``, ``get_params_norm``) gives for
+    a list of tensors, when some of them (``experts``, a subset of ``params``) differ across
+    the EP group: their squared norm (already reduced over the expert-DP mesh) is summed
+    over the EP group as well."""
+    _, dense, expert = _split(params, experts)
+    dense_sq = norm_of(dense).double().cpu() ** 2
+    expert_sq = _sum_over_ep(norm_of(expert) ** 2, ep)
+    return torch.sqrt(dense_sq + expert_sq).float()
 
 
 def clip_grad_norm_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor],
                                 ep: ExpertParallel, max_norm: float) -> torch.Tensor:
-    """Global 2-norm of all gradients, and clipping to ``max_norm`` (> 0).
-
-    The gradients of expert parameters (a subset of ``params``) are different on the ranks
-    of an EP group: their squared norm (already reduced over the expert-DP mesh) is summed
-    over the EP group as well; the other parameters' norm is the usual one."""
+    """Global gradient 2-norm (``norm_with_experts``), and clipping to ``max_norm`` (> 0),
+    with the coefficient of ``torch.nn.utils.clip_grad_norm_``."""
     from megatron.core.optimizer.clip_grads import get_grad_norm
 
-    expert_ids = {id(p) for p in experts}
-    params = [p for p in params]
-    dense = [p for p in params if id(p) not in expert_ids]
-    expert = [p for p in params if id(p) in expert_ids]
-    dense_sq = _norm_squared(get_grad_norm(dense))
-    expert_sq = _norm_squared(get_grad_norm(expert))
-    if ep.size > 1:
-        expert_sq = expert_sq.to(_comm_device(ep))
-        dist.all_reduce(expert_sq, group=ep.group)
-    total = torch.sqrt(dense_sq + expert_sq.to(dense_sq.device)).float()
+    params = list(params)
+    total = norm_with_experts(params, experts, ep, get_grad_norm)
     if max_norm > 0 and math.isfinite(float(total)):
         coef = min(max_norm / (float(total) + 1e-6), 1.0)
         for p in params:
@@ -126,6 +136,15 @@ def clip_grad_norm_with_experts(params: Iterable[torch.Tensor], experts: Iterabl
                 grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 grad.mul_(coef)
     return total
+
+
+def count_zeros_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor],
+                             ep: ExpertParallel) -> int:
+    """Zero gradient entries over the whole model, the experts' counted over the EP group too."""
+    from megatron.core.optimizer import count_zeros
+
+    _, dense, expert = _split(params, experts)
+    return count_zeros(dense) + int(_sum_over_ep(torch.tensor(float(count_zeros(expert))), ep))
 
 
 def _comm_device(ep: ExpertParallel) -> torch.device:

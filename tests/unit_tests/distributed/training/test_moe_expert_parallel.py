@@ -24,7 +24,7 @@ from megatron.core.transformer.initialization import initialize_parameters_
 from megatron.core.transformer.moe.metrics import collect_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
 from megatron.training import model_builder
-from megatron.training.model_builder import build_model, get_grad_norm_and_clip
+from megatron.training.model_builder import build_model, count_zeros_of, get_grad_norm_and_clip, get_params_norm_of
 
 WORLD = dist.get_world_size()
 EP_SIZES = [p for p in (1, 2, 4) if p <= WORLD and WORLD % p == 0]
@@ -120,6 +120,12 @@ def test_expert_parallel_matches_ep1_reference(ep, strategy, aux):
     assert norms == pytest.approx(ref_norms, rel=2e-5)
     assert ref_losses[-1] < ref_losses[0]  # the steps did something
     compare_weights(built, reference)
+    # --log-params-norm and --log-num-zeros-in-grad count every expert once, at any EP size.
+    params = [p for p in built.unwrapped.parameters() if p.requires_grad]
+    ref_params = list(reference.parameters())
+    assert float(get_params_norm_of(built, params)) == pytest.approx(
+        float(torch.linalg.vector_norm(torch.cat([p.detach().reshape(-1) for p in ref_params]))), rel=1e-5)
+    assert count_zeros_of(built, params) == sum(int((p.grad == 0).sum()) for p in ref_params)
 
 
 @pytest.mark.parametrize("extra", [("--recompute-granularity", "full"), ("--moe-grouped-gemm",),
