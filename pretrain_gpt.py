@@ -9,6 +9,7 @@ Without --data-path or --mock-data the Shakespeare corpus is used (built once pe
 tokenizer by tools/prepare_shakespeare.py into data/cache).
 """
 
+import dataclasses
 import os
 import sys
 from functools import partial
@@ -25,6 +26,7 @@ from megatron.training import pretrain, print_rank_0  # noqa: E402
 def core_transformer_config_from_args(args):
     from megatron.core.transformer import TransformerConfig
     from megatron.training.model_builder import activation_from_args
+    from megatron.training.moe_arguments import moe_config_kwargs
 
     config = TransformerConfig(
         num_layers=args.num_layers,
@@ -55,6 +57,7 @@ def core_transformer_config_from_args(args):
         attention_softmax_in_fp32=getattr(args, "attention_softmax_in_fp32", False),
         attention_backend=getattr(args, "attention_backend", "auto"),
         **tensor_parallel_config_from_args(args),
+        **moe_config_kwargs(args),
     )
     if getattr(args, "squared_relu", False):
         config.activation_func = "squared_relu"
@@ -75,11 +78,20 @@ def tensor_parallel_config_from_args(args):
 def model_provider(args):
     """Build the (unwrapped) GPT model; the trainer shards or wraps it."""
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.moe.expert_parallel import build_expert_parallel
 
     print_rank_0("> building GPT model ...")
     config = core_transformer_config_from_args(args)
+    expert_parallel = None
+    if config.num_moe_experts:
+        if not torch.distributed.is_initialized():
+            # One process (tools reading a checkpoint with its saved flags): every expert is
+            # local. Checkpoints store experts globally, so any saved EP size loads.
+            config = dataclasses.replace(config, expert_model_parallel_size=1)
+        expert_parallel = build_expert_parallel(config.expert_model_parallel_size, getattr(args, "device_type", "cpu"))
     return GPTModel(
         config,
+        expert_parallel=expert_parallel,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

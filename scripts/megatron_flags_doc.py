@@ -41,6 +41,11 @@ Deviations worth knowing:
   a plain LayerNorm checkpoint (add 1 when converting).
 - The fp16 loss scale is saved with the optimizer state (`grad_scaler` in common.json).
 - "number of skipped/nan iterations" count the current log interval, as upstream.
+- `--moe-token-dispatcher-type allgather` (upstream's default) runs the all-to-all dispatcher,
+  which gives the same results; `--expert-model-parallel-size` above 1 needs `--use-mfsdp`.
+- The MoE load-balancing loss is upstream's `aux_loss` (per micro-batch per rank); the log
+  line's `load_balancing_loss` / `z_loss` are the losses divided by their coefficients, the
+  mean over MoE layers (docs/design.md, "Mixture of experts").
 """
 
 

@@ -83,6 +83,10 @@ def main(argv=None):
     if args.tensor_model_parallel_size > 1:
         raise SystemExit("estimate_memory.py: error: the planner covers data parallelism only; drop "
                          "--tensor-model-parallel-size (docs/design.md gives TP x FSDP's per-rank memory).")
+    if args.num_experts:
+        # Expert units live on their own sub-mesh with their own divisor; the planner has one mesh.
+        raise SystemExit("estimate_memory.py: error: the planner does not model mixture-of-experts models yet "
+                         "(expert units are sharded over the expert-data-parallel mesh); drop --num-experts.")
     outer = known.outer_size or (args.num_distributed_optimizer_instances if args.dp_outer_size > 1 else 2)
     units, plans = estimate(args, known.world_size, outer)
     n = sum(u.numel for u in units)

@@ -17,6 +17,7 @@ import torch
 
 from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
+from megatron.training.moe_arguments import add_moe_args, validate_moe_args
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
@@ -175,6 +176,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     _add_activation_args(parser)
     _add_memory_args(parser)
     _add_fidelity_args(parser)
+    add_moe_args(parser)
     add_megatron_compat_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
@@ -480,6 +482,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     if args.wandb_exp_name and not args.wandb_project:
         raise ValueError("--wandb-exp-name needs --wandb-project (W&B logging is enabled by the project).")
     _validate_fidelity(args)
+    validate_moe_args(args)
     _validate_paths(args)
     return args
 

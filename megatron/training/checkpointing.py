@@ -259,7 +259,7 @@ def _engine_group(model, async_group=None):
 
 
 def _pieces(model) -> Dict[str, Any]:
-    """Tensor-parallel pieces of global tensors: saved and loaded as the global tensors."""
+    """Pieces of global tensors (tensor and expert parallelism): saved and loaded as the global tensors."""
     from megatron.core.global_slices import global_slices_by_name
 
     return global_slices_by_name(model)

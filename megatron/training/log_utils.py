@@ -57,6 +57,7 @@ def format_iteration_line(
     global_batch_size: int,
     losses: Dict[str, float],
     grad_norm: Optional[float],
+    moe_text: str = "",
     skipped_iterations: int,
     nan_iterations: int,
     loss_scale: float = 1.0,
@@ -84,6 +85,7 @@ def format_iteration_line(
     s += " global batch size: {:5d} |".format(global_batch_size)
     for key, value in losses.items():
         s += " {}: {:.6E} |".format(key, value)
+    s += moe_text  # MoE token loads and dropped tokens (moe/metrics.py), "" for dense models
     s += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         s += " grad norm: {:.3f} |".format(grad_norm)

@@ -87,14 +87,12 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
 PARALLEL_SIZES = (
     "--pipeline-model-parallel-size",
     "--context-parallel-size",
-    "--expert-model-parallel-size",
     "--expert-tensor-parallel-size",
 )
 
 # flag -> what to do instead. Registered so that they are recognised (and named in the
 # error), whatever value follows them.
 _PP = "pipeline parallelism is not supported yet; drop it (the model runs on every data-parallel rank)"
-_MOE = "mixture-of-experts models are not supported yet; train a dense model (drop the MoE flags)"
 _FP8 = "FP8 training is not supported; use --bf16"
 _TP = "overlapping tensor-parallel communication with compute is not supported yet; drop it"
 REJECTED: Dict[str, str] = {
@@ -114,19 +112,7 @@ REJECTED: Dict[str, str] = {
     "--wgrad-deferral-limit": _TP,
     "--cp-comm-type": "context parallelism is not supported yet; drop it",
     "--hierarchical-context-parallel-sizes": "context parallelism is not supported yet; drop it",
-    "--num-experts": _MOE,
-    "--moe-ffn-hidden-size": _MOE,
-    "--moe-router-topk": _MOE,
-    "--moe-router-load-balancing-type": _MOE,
-    "--moe-grouped-gemm": _MOE,
-    "--moe-token-dispatcher-type": _MOE,
-    "--moe-aux-loss-coeff": _MOE,
-    "--moe-z-loss-coeff": _MOE,
-    "--moe-router-score-function": _MOE,
-    "--moe-router-dtype": _MOE,
-    "--moe-shared-expert-intermediate-size": _MOE,
-    "--moe-shared-expert-gate": _MOE,
-    "--moe-layer-freq": _MOE,
+    "--moe-shared-expert-gate": "a gated shared expert is not implemented; drop it (the shared expert is ungated)",
     "--fp8-format": _FP8,
     "--fp8-recipe": _FP8,
     "--fp8-param-gather": _FP8,

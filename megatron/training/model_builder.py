@@ -64,9 +64,10 @@ def build_device_mesh(args, device_type: str):
     return parallel_state_for(args, device_type).dp_mesh
 
 
-def build_placements(args):
-    """ZeRO-0..3 -> no_shard/zero1/zero2/zero3; with K>1 instances, outer no_shard -> HSDP
-    (inner strategy from --data-parallel-sharding-strategy), outer optim -> HFSDP."""
+def build_placements(args, axis: str = "dp"):
+    """ZeRO-0..3 -> no_shard/zero1/zero2/zero3 over the mesh dim ``axis``; with K>1 instances,
+    outer no_shard -> HSDP (inner strategy from --data-parallel-sharding-strategy), outer
+    optim -> HFSDP."""
     from torch.distributed.tensor import Partial, Replicate
 
     from megatron.core.distributed.mfsdp_v2 import Placements
@@ -79,7 +80,7 @@ def build_placements(args):
     }
     strategy = args.data_parallel_sharding_strategy
     if args.dp_outer_size == 1:
-        return presets[strategy]("dp")
+        return presets[strategy](axis)
     if strategy == "optim_grads_params":
         if args.outer_dp_sharding_strategy == "optim":
             return Placements.hfsdp("outer", "inner")
@@ -138,9 +139,12 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
         with fully_shard_context(
             device=device, unify_communication_stream=args.mfsdp_unify_communication_stream
         ) as context:
-            # Children first: each layer is its own unit; the root then owns the rest.
-            units = [fully_shard(layer, mesh, placements, mixed_precision_policy=policy)
-                     for layer in transformer_layers(model)]
+            # Children first: each layer is its own unit (its experts one before it); the
+            # root then owns the rest.
+            units = []
+            for layer in transformer_layers(model):
+                units += shard_experts(layer, args, policy)
+                units.append(fully_shard(layer, mesh, placements, mixed_precision_policy=policy))
             units.append(fully_shard(model, mesh, placements, mixed_precision_policy=policy))
         if meta:
             materialize_units(units, args.seed)
@@ -154,6 +158,21 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
         )
         return BuiltModel(ddp, model)
     return BuiltModel(model, model)
+
+
+def shard_experts(layer: torch.nn.Module, args, policy) -> list:
+    """A MoE layer's experts as their own unit: sharded over the expert-data-parallel mesh
+    (the ranks holding the same experts) with ``grad_divisor`` = the EP size
+    (``megatron/core/transformer/moe/expert_parallel.py`` says why). [] for a dense layer."""
+    from megatron.core.distributed.mfsdp_v2 import fully_shard
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    moe = getattr(layer, "mlp", None)
+    if not isinstance(moe, MoELayer):
+        return []
+    ep = moe.expert_parallel
+    return [fully_shard(moe.experts, ep.expert_dp_mesh, build_placements(args, axis="expert_dp"),
+                        mixed_precision_policy=policy, grad_divisor=ep.size)]
 
 
 META_BUILD_FAILED = (
@@ -258,8 +277,14 @@ def build_optimizer(args, built: BuiltModel):
 def get_grad_norm_and_clip(args, built: BuiltModel, optimizer: Optional[torch.optim.Optimizer] = None):
     """Global grad norm over all (sharded) gradients; clipped to --clip-grad when > 0."""
     from megatron.core.optimizer import clip_grad_norm
+    from megatron.core.transformer.moe.expert_parallel import (
+        clip_grad_norm_with_experts, expert_parallel_of, expert_parameters)
 
     params = [p for p in built.unwrapped.parameters() if p.requires_grad]
+    ep = expert_parallel_of(built.unwrapped)
+    if ep is not None and ep.size > 1:
+        # Expert gradients differ across the EP group: their norm adds up over it too.
+        return clip_grad_norm_with_experts(params, expert_parameters(built.unwrapped), ep, args.clip_grad)
     return clip_grad_norm(params, args.clip_grad, **tensor_parallel_norm_args(args, built))
 
 
@@ -282,3 +307,27 @@ def finalize_model_grads(args, built: BuiltModel) -> None:
         from megatron.core.tensor_parallel import all_reduce_sequence_parallel_grads
 
         all_reduce_sequence_parallel_grads(built.unwrapped, parallel_state.get_tensor_model_parallel_group())
+
+
+def get_params_norm_of(args, built: BuiltModel, params) -> torch.Tensor:
+    """--log-params-norm: the global norm of ``params`` (each TP piece and each expert counted once)."""
+    from megatron.core.optimizer import get_params_norm
+    from megatron.core.transformer.moe.expert_parallel import (
+        expert_parallel_of, expert_parameters, norm_with_experts)
+
+    ep = expert_parallel_of(built.unwrapped)
+    if ep is not None and ep.size > 1:
+        return norm_with_experts(params, expert_parameters(built.unwrapped), ep, get_params_norm)
+    return get_params_norm(params, **tensor_parallel_norm_args(args, built))
+
+
+def count_zeros_of(args, built: BuiltModel, params) -> int:
+    """--log-num-zeros-in-grad: zero gradient entries of ``params`` (each TP piece and each expert once)."""
+    from megatron.core.optimizer import count_zeros
+    from megatron.core.transformer.moe.expert_parallel import (
+        count_zeros_with_experts, expert_parallel_of, expert_parameters)
+
+    ep = expert_parallel_of(built.unwrapped)
+    if ep is not None and ep.size > 1:
+        return count_zeros_with_experts(params, expert_parameters(built.unwrapped), ep)
+    return count_zeros(params, **tensor_parallel_norm_args(args, built))

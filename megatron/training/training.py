@@ -22,6 +22,9 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
+from megatron.core.transformer.moe.metrics import collect_moe_metrics, format_moe_metrics
+from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
 from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import (
     exit_signal_received,
@@ -47,9 +50,10 @@ from megatron.training.model_builder import (
     BuiltModel,
     build_model,
     build_optimizer,
+    count_zeros_of,
     finalize_model_grads,
     get_grad_norm_and_clip,
-    tensor_parallel_norm_args,
+    get_params_norm_of,
 )
 
 
@@ -404,6 +408,9 @@ class _Trainer:
         args = self.args
         timers = self.timers
         self.optimizer.zero_grad(set_to_none=True)
+        # The router losses' gradients get the factor each micro-batch's loss gets.
+        loss_scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+        set_aux_loss_backward_scale(self.built.unwrapped, loss_scale / args.num_microbatches)
         with timers("forward-backward", 1), self._autocast():
             reports = self.forward_backward(
                 self._forward_step, data_iterator, self.built.model, args.num_microbatches,
@@ -426,9 +433,7 @@ class _Trainer:
                 self.grad_scaler.update(skipped)
             if args.log_num_zeros_in_grad:
                 with timers("optimizer-count-zeros", 1):
-                    from megatron.core.optimizer import count_zeros
-
-                    self.num_zeros = count_zeros(self.params, **tensor_parallel_norm_args(args, self.built))
+                    self.num_zeros = count_zeros_of(args, self.built, self.params)
             if skipped:
                 # Megatron skips the update (and the LR step) rather than writing NaN/inf weights.
                 self.optimizer.zero_grad(set_to_none=True)
@@ -522,11 +527,12 @@ class _Trainer:
         loss_scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         params_norm = None
         if args.log_params_norm:
-            from megatron.core.optimizer import get_params_norm
-
-            params_norm = float(get_params_norm(self.params, **tensor_parallel_norm_args(args, self.built)))
+            params_norm = float(get_params_norm_of(args, self.built, self.params))
         num_zeros = self.num_zeros if args.log_num_zeros_in_grad else None
         timer_text, timer_scalars = self.timers.report(timers_to_log(args.timing_log_level), interval_iters)
+        moe = collect_moe_metrics(self.built.unwrapped, _comm_device(self.device))
+        losses = {"lm loss": loss}
+        losses.update({name: moe[name] for name in MOE_LOSS_NAMES if name in moe})
         line = format_iteration_line(
             iteration=iteration,
             train_iters=args.train_iters,
@@ -534,7 +540,8 @@ class _Trainer:
             elapsed_ms_per_iteration=seconds_per_iteration * 1000.0,
             learning_rate=lr,
             global_batch_size=args.global_batch_size,
-            losses={"lm loss": loss},
+            losses=losses,
+            moe_text=format_moe_metrics(moe),
             grad_norm=grad_norm,
             skipped_iterations=self.skipped_iterations,
             nan_iterations=self.nan_iterations,
@@ -566,6 +573,7 @@ class _Trainer:
             "num_zeros": num_zeros,
             "params_norm": params_norm,
         }
+        metrics.update(moe)
         self.last_metrics = {k: v for k, v in metrics.items() if v is not None}
         self.writer.write("train", iteration, self.last_metrics)
         # Megatron's flag-governed TensorBoard scalars, under its tag names.

@@ -7,6 +7,13 @@ Two model styles convert:
   transposed, ``[in, out]``). Models without linear biases get zero biases (exact).
 * Llama style -- RoPE, RMSNorm, SwiGLU MLP, any number of query groups
   -> ``LlamaForCausalLM``.
+* Mixtral style -- Llama style with a mixture of SwiGLU experts in every layer (top-k
+  softmax routing, no biases) -> ``MixtralForCausalLM``, in the file format Hugging Face
+  writes (``block_sparse_moe.gate.weight`` = our ``mlp.router.weight``; expert j's rows of
+  our stacked ``experts.linear_fc1.weight`` [E * 2F, H] are ``experts.{j}.w1`` (gate) then
+  ``w3`` (up), its rows of ``experts.linear_fc2.weight`` [E * H, F] are ``w2``). The 3-D
+  in-memory names of transformers 5 (``mlp.experts.gate_up_proj`` [E, 2F, H],
+  ``mlp.experts.down_proj`` [E, H, F]; our tensors reshaped) are read too.
 
 The QKV projection is interleaved per query group in our layout (attention.py): for each
 group g, ``P = heads / groups`` query heads, then one key head, then one value head, each
@@ -53,6 +60,9 @@ class ModelConfig:
     unpadded_vocab_size: Optional[int] = None  # the tokenizer's size when vocab_size is padded
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    num_experts: Optional[int] = None  # a mixture of experts in every layer (Mixtral style)
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_topk: int = 2
 
     @property
     def style(self) -> str:
@@ -60,8 +70,13 @@ class ModelConfig:
                 and not self.gated_linear_unit and self.activation in ("gelu", "gelu_tanh"))
         llama = (self.position_embedding_type == "rope" and self.normalization == "RMSNorm"
                  and self.gated_linear_unit and self.activation == "silu")
-        if gpt2:
+        if gpt2 and not self.num_experts:
             return "gpt2"
+        if llama and self.num_experts:
+            if self.add_bias_linear:
+                raise ConversionError("Mixtral has no linear biases; this MoE model has them (convert it "
+                                      "--to safetensors instead).")
+            return "mixtral"
         if llama:
             return "llama"
         raise ConversionError(
@@ -94,6 +109,8 @@ class ModelConfig:
             "untie_embeddings_and_output_weights": not self.tied_embeddings,
             "norm_epsilon": self.norm_epsilon,
             "rotary_base": self.rotary_base,
+            **({"num_experts": self.num_experts, "moe_ffn_hidden_size": self.moe_ffn_hidden_size,
+                "moe_router_topk": self.moe_router_topk} if self.num_experts else {}),
         }
 
     def command_line(self) -> list:
@@ -118,6 +135,9 @@ class ModelConfig:
             flags.append("--disable-bias-linear")
         if not self.tied_embeddings:
             flags.append("--untie-embeddings-and-output-weights")
+        if self.num_experts:
+            flags.append(f"--num-experts {self.num_experts} --moe-ffn-hidden-size {self.moe_ffn_hidden_size} "
+                         f"--moe-router-topk {self.moe_router_topk}")
         return flags
 
 
@@ -158,9 +178,14 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         raise ConversionError(f"linear_qkv has {qkv_rows} rows, not a multiple of heads + 2 * groups = "
                               f"{heads + 2 * groups}; check --num-attention-heads / --num-query-groups.")
     kv_channels = qkv_rows // (heads + 2 * groups)
-    ffn = shapes["decoder.layers.0.mlp.linear_fc2.weight"][1]
-    fc1_rows = shapes["decoder.layers.0.mlp.linear_fc1.weight"][0]
+    moe = _moe_from_tensors(shapes, args, len(layers))
+    mlp = "decoder.layers.0.mlp.experts." if moe else "decoder.layers.0.mlp."
+    ffn = shapes[mlp + "linear_fc2.weight"][1]
+    fc1_rows = shapes[mlp + "linear_fc1.weight"][0] // (moe["num_experts"] if moe else 1)
     gated = fc1_rows == 2 * ffn
+    if moe:
+        moe["moe_ffn_hidden_size"] = ffn
+        ffn = int(args.get("ffn_hidden_size") or ffn)
     learned = "embedding.position_embeddings.weight" in shapes
     max_positions = shapes["embedding.position_embeddings.weight"][0] if learned else int(
         args.get("max_position_embeddings") or args.get("seq_length") or 2048)
@@ -181,7 +206,28 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         unpadded_vocab_size=args.get("unpadded_vocab_size"),
         hidden_dropout=float(args.get("hidden_dropout", 0.0)),
         attention_dropout=float(args.get("attention_dropout", 0.0)),
+        **moe,
     )
+
+
+def _moe_from_tensors(shapes, args, num_layers) -> Dict[str, Any]:
+    """The MoE fields ({} for a dense model); refuses what Mixtral cannot express."""
+    routers = [i for i in range(num_layers) if f"decoder.layers.{i}.mlp.router.weight" in shapes]
+    if not routers:
+        return {}
+    if len(routers) != num_layers:
+        raise ConversionError(f"only layers {routers} of {num_layers} are MoE layers; Mixtral has experts in "
+                              "every layer (convert --to safetensors instead).")
+    if any(".mlp.shared_experts." in k for k in shapes):
+        raise ConversionError("this MoE model has shared experts, which Mixtral has not (convert --to safetensors).")
+    routing = {"moe_router_pre_softmax": False, "moe_router_score_function": "softmax",
+               "moe_router_topk_scaling_factor": None}
+    for key, mixtral in routing.items():
+        if args.get(key, mixtral) not in (mixtral, None if mixtral is False else mixtral):
+            raise ConversionError(f"this model routes with {key} = {args[key]!r}; Mixtral routes by the softmax of "
+                                  "the top-k logits (convert --to safetensors instead).")
+    return {"num_experts": shapes["decoder.layers.0.mlp.router.weight"][0],
+            "moe_router_topk": int(args.get("moe_router_topk") or 2)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -271,6 +317,17 @@ def to_hf(ours: Tensors, cfg: ModelConfig, vocab_size: Optional[int] = None) -> 
             out[o + "self_attn.q_proj." + kind], out[o + "self_attn.k_proj." + kind] = q, k
             out[o + "self_attn.v_proj." + kind] = v
             out[o + "self_attn.o_proj." + kind] = ours[m + "self_attention.linear_proj." + kind]
+            if style == "mixtral":
+                experts, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
+                moe = o + "block_sparse_moe."
+                out[moe + "gate.weight"] = ours[m + "mlp.router.weight"]
+                fc1 = ours[m + "mlp.experts.linear_fc1.weight"].reshape(experts, 2 * f, h)
+                fc2 = ours[m + "mlp.experts.linear_fc2.weight"].reshape(experts, h, f)
+                for j in range(experts):
+                    out[f"{moe}experts.{j}.w1.weight"] = fc1[j, :f].contiguous()
+                    out[f"{moe}experts.{j}.w3.weight"] = fc1[j, f:].contiguous()
+                    out[f"{moe}experts.{j}.w2.weight"] = fc2[j].contiguous()
+                continue
             gate, up = ours[m + "mlp.linear_fc1." + kind].chunk(2, dim=0)
             out[o + "mlp.gate_proj." + kind], out[o + "mlp.up_proj." + kind] = gate.contiguous(), up.contiguous()
             out[o + "mlp.down_proj." + kind] = ours[m + "mlp.linear_fc2." + kind]
@@ -308,6 +365,14 @@ def hf_config(cfg: ModelConfig, vocab_size: Optional[int] = None, base: Optional
     config.setdefault("eos_token_id", token)
     config.setdefault("initializer_range", 0.02)
     config.pop("rope_scaling", None)
+    if cfg.style == "mixtral":
+        config.setdefault("router_aux_loss_coef", 0.0)
+        config.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                       "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
+                       "intermediate_size": cfg.moe_ffn_hidden_size, "sliding_window": None,
+                       "router_jitter_noise": 0.0, "output_router_logits": False})
+        config.update(_attention_fields(cfg, vocab, dtype_name))
+        return config
     config.update({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
@@ -319,6 +384,16 @@ def hf_config(cfg: ModelConfig, vocab_size: Optional[int] = None, base: Optional
         "tie_word_embeddings": cfg.tied_embeddings, "pretraining_tp": 1, "torch_dtype": dtype_name,
     })
     return config
+
+
+def _attention_fields(cfg: ModelConfig, vocab: int, dtype_name: str) -> Dict[str, Any]:
+    """Mixtral's config.json fields shared with Llama (attention, norms, RoPE, embeddings)."""
+    return {"vocab_size": vocab, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_query_groups,
+            "head_dim": cfg.kv_channels, "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
+            "rms_norm_eps": cfg.norm_epsilon, "rope_theta": cfg.rotary_base,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base},
+            "tie_word_embeddings": cfg.tied_embeddings, "torch_dtype": dtype_name}
 
 
 # ----------------------------------------------------------------------------------------
@@ -350,6 +425,13 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
             hidden_dropout=float(config.get("resid_pdrop", 0.1)),
             attention_dropout=float(config.get("attn_pdrop", 0.1)),
         )
+    if kind == "mixtral":
+        dense = config_from_hf(dict(config, model_type="llama", attention_bias=False, mlp_bias=False))
+        if config.get("sliding_window"):
+            raise ConversionError("Mixtral with sliding-window attention is not supported (full causal attention only).")
+        return dataclasses.replace(dense, num_experts=config["num_local_experts"],
+                                   moe_ffn_hidden_size=config["intermediate_size"],
+                                   moe_router_topk=config.get("num_experts_per_tok", 2))
     if kind == "llama":
         if config.get("hidden_act", "silu") != "silu":
             raise ConversionError(f"Llama with hidden_act {config['hidden_act']!r} is not supported (silu only).")
@@ -373,8 +455,8 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
             norm_epsilon=config.get("rms_norm_eps", 1e-6), rotary_base=float(theta),
             attention_dropout=float(config.get("attention_dropout", 0.0)),
         )
-    raise ConversionError(f"Hugging Face model_type {kind!r} is not supported; GPT-2 ('gpt2') and Llama "
-                          "('llama') models convert.")
+    raise ConversionError(f"Hugging Face model_type {kind!r} is not supported; GPT-2 ('gpt2'), Llama "
+                          "('llama') and Mixtral ('mixtral') models convert.")
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -430,9 +512,31 @@ def from_hf(theirs: Tensors, cfg: ModelConfig, padded_vocab: Optional[int] = Non
                 _need(theirs, o + "self_attn.q_proj." + kind), _need(theirs, o + "self_attn.k_proj." + kind),
                 _need(theirs, o + "self_attn.v_proj." + kind), cfg)
             out[m + "self_attention.linear_proj." + kind] = _need(theirs, o + "self_attn.o_proj." + kind)
+            if cfg.style == "mixtral":
+                out.update(_mixtral_moe_from_hf(theirs, cfg, m, o))
+                continue
             out[m + "mlp.linear_fc1." + kind] = torch.cat(
                 [_need(theirs, o + "mlp.gate_proj." + kind), _need(theirs, o + "mlp.up_proj." + kind)])
             out[m + "mlp.linear_fc2." + kind] = _need(theirs, o + "mlp.down_proj." + kind)
         out[m + "input_layernorm.weight"] = _need(theirs, o + "input_layernorm.weight")
         out[m + "pre_mlp_layernorm.weight"] = _need(theirs, o + "post_attention_layernorm.weight")
     return out
+
+
+def _mixtral_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str) -> Tensors:
+    """One layer's router and stacked experts, from Mixtral's per-expert file tensors
+    ``block_sparse_moe.experts.{j}.w1`` (gate) / ``w3`` (up) / ``w2`` (down), or from the 3-D
+    in-memory ones."""
+    experts, h = cfg.num_experts, cfg.hidden_size
+    if o + "mlp.experts.gate_up_proj" in theirs or o + "block_sparse_moe.gate.weight" not in theirs:
+        router = _need(theirs, o + "mlp.gate.weight")
+        fc1 = _need(theirs, o + "mlp.experts.gate_up_proj").reshape(-1, h)
+        fc2 = _need(theirs, o + "mlp.experts.down_proj").reshape(experts * h, -1)
+    else:
+        legacy = o + "block_sparse_moe."
+        router = _need(theirs, legacy + "gate.weight")
+        fc1 = torch.cat([torch.cat([_need(theirs, f"{legacy}experts.{j}.w1.weight"),
+                                    _need(theirs, f"{legacy}experts.{j}.w3.weight")]) for j in range(experts)])
+        fc2 = torch.cat([_need(theirs, f"{legacy}experts.{j}.w2.weight") for j in range(experts)])
+    return {m + "mlp.router.weight": router, m + "mlp.experts.linear_fc1.weight": fc1.contiguous(),
+            m + "mlp.experts.linear_fc2.weight": fc2.contiguous()}

@@ -25,6 +25,14 @@ def output_init_std(config: TransformerConfig) -> float:
     return config.init_method_std / math.sqrt(2.0 * config.num_layers)
 
 
+def normal_weight_zero_bias_(module: nn.Module) -> None:
+    """Megatron's rule for a module with ``weight``, optional ``bias`` and ``init_std``."""
+    with torch.no_grad():
+        nn.init.normal_(module.weight, mean=0.0, std=module.init_std)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` initialized with normal(0, init_std) weights and zero bias."""
 

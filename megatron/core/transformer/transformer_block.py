@@ -22,12 +22,13 @@ from .transformer_layer import TransformerLayer
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, expert_parallel=None):
         super().__init__()
         if config.transformer_impl == "transformer_engine":
             import_transformer_engine()  # fail with the clear message before building anything
         self.config = config
-        self.layers = nn.ModuleList(TransformerLayer(config, layer_number=i + 1) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(config, layer_number=i + 1, expert_parallel=expert_parallel)
+                                    for i in range(config.num_layers))
         self.final_layernorm = build_norm(config, config.hidden_size)
 
     def reset_parameters(self) -> None:

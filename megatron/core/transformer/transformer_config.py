@@ -7,10 +7,12 @@ how to fix it.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
+
+from .moe.config import check_moe_config
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -120,6 +122,26 @@ class TransformerConfig:
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False
     tp_group: Any = field(default=None, repr=False, compare=False)  # a ProcessGroup of that size
+    # Mixture of experts (megatron/core/transformer/moe/; Megatron-LM's fields and defaults,
+    # checked by moe/config.py). num_moe_experts None: every layer has a dense MLP.
+    num_moe_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None  # default ffn_hidden_size
+    moe_layer_freq: Union[int, List[int]] = 1
+    moe_router_topk: int = 2
+    moe_router_pre_softmax: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_dtype: Optional[str] = None
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
+    moe_token_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_grouped_gemm: bool = False
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_token_dispatcher_type: str = "alltoall"
+    expert_model_parallel_size: int = 1
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -214,6 +236,12 @@ class TransformerConfig:
         if self.attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
         self._check_tensor_parallel()
+        check_moe_config(self)
+        if self.num_moe_experts is not None and self.tensor_model_parallel_size > 1:
+            raise ValueError(
+                "mixture of experts with tensor parallelism is not supported yet; use "
+                "tensor_model_parallel_size 1 with experts (expert parallelism shards them instead)."
+            )
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_model_parallel_size

@@ -21,19 +21,26 @@ import torch.nn.functional as F
 from .attention import SelfAttention
 from .layers import reset_parameters_of
 from .mlp import MLP
+from .moe.config import is_moe_layer
 from .norms import build_norm
 from .transformer_config import TransformerConfig
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: TransformerConfig, layer_number: int = 1):
+    def __init__(self, config: TransformerConfig, layer_number: int = 1, expert_parallel=None):
         super().__init__()
         self.config = config
         self.layer_number = layer_number  # 1-based, as in Megatron
         self.input_layernorm = build_norm(config, config.hidden_size)
         self.self_attention = SelfAttention(config, layer_number)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = MLP(config)
+        # A MoE layer (moe/moe_layer.py) replaces the MLP where --moe-layer-freq says so.
+        if is_moe_layer(config, layer_number):
+            from .moe.moe_layer import MoELayer
+
+            self.mlp = MoELayer(config, layer_number, expert_parallel)
+        else:
+            self.mlp = MLP(config)
 
     def reset_parameters(self) -> None:
         """Re-run Megatron's initialization for this layer's parameters."""

@@ -16,6 +16,9 @@ CONFIGS = {
     "llama_like": (dict(normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True,
                         num_query_groups=2, position_embedding_type="rope"), False, None),
     "rope_override": (dict(kv_channels=6), True, "rope"),
+    # Every other layer a MoE (top-2 of 4 SwiGLU experts) with a shared expert.
+    "moe_interleaved_shared": (dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_layer_freq=2,
+                                    moe_shared_expert_intermediate_size=16, gated_linear_unit=True), False, None),
 }
 
 
@@ -40,7 +43,7 @@ def _matmul_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     return torch.softmax(scores, dim=-1) @ v
 
 
-@pytest.mark.parametrize("name", ["gpt2_like", "llama_like", "mqa_swiglu"])
+@pytest.mark.parametrize("name", ["gpt2_like", "llama_like", "mqa_swiglu", "moe_interleaved_shared"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_flops_per_token_matches_counted_training_flops(monkeypatch, name, tied):
     overrides, _, _ = CONFIGS[name]

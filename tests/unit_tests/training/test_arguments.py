@@ -157,9 +157,13 @@ def test_parallel_sizes_mapped_and_rejected_flags():
                  "--expert-model-parallel-size 1 --use-mcore-models --ckpt-format torch_dist "
                  "--dist-ckpt-strictness log_all --overlap-grad-reduce --no-gradient-accumulation-fusion")
     assert args.ckpt_format == "torch_dist" and args.gradient_accumulation_fusion is False
-    for flag in ("--pipeline-model-parallel-size", "--context-parallel-size", "--expert-model-parallel-size"):
+    for flag in ("--pipeline-model-parallel-size", "--context-parallel-size"):
         with pytest.raises(ValueError, match=f"{flag} 2 is not supported yet"):
             parse(f"{flag} 2")
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 2 needs a mixture of experts; add --num-experts"):
+        parse("--expert-model-parallel-size 2")
+    with pytest.raises(ValueError, match="--num-experts with --tensor-model-parallel-size > 1 is not supported yet"):
+        parse("--num-experts 4 --tensor-model-parallel-size 2", world_size=2)
     with pytest.raises(ValueError, match="--fp8-format is not supported: FP8 training is not supported; use --bf16"):
         parse("--fp8-format hybrid")
     with pytest.raises(ValueError, match="--ckpt-format: invalid choice"):

@@ -75,12 +75,14 @@ class GPTModel(nn.Module):
             beyond it (``--make-vocab-size-divisible-by``). The padding rows are no tokens:
             their logits are -inf, so they take no part in the softmax, the loss or
             sampling, and the loss is that of the unpadded model. None: no padding.
+        expert_parallel: the expert-parallel layout of the MoE layers
+            (``megatron.core.transformer.moe.expert_parallel``); None: all experts local.
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                  share_embeddings_and_output_weights: bool = True,
                  position_embedding_type: Optional[str] = None,
-                 unpadded_vocab_size: Optional[int] = None):
+                 unpadded_vocab_size: Optional[int] = None, expert_parallel=None):
         super().__init__()
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}; take it from the tokenizer.")
@@ -121,7 +123,7 @@ class GPTModel(nn.Module):
             self.rotary_pos_emb = RotaryEmbedding(config.rotary_dim, config.rotary_base)
         else:
             self.rotary_pos_emb = None
-        self.decoder = TransformerBlock(config)
+        self.decoder = TransformerBlock(config, expert_parallel=expert_parallel)
         if config.tensor_model_parallel_size > 1:
             self.output_layer = _vocab_parallel_output_layer(config, vocab_size, share_embeddings_and_output_weights)
         else:

@@ -7,6 +7,7 @@ f = ffn_hidden_size, and [x] is 1 when x holds, else 0.
 
 from typing import Optional
 
+from megatron.core.transformer.moe.config import moe_layer_pattern
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -23,6 +24,11 @@ def num_parameters(config: TransformerConfig, vocab_size: int, max_sequence_leng
                  linear_fc2                  f*h + [bias]*h
     final norm   h + [LayerNorm] * h
     output       [untied] * V*h
+
+    A MoE layer (``moe_layer_freq``) has, instead of the MLP, a router E*h + [bias]*E, E
+    experts shaped like the MLP with f = moe_ffn_hidden_size, and a shared expert (an MLP
+    of moe_shared_expert_intermediate_size) when set. The count is the global model's (all
+    experts), at any expert-parallel size.
     """
     if position_embedding_type is None:
         position_embedding_type = config.position_embedding_type
@@ -30,7 +36,6 @@ def num_parameters(config: TransformerConfig, vocab_size: int, max_sequence_leng
     q = config.query_projection_size
     kv = config.kv_projection_size
     f = config.ffn_hidden_size
-    fc1_out = f * (2 if config.gated_linear_unit else 1)
     bias = 1 if config.add_bias_linear else 0
     norm = h * (2 if config.normalization == "LayerNorm" else 1)
 
@@ -38,10 +43,17 @@ def num_parameters(config: TransformerConfig, vocab_size: int, max_sequence_leng
     if position_embedding_type == "learned_absolute":
         embeddings += max_sequence_length * h
     attention = h * (q + 2 * kv) + bias * (q + 2 * kv) + q * h + bias * h
-    mlp = h * fc1_out + bias * fc1_out + f * h + bias * h
-    per_layer = 2 * norm + attention + mlp
+    def mlp(f):
+        fc1_out = f * (2 if config.gated_linear_unit else 1)
+        return h * fc1_out + bias * fc1_out + f * h + bias * h
+
+    experts = config.num_moe_experts or 0
+    moe = experts * (h + bias) + experts * mlp(config.moe_ffn_hidden_size or f)
+    if config.moe_shared_expert_intermediate_size:
+        moe += mlp(config.moe_shared_expert_intermediate_size)
+    layers = sum(2 * norm + attention + (moe if is_moe else mlp(f)) for is_moe in moe_layer_pattern(config))
     output = 0 if share_embeddings_and_output_weights else vocab_size * h
-    return embeddings + config.num_layers * per_layer + norm + output
+    return embeddings + layers + norm + output
 
 
 def flops_per_token(config: TransformerConfig, vocab_size: int, seq_length: int) -> int:
@@ -62,12 +74,24 @@ def flops_per_token(config: TransformerConfig, vocab_size: int, seq_length: int)
     (recompute_granularity="full") is not counted, since it is extra work the hardware does
     but not progress; norms, activations, softmax, embedding lookups and the loss are
     ignored (they are O(h) per token, not O(h^2)).
+
+    A MoE layer counts, instead of the MLP, the router 2hE and each token's top-k experts
+    (k times the MLP term with f = moe_ffn_hidden_size), plus the shared expert's MLP term.
+    Dropped tokens are not subtracted.
     """
     h = config.hidden_size
     q = config.query_projection_size
     kv = config.kv_projection_size
     f = config.ffn_hidden_size
     gated = 2 if config.gated_linear_unit else 1
-    per_layer = 2 * h * (q + 2 * kv) + 4 * seq_length * q + 2 * q * h + 2 * h * f * gated + 2 * f * h
-    forward = config.num_layers * per_layer + 2 * h * vocab_size
+
+    def mlp(f):
+        return 2 * h * f * gated + 2 * f * h
+
+    attention = 2 * h * (q + 2 * kv) + 4 * seq_length * q + 2 * q * h
+    moe = 2 * h * (config.num_moe_experts or 0) + config.moe_router_topk * mlp(config.moe_ffn_hidden_size or f)
+    if config.moe_shared_expert_intermediate_size:
+        moe += mlp(config.moe_shared_expert_intermediate_size)
+    forward = sum(attention + (moe if is_moe else mlp(f)) for is_moe in moe_layer_pattern(config))
+    forward += 2 * h * vocab_size
     return 3 * forward

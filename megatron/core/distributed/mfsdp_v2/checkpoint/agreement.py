@@ -52,23 +52,23 @@ class Comm:
 
 
 def resolve_comm(meshes: Sequence[Any], process_group: Optional[dist.ProcessGroup]) -> Comm:
-    """The ranks of a call: ``process_group`` if given; else the device mesh that all of
-    the model's units share (``meshes``, one per unit); no communication for a plain model."""
+    """The ranks of a call: ``process_group`` if given; else the world when the units'
+    device meshes (``meshes``, one per unit) cover it together, or the one mesh they all
+    share; no communication for a plain model."""
     if process_group is not None:
         return Comm(no_dist=False, group=process_group)
     if not meshes:
         # A plain model: the calling process reads / writes everything by itself.
         return Comm(no_dist=True)
-    ranks = None
-    for mesh in meshes:
-        mesh_ranks = sorted(mesh.mesh.flatten().tolist())
-        if ranks is None:
-            ranks = mesh_ranks
-        elif mesh_ranks != ranks:
-            raise ValueError(
-                "the model's FSDP units live on different sets of ranks; pass process_group= covering "
-                "all of them to save_checkpoint / load_checkpoint."
-            )
+    # Units may live on sub-meshes (an expert-data-parallel mesh beside the data-parallel
+    # one): together they must cover the world, or share one mesh.
+    rank_sets = {tuple(sorted(mesh.mesh.flatten().tolist())) for mesh in meshes}
+    ranks = sorted(set().union(*rank_sets))
+    if len(rank_sets) > 1 and ranks != list(range(dist.get_world_size())):
+        raise ValueError(
+            "the model's FSDP units live on different sets of ranks; pass process_group= covering "
+            "all of them to save_checkpoint / load_checkpoint."
+        )
     if ranks == list(range(dist.get_world_size())):
         return Comm(no_dist=False, group=None)
     if meshes[0].ndim == 1:

@@ -1,0 +1,13 @@
+"""Mixture of experts with expert parallelism (Megatron-LM's MoE, names and flag meanings).
+
+* ``config.py``            checks of the MoE config fields; which layers are MoE
+* ``router.py``            ``TopKRouter``: scores, top-k, capacity dropping, aux and z losses
+* ``token_dispatcher.py``  permute / unpermute and the all-to-all dispatcher
+* ``experts.py``           ``GroupedMLP``: this rank's experts, stacked (loop or grouped GEMM)
+* ``moe_layer.py``         ``MoELayer`` (router -> dispatch -> experts -> combine [+ shared experts])
+* ``expert_parallel.py``   the expert-parallel and expert-data-parallel groups and meshes
+* ``metrics.py``           aux losses and token loads, summed over steps and ranks for logging
+
+Import the submodules directly; this package imports nothing on its own, so that
+``transformer_config`` can use ``moe.config`` without a cycle.
+"""

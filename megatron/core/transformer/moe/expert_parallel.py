@@ -1,0 +1,153 @@
+"""The expert-parallel layout: which ranks share their tokens, which hold the same experts.
+
+As in Megatron-LM, the EP ranks are contiguous (the inner dimension) within the
+data-parallel world of W ranks: with EP size P, ranks ``[g * P, (g + 1) * P)`` form an
+expert-parallel group (they exchange tokens; EP rank r holds experts ``[r * E/P, (r+1) * E/P)``),
+and ranks ``{r, r + P, r + 2P, ...}`` form an expert-data-parallel group of size W / P (they
+hold the same experts and average their gradients). Both come from one 2-D device mesh
+``("expert_dp", "ep")`` of shape ``(W / P, P)``; MFSDP shards the experts over its
+``expert_dp`` dimension with ``grad_divisor = P``.
+
+Why the divisor: every rank's loss is averaged over the W data-parallel ranks, and an
+expert's gradient on rank r already sums the contributions of the tokens of all P ranks of
+its EP group (the all-to-all's backward brings them back). Averaging over the W / P ranks
+that hold the expert then divides by W / P only; the remaining factor P is ``grad_divisor``.
+
+This module is self-contained so that it can later move into a ``parallel_state``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """``size`` and ``rank`` of this rank in its expert-parallel group; ``group`` (None when
+    size is 1); ``mesh``: the ``("expert_dp", "ep")`` device mesh (None without a process group)."""
+
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+    mesh: Any = None
+
+    @property
+    def expert_dp_mesh(self):
+        """The 1-D mesh of the ranks that hold the same experts (MFSDP shards experts over it)."""
+        if self.mesh is None:
+            raise RuntimeError("this ExpertParallel has no device mesh; build it with build_expert_parallel().")
+        return self.mesh["expert_dp"]
+
+    def local_experts(self, num_experts: int) -> range:
+        """Global indices of the experts this rank holds."""
+        local = num_experts // self.size
+        return range(self.rank * local, (self.rank + 1) * local)
+
+
+def check_expert_parallel_size(ep_size: int, world_size: int) -> None:
+    if ep_size < 1 or world_size % ep_size:
+        raise ValueError(
+            f"--expert-model-parallel-size ({ep_size}) must divide the data-parallel size ({world_size}); "
+            f"use a divisor of {world_size}."
+        )
+
+
+def build_expert_parallel(ep_size: int, device_type: str) -> ExpertParallel:
+    """The layout for EP size ``ep_size`` over the default process group (every rank calls it).
+    Without an initialized process group only size 1 exists (a single process)."""
+    if not dist.is_initialized():
+        if ep_size != 1:
+            raise ValueError(f"expert parallelism of size {ep_size} needs torch.distributed (launch with torchrun).")
+        return ExpertParallel()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    check_expert_parallel_size(ep_size, world)
+    mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("expert_dp", "ep"))
+    group = mesh.get_group("ep") if ep_size > 1 else None
+    return ExpertParallel(size=ep_size, rank=mesh.get_local_rank("ep"), group=group, mesh=mesh)
+
+
+# ---------------------------------------------------------------------------------------
+# Model queries used by the trainer (sharding, grad norm)
+# ---------------------------------------------------------------------------------------
+
+
+def moe_layers(model: nn.Module) -> List[nn.Module]:
+    from .moe_layer import MoELayer
+
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def expert_parallel_of(model: nn.Module) -> Optional[ExpertParallel]:
+    """The layout the model's MoE layers were built with (None for a dense model)."""
+    layers = moe_layers(model)
+    return layers[0].expert_parallel if layers else None
+
+
+def expert_parameters(model: nn.Module) -> List[nn.Parameter]:
+    """Parameters that differ across the EP group (this rank's experts)."""
+    return [p for layer in moe_layers(model) for p in layer.experts.parameters()]
+
+
+def _split(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor]):
+    expert_ids = {id(p) for p in experts}
+    params = list(params)
+    return params, [p for p in params if id(p) not in expert_ids], [p for p in params if id(p) in expert_ids]
+
+
+def _sum_over_ep(value: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    value = value.double().to(_comm_device(ep))
+    if ep.size > 1:
+        dist.all_reduce(value, group=ep.group)
+    return value.cpu()
+
+
+def norm_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor], ep: ExpertParallel,
+                      norm_of) -> torch.Tensor:
+    """The global 2-norm ``norm_of`` (e.g. ``get_grad_norm``, ``get_params_norm``) gives for
+    a list of tensors, when some of them (``experts``, a subset of ``params``) differ across
+    the EP group: their squared norm (already reduced over the expert-DP mesh) is summed
+    over the EP group as well."""
+    _, dense, expert = _split(params, experts)
+    dense_sq = norm_of(dense).double().cpu() ** 2
+    expert_sq = _sum_over_ep(norm_of(expert) ** 2, ep)
+    return torch.sqrt(dense_sq + expert_sq).float()
+
+
+def clip_grad_norm_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor],
+                                ep: ExpertParallel, max_norm: float) -> torch.Tensor:
+    """Global gradient 2-norm (``norm_with_experts``), and clipping to ``max_norm`` (> 0),
+    with the coefficient of ``torch.nn.utils.clip_grad_norm_``."""
+    from megatron.core.optimizer.clip_grads import get_grad_norm
+
+    params = list(params)
+    total = norm_with_experts(params, experts, ep, get_grad_norm)
+    if max_norm > 0 and math.isfinite(float(total)):
+        coef = min(max_norm / (float(total) + 1e-6), 1.0)
+        for p in params:
+            if p.grad is not None:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                grad.mul_(coef)
+    return total
+
+
+def count_zeros_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor],
+                             ep: ExpertParallel) -> int:
+    """Zero gradient entries over the whole model, the experts' counted over the EP group too."""
+    from megatron.core.optimizer import count_zeros
+
+    _, dense, expert = _split(params, experts)
+    return count_zeros(dense) + int(_sum_over_ep(torch.tensor(float(count_zeros(expert))), ep))
+
+
+def _comm_device(ep: ExpertParallel) -> torch.device:
+    if ep.mesh is not None and ep.mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,106 @@
+"""This rank's experts: SwiGLU or plain MLPs of ``moe_ffn_hidden_size``, weights stacked.
+
+Each of ``linear_fc1`` / ``linear_fc2`` is an ``ExpertLinear`` whose ``weight`` stacks its
+L local experts along dim 0: ``[L * out_features, in_features]``, expert j's rows being
+``[j * out, (j + 1) * out)`` (``bias`` likewise ``[L * out]``). The global tensor stacks all
+E experts the same way, so this rank's weight is one contiguous row range of it (its
+``global_slices``, ``megatron/core/global_slices.py``): the invariant initializer draws the
+global tensor, and the names do not depend on the EP size. With a gated unit, expert j's
+``linear_fc1`` rows are ``[gate; up]`` as in the dense MLP, which is also Hugging Face
+Mixtral's ``gate_up_proj[j]``; ``linear_fc2`` is its ``down_proj[j]``.
+
+We chose stacked weights over one module per expert named by its global index because a
+stacked weight is what a grouped GEMM takes (a view ``[L, out, in]``, no copy), and 2-D
+storage lets MFSDP cut shards at any row rather than at whole experts.
+
+The rows of each expert's tokens are contiguous (``tokens_per_expert``); with
+``moe_grouped_gemm`` one ``torch.nn.functional.grouped_mm`` per linear runs them all, else
+a loop of ``F.linear``. The router weight of each row multiplies the activation before
+``linear_fc2``, and its bias, as in Megatron (so the output is weight * expert(x)).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron.core.global_slices import partition
+
+from ..layers import normal_weight_zero_bias_, output_init_std
+
+
+class ExpertLinear(nn.Module):
+    """L stacked linears ``weight`` [L * out, in], ``bias`` [L * out]; rows of global experts
+    ``first_expert ... first_expert + L - 1`` of ``num_experts``."""
+
+    def __init__(self, num_local_experts: int, in_features: int, out_features: int, bias: bool, init_std: float,
+                 num_experts: int, ep_rank: int, ep_size: int, dtype: torch.dtype, grouped_gemm: bool):
+        super().__init__()
+        self.num_local_experts = num_local_experts
+        self.in_features = in_features
+        self.out_features = out_features
+        self.init_std = init_std
+        self.grouped_gemm = grouped_gemm
+        self.weight = nn.Parameter(torch.empty(num_local_experts * out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(num_local_experts * out_features, dtype=dtype)) if bias else None
+        self.global_slices = {"weight": partition((num_experts * out_features, in_features), 0, ep_rank, ep_size)}
+        if bias:
+            self.global_slices["bias"] = partition((num_experts * out_features,), 0, ep_rank, ep_size)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        normal_weight_zero_bias_(self)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: List[int],
+                row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x`` [N, in] grouped by local expert -> [N, out]. ``row_scale`` [N, 1] multiplies
+        the bias only (the caller has scaled the input)."""
+        weights = self.weight.view(self.num_local_experts, self.out_features, self.in_features)
+        if self.grouped_gemm:
+            offsets = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
+            out = F.grouped_mm(x, weights.transpose(-2, -1), offs=offsets)
+        else:
+            pieces = torch.split(x, tokens_per_expert, dim=0)
+            out = torch.cat([F.linear(piece, weights[j]) for j, piece in enumerate(pieces)], dim=0)
+        if self.bias is not None:
+            counts = torch.tensor(tokens_per_expert, device=x.device)
+            bias = self.bias.view(self.num_local_experts, self.out_features).repeat_interleave(counts, dim=0)
+            out = out + (bias if row_scale is None else bias * row_scale)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_local_experts}, in={self.in_features}, out={self.out_features}, "
+                f"bias={self.bias is not None}, grouped_gemm={self.grouped_gemm}")
+
+
+class GroupedMLP(nn.Module):
+    """``linear_fc1`` -> activation (gated: act(gate) * up) -> x router weight -> ``linear_fc2``."""
+
+    def __init__(self, config, expert_parallel):
+        super().__init__()
+        self.config = config
+        experts = config.num_moe_experts
+        self.num_local_experts = experts // expert_parallel.size
+        self.gated = config.gated_linear_unit
+        self.activation = config.activation
+        ffn = config.moe_ffn_hidden_size
+        common = dict(num_experts=experts, ep_rank=expert_parallel.rank, ep_size=expert_parallel.size,
+                      dtype=config.params_dtype, grouped_gemm=config.moe_grouped_gemm, bias=config.add_bias_linear)
+        self.linear_fc1 = ExpertLinear(self.num_local_experts, config.hidden_size, ffn * (2 if self.gated else 1),
+                                       init_std=config.init_method_std, **common)
+        self.linear_fc2 = ExpertLinear(self.num_local_experts, ffn, config.hidden_size,
+                                       init_std=output_init_std(config), **common)
+
+    def forward(self, permuted_tokens: torch.Tensor, tokens_per_expert: List[int],
+                permuted_probs: torch.Tensor) -> torch.Tensor:
+        intermediate = self.linear_fc1(permuted_tokens, tokens_per_expert)
+        if self.gated:
+            gate, up = intermediate.chunk(2, dim=-1)
+            intermediate = self.activation(gate) * up
+        else:
+            intermediate = self.activation(intermediate)
+        weight = permuted_probs.unsqueeze(-1).to(intermediate.dtype)
+        return self.linear_fc2(intermediate * weight, tokens_per_expert, row_scale=weight)

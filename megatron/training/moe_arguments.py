@@ -1,0 +1,100 @@
+"""Megatron-LM's mixture-of-experts flags: parsing, parse-time checks, and the config they give.
+
+The flags keep Megatron's names and meanings (``--num-experts``, ``--moe-router-topk``,
+``--expert-model-parallel-size``, ...). ``validate_moe_args`` runs the model config's own
+MoE checks (``megatron/core/transformer/moe/config.py``) on the parsed flags, so that a bad
+combination fails before any process group exists, with the same message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+
+from megatron.core.transformer.moe.config import check_moe_config, parse_moe_layer_freq
+from megatron.core.transformer.moe.expert_parallel import check_expert_parallel_size
+
+
+def add_moe_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mixture of experts (Megatron-LM's MoE flags)")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: a dense model)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default --ffn-hidden-size)")
+    g.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=1,
+                   help="every k-th layer is MoE (k), or a 0/1 pattern per layer, e.g. '([1]*3+[0]*1)*2'")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="top-k of the softmax over all experts (default: softmax over the top-k logits)")
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None, help="routing in this precision")
+    g.add_argument("--moe-router-load-balancing-type",
+                   choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"), default="aux_loss",
+                   help="aux_loss or none (the others are not implemented)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="weight of the load-balancing loss")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="weight of the router z-loss")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="drop tokens beyond capacity = ceil(tokens * topk / experts * factor) per expert (default dropless)")
+    g.add_argument("--moe-token-drop-policy", choices=("probs", "position"), default="probs")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="run each layer's experts with torch's grouped matmul instead of a loop")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="FFN size of a shared expert every token goes through")
+    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"), default="alltoall",
+                   help="alltoall (allgather runs it too: same results); flex is not implemented")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="ranks that split each layer's experts (inner within the data-parallel ranks)")
+
+
+def moe_config_kwargs(args) -> dict:
+    """The ``TransformerConfig`` MoE fields the flags give (getattr: argument sets saved
+    before these flags existed mean a dense model)."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    return dict(
+        num_moe_experts=get("num_experts"),
+        moe_ffn_hidden_size=get("moe_ffn_hidden_size"),
+        moe_layer_freq=get("moe_layer_freq", 1),
+        moe_router_topk=get("moe_router_topk", 2),
+        moe_router_pre_softmax=get("moe_router_pre_softmax", False),
+        moe_router_score_function=get("moe_router_score_function", "softmax"),
+        moe_router_topk_scaling_factor=get("moe_router_topk_scaling_factor"),
+        moe_router_dtype=get("moe_router_dtype"),
+        moe_router_load_balancing_type=get("moe_router_load_balancing_type", "aux_loss"),
+        moe_aux_loss_coeff=get("moe_aux_loss_coeff", 0.0),
+        moe_z_loss_coeff=get("moe_z_loss_coeff"),
+        moe_expert_capacity_factor=get("moe_expert_capacity_factor"),
+        moe_token_drop_policy=get("moe_token_drop_policy", "probs"),
+        moe_pad_expert_input_to_capacity=get("moe_pad_expert_input_to_capacity", False),
+        moe_grouped_gemm=get("moe_grouped_gemm", False),
+        moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size"),
+        moe_token_dispatcher_type="alltoall",  # allgather gives the same results
+        expert_model_parallel_size=get("expert_model_parallel_size", 1),
+    )
+
+
+def validate_moe_args(args: argparse.Namespace) -> None:
+    """Parse-time checks (ValueError with the fix). Needs the model shape and MFSDP fields."""
+    if args.moe_token_dispatcher_type == "flex":
+        raise ValueError("--moe-token-dispatcher-type flex (DeepEP) is not supported; use alltoall.")
+    fields = moe_config_kwargs(args)
+    fields.update(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size)
+    check_moe_config(types.SimpleNamespace(**fields))
+    if args.num_experts is None:
+        return
+    if getattr(args, "tensor_model_parallel_size", 1) > 1:
+        raise ValueError(
+            "--num-experts with --tensor-model-parallel-size > 1 is not supported yet; use "
+            "--tensor-model-parallel-size 1 and shard the experts with --expert-model-parallel-size."
+        )
+    ep = args.expert_model_parallel_size
+    check_expert_parallel_size(ep, args.data_parallel_size)
+    if ep > 1 and not args.use_mfsdp:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} needs --use-mfsdp: DDP would average the gradients of "
+            "different experts across the expert-parallel ranks."
+        )
+    if args.use_mfsdp and args.dp_outer_size > 1:
+        raise ValueError(
+            "MoE with --num-distributed-optimizer-instances > 1 (HSDP/HFSDP) is not supported yet; use one "
+            "instance (ZeRO-1/2/3 or no_shard)."
+        )

@@ -1,0 +1,69 @@
+"""pretrain_gpt.py with a mixture of experts: EP=2 at 4 ranks trains like EP=1 at 2 ranks.
+
+Same seed, same global batch (8), fp32, dropless, no router losses (they are defined per
+micro-batch per rank, and the two layouts cut the batch into micro-batches differently):
+the initial weights are the same global tensors at every EP size, so the loss curves agree
+to reduction order. The log line and metrics.jsonl carry the MoE metrics.
+"""
+
+import pytest
+
+from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_torchrun
+
+ITERS = 4
+ARGS = list(MODEL_ARGS)
+ARGS[ARGS.index("--train-iters") + 1] = str(ITERS)
+ARGS[ARGS.index("--eval-interval") + 1] = str(ITERS)
+MOE = ["--use-mfsdp", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64"]
+
+
+def run(tmp_path, name, nproc, *flags):
+    log_dir = tmp_path / name
+    proc = run_torchrun(ARGS + MOE + list(flags) + ["--log-dir", str(log_dir)], nproc=nproc)
+    train, _ = read_metrics(str(log_dir))
+    return train, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """EP=1 at 2 ranks; EP=2 at 4 ranks, saving at iteration 2."""
+    tmp_path = tmp_path_factory.mktemp("moe")
+    ep1, _ = run(tmp_path, "ep1", 2)
+    save = tmp_path / "ckpt"
+    ep2, log = run(tmp_path, "ep2", 4, "--expert-model-parallel-size", "2", "--save", str(save), "--save-interval", "2")
+    return ep1, ep2, log, save
+
+
+def test_ep2_at_4_ranks_matches_ep1_at_2_ranks(layouts):
+    ep1, ep2, log, _ = layouts
+    curve1 = [ep1[i]["lm_loss"] for i in range(1, ITERS + 1)]
+    curve2 = [ep2[i]["lm_loss"] for i in range(1, ITERS + 1)]
+    assert curve2 == pytest.approx(curve1, rel=2e-5)
+    assert len(set(curve1)) == ITERS  # a real curve, not one value repeated
+    # Token load per layer: a micro-batch of the whole world is 4 ranks x 2 x 32 tokens, top-2 of 4 experts.
+    for layer in (1, 2):
+        assert ep2[1][f"moe/layer{layer}/mean_tokens_per_expert"] == pytest.approx(4 * 2 * 32 * 2 / 4)
+        assert ep2[1][f"moe/layer{layer}/max_tokens_per_expert"] >= 128
+    assert "tokens per expert max/mean: layer1 " in log
+
+
+def test_router_losses_and_dropped_tokens_are_logged(tmp_path):
+    train, log = run(tmp_path, "drop", 2, "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01",
+                     "--moe-z-loss-coeff", "0.001", "--moe-expert-capacity-factor", "0.5")
+    first = train[1]
+    # Near-uniform routing at initialization: the load-balancing loss is ~1, the z-loss ~ln(4)^2.
+    assert first["load_balancing_loss"] == pytest.approx(1.0, abs=0.05)
+    assert first["z_loss"] == pytest.approx(1.3863 ** 2, rel=0.05)
+    # Capacity ceil(64 * 2 / 4 * 0.5) = 16 of 64 x 2 assignments per rank and layer: at least 64 dropped each.
+    assert first["moe_dropped_tokens"] >= 2 * 2 * 64
+    assert "load_balancing_loss: " in log and "z_loss: " in log and "dropped tokens: " in log
+
+
+def test_checkpoint_saved_at_ep2_resumes_at_ep1(layouts, tmp_path):
+    """Experts are stored by global index (weights and Adam state): the EP=2 run's
+    checkpoint of iteration 2 resumes at EP=1 on 2 ranks exactly where the EP=2 run went on."""
+    _, ep2, _, save = layouts
+    resumed, log = run(tmp_path, "resumed", 2, "--load", str(save / "iter_0000002"))
+    assert "resumed from" in log
+    for it in (3, 4):
+        assert resumed[it]["lm_loss"] == pytest.approx(ep2[it]["lm_loss"], rel=2e-5)

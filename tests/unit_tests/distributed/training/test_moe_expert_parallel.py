@@ -1,0 +1,201 @@
+"""MoE with expert parallelism under MFSDP equals a single-process EP=1 reference.
+
+The model is built by the trainer's own flags and model builder (experts a unit of their
+own over the expert-data-parallel mesh with grad_divisor = EP size, dense units over the
+whole mesh); the reference is the same GPT built on one process with all experts local,
+from the same seed (the invariant initializer gives the same global weights at every EP
+size). Each rank trains on its rows of the global batch, the reference on all of it.
+
+With the load-balancing loss on, the loss is per micro-batch per rank (Megatron's
+definition), so the reference runs each rank's rows as one micro-batch of a gradient
+accumulation (scale 1 / world for the main and the aux losses): the same objective.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _trainer_models import full_weights, gpt_provider, trainer_args
+from megatron.core.distributed.mfsdp_v2 import fully_shard, fully_shard_optimizer, microbatch
+from megatron.core.global_slices import global_slices_of
+from megatron.core.transformer.initialization import initialize_parameters_
+from megatron.core.transformer.moe.metrics import collect_moe_metrics
+from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
+from megatron.training import model_builder
+from megatron.training.model_builder import build_model, count_zeros_of, get_grad_norm_and_clip, get_params_norm_of
+
+WORLD = dist.get_world_size()
+EP_SIZES = [p for p in (1, 2, 4) if p <= WORLD and WORLD % p == 0]
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32".split()
+SEQ, VOCAB, STEPS, ROWS = 16, 96, 3, 2
+
+
+def moe_args(ep: int, strategy: str, aux: float, *extra, world_size=WORLD, mfsdp=True):
+    flags = MOE + ["--expert-model-parallel-size", str(ep), "--moe-aux-loss-coeff", str(aux), "--clip-grad", "0"]
+    if mfsdp:
+        flags += ["--use-mfsdp", "--data-parallel-sharding-strategy", strategy]
+    return trainer_args("llama", *flags, *extra, world_size=world_size)
+
+
+def reference_model(args):
+    ref_args = moe_args(1, None, args.moe_aux_loss_coeff, world_size=1, mfsdp=False)
+    model = gpt_provider(ref_args)
+    initialize_parameters_(model, ref_args.seed)
+    return model
+
+
+def global_batch():
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (ROWS * WORLD, SEQ + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train(args, built, reference, aux: float):
+    """STEPS SGD steps on the same global batch; returns (losses, ref_losses, norms, ref_norms)."""
+    optimizer = fully_shard_optimizer(torch.optim.SGD(built.model.parameters(), lr=0.5), context=built.context)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    tokens, labels = global_batch()
+    mine = slice(dist.get_rank() * ROWS, (dist.get_rank() + 1) * ROWS)
+    set_aux_loss_backward_scale(reference, 1.0 / WORLD)
+    losses, ref_losses, norms, ref_norms = [], [], [], []
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        with microbatch(built.context, is_last=True):
+            loss = built.model(tokens[mine], labels=labels[mine]).mean()
+            loss.backward()
+        norms.append(float(get_grad_norm_and_clip(args, built)))
+        optimizer.step()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        losses.append(float(loss) / WORLD)
+
+        ref_optimizer.zero_grad(set_to_none=True)
+        if aux:
+            ref_loss = 0.0
+            for r in range(WORLD):  # each rank's rows are one micro-batch of the reference
+                rows = slice(r * ROWS, (r + 1) * ROWS)
+                part = reference(tokens[rows], labels=labels[rows]).mean() / WORLD
+                part.backward()
+                ref_loss += float(part.detach())
+        else:
+            ref_loss = reference(tokens, labels=labels).mean()
+            ref_loss.backward()
+            ref_loss = float(ref_loss.detach())
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))))
+        ref_optimizer.step()
+        ref_losses.append(ref_loss)
+    return losses, ref_losses, norms, ref_norms
+
+
+def compare_weights(built, reference, rtol=2e-5, atol=2e-6):
+    """Every weight equals the reference's piece of the same global tensor (a parameter
+    with ``global_slices`` holds this rank's experts of the reference's global one)."""
+    pieces = {id(getattr(module, attr)): piece for module in built.unwrapped.modules()
+              for attr, piece in global_slices_of(module).items()}
+    expected = dict(reference.named_parameters())
+    params = dict(built.unwrapped.named_parameters())
+    for name, full in full_weights(built.unwrapped).items():
+        ref = expected[name].detach()
+        if id(params[name]) in pieces:
+            ref = pieces[id(params[name])].take(ref)
+        torch.testing.assert_close(full, ref, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def run_case(ep, strategy, aux, *extra):
+    args = moe_args(ep, strategy, aux, *extra)
+    built = build_model(gpt_provider, args, torch.device("cpu"))
+    reference = reference_model(args)
+    result = train(args, built, reference, aux)
+    return built, reference, result
+
+
+@pytest.mark.parametrize("aux", [0.0, 0.1])
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])
+@pytest.mark.parametrize("ep", EP_SIZES)
+def test_expert_parallel_matches_ep1_reference(ep, strategy, aux):
+    built, reference, (losses, ref_losses, norms, ref_norms) = run_case(ep, strategy, aux)
+    assert losses == pytest.approx(ref_losses, rel=2e-5)
+    assert norms == pytest.approx(ref_norms, rel=2e-5)
+    assert ref_losses[-1] < ref_losses[0]  # the steps did something
+    compare_weights(built, reference)
+    # --log-params-norm and --log-num-zeros-in-grad count every expert once, at any EP size.
+    params = [p for p in built.unwrapped.parameters() if p.requires_grad]
+    ref_params = list(reference.parameters())
+    assert float(get_params_norm_of(moe_args(ep, strategy, aux), built, params)) == pytest.approx(
+        float(torch.linalg.vector_norm(torch.cat([p.detach().reshape(-1) for p in ref_params]))), rel=1e-5)
+    assert count_zeros_of(moe_args(ep, strategy, aux), built, params) == sum(int((p.grad == 0).sum()) for p in ref_params)
+
+
+@pytest.mark.parametrize("extra", [("--recompute-granularity", "full"), ("--moe-grouped-gemm",),
+                                   ("--moe-shared-expert-intermediate-size", "16", "--moe-z-loss-coeff", "0.01"),
+                                   ("--moe-expert-capacity-factor", "1.0")])
+def test_expert_parallel_with_recompute_grouped_gemm_shared_experts_and_dropping(extra):
+    """Full recompute (the all-to-all runs again in backward), grouped GEMM, shared experts
+    with the z-loss, and capacity dropping (per micro-batch per rank, like the aux loss) at
+    the largest EP size, still equal to the EP=1 reference."""
+    ep = EP_SIZES[-1]
+    args = moe_args(ep, "optim_grads_params", 0.1, *extra)
+    built = build_model(gpt_provider, args, torch.device("cpu"))
+    ref_args = moe_args(1, None, 0.1, *extra, world_size=1, mfsdp=False)
+    reference = gpt_provider(ref_args)
+    initialize_parameters_(reference, ref_args.seed)
+    losses, ref_losses, norms, ref_norms = train(args, built, reference, 0.1)
+    assert losses == pytest.approx(ref_losses, rel=2e-5)
+    assert norms == pytest.approx(ref_norms, rel=2e-5)
+    compare_weights(built, reference)
+    if "--moe-expert-capacity-factor" in extra:
+        assert collect_moe_metrics(built.unwrapped)["moe_dropped_tokens"] > 0  # the case drops tokens
+
+
+WRONG_DIVISORS = sorted({1 if EP_SIZES[-1] > 1 else 2, 2 * EP_SIZES[-1]})
+
+
+@pytest.mark.parametrize("divisor", WRONG_DIVISORS)
+def test_wrong_expert_grad_divisor_breaks_parity(divisor, monkeypatch):
+    """The parity test can fail: experts sharded with any other grad_divisor than the EP
+    size train differently from the reference."""
+    ep = EP_SIZES[-1]
+
+    def shard_with_wrong_divisor(layer, args, policy):
+        moe = layer.mlp
+        placements = model_builder.build_placements(args, axis="expert_dp")
+        return [fully_shard(moe.experts, moe.expert_parallel.expert_dp_mesh, placements,
+                            mixed_precision_policy=policy, grad_divisor=divisor)]
+
+    monkeypatch.setattr(model_builder, "shard_experts", shard_with_wrong_divisor)
+    built, reference, _ = run_case(ep, "optim_grads_params", 0.0)
+    with pytest.raises(AssertionError, match="not close"):
+        compare_weights(built, reference)
+
+
+def test_expert_weights_are_pieces_of_the_ep1_weights():
+    """Same seed, any EP size: this rank's experts are its rows of the EP=1 initial weights."""
+    ep = EP_SIZES[-1]
+    built = build_model(gpt_provider, moe_args(ep, "optim_grads_params", 0.0), torch.device("cpu"))
+    compare_weights(built, reference_model(moe_args(ep, "optim_grads_params", 0.0)), rtol=0, atol=0)
+
+
+def test_checkpoint_stores_experts_globally_and_loads_at_every_ep_size(tmp_path_factory):
+    """Saved at the largest EP size, after training: loads at every EP size (experts by
+    global index), and the offline reader sees the global [experts * rows, ...] tensors."""
+    from megatron.core.distributed.mfsdp_v2.checkpoint import load_checkpoint, load_tensors, save_checkpoint
+    from megatron.core.global_slices import global_slices_by_name
+
+    path = str(tmp_path_factory.mktemp("moe_ckpt")) if dist.get_rank() == 0 else None
+    holder = [path]
+    dist.broadcast_object_list(holder)
+    path = holder[0]
+    ep = EP_SIZES[-1]
+    built, reference, _ = run_case(ep, "optim_grads_params", 0.0)
+    save_checkpoint(built.model, None, path, pieces=global_slices_by_name(built.model))
+    for load_ep in EP_SIZES:
+        for strategy in ("optim_grads_params", "optim"):
+            fresh = build_model(gpt_provider, moe_args(load_ep, strategy, 0.0), torch.device("cpu"))
+            load_checkpoint(fresh.model, None, path, pieces=global_slices_by_name(fresh.model))
+            compare_weights(fresh, reference)
+    key = "model.decoder.layers.0.mlp.experts.linear_fc1.weight"
+    offline = load_tensors(path, [key])[key]
+    torch.testing.assert_close(offline, dict(reference.named_parameters())[key[len("model."):]].detach(),
+                               rtol=2e-5, atol=2e-6)
