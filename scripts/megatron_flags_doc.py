@@ -41,6 +41,11 @@ Deviations worth knowing:
   a plain LayerNorm checkpoint (add 1 when converting).
 - The fp16 loss scale is saved with the optimizer state (`grad_scaler` in common.json).
 - "number of skipped/nan iterations" count the current log interval, as upstream.
+- `--tensorboard-log-interval` governs the per-iteration scalars (loss, learning rate, grad
+  norm, ...); the MoE metrics (aux losses, token loads) go to TensorBoard every
+  `--log-interval`, averaged over it like the console line (upstream writes them every
+  iteration). The TensorBoard tags are this trainer's (`lm-loss`, `global-batch-size`),
+  without upstream's `... vs samples` copies.
 - `--moe-token-dispatcher-type allgather` (upstream's default) runs the all-to-all dispatcher,
   which gives the same results; `--expert-model-parallel-size` above 1 needs `--use-mfsdp`.
 - The MoE load-balancing loss is upstream's `aux_loss` (per micro-batch per rank); the log

@@ -409,7 +409,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     # --- run length and schedule -------------------------------------------------------------
     _validate_run_length(args)
     _require(args, "lr")
-    _positive(args, "train_iters", "eval_interval", "log_interval", "save_interval", "lr_decay_iters")
+    _positive(args, "train_iters", "eval_interval", "log_interval", "save_interval", "lr_decay_iters",
+              "tensorboard_log_interval")
     if args.eval_iters < 0:
         raise ValueError("--eval-iters must be non-negative (0 disables evaluation).")
     if args.lr < 0 or args.min_lr < 0:
@@ -595,6 +596,9 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="write '<loss> validation ppl' next to the validation loss")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="write this iteration's loss, learning rate, grad norm, ... to TensorBoard/W&B every N "
+                        "iterations (the console line and metrics.jsonl follow --log-interval)")
     g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
                    help="0: iteration time only; 1: + forward-backward, optimizer, ...; 2: + batch-generator, "
                         "forward-compute, backward-compute")

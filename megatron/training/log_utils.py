@@ -146,10 +146,20 @@ class MetricsWriter:
             self.wandb_run = _init_wandb(wandb_project, wandb_exp_name, wandb_save_dir, config or {}, wandb_entity)
 
     def write(self, kind: str, iteration: int, metrics: Dict[str, Any]) -> None:
+        """One record to metrics.jsonl, and its numbers to TensorBoard and W&B."""
+        self.write_record(kind, iteration, metrics)
+        self.write_scalars(kind, iteration, metrics)
+
+    def write_record(self, kind: str, iteration: int, metrics: Dict[str, Any]) -> None:
+        """metrics.jsonl only."""
         record = {"kind": kind, "iteration": iteration, **metrics,
                   "time": datetime.datetime.now().isoformat(timespec="seconds")}
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
+
+    def write_scalars(self, kind: str, iteration: int, metrics: Dict[str, Any]) -> None:
+        """TensorBoard (tag: the key with '-' for '_', then the kind unless 'train') and W&B
+        ('kind/key'); values that are not numbers are left out."""
         scalars = {k: float(v) for k, v in metrics.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
         if self.tensorboard is not None:

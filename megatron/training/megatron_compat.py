@@ -73,8 +73,6 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
                                                       "always: the tokenizer comes from the command line"),
     "--empty-unused-memory-level": (dict(type=int, choices=(0, 1, 2), default=0),
                                     "no effect: the caching allocator keeps its blocks"),
-    "--tensorboard-log-interval": (dict(type=int, default=None),
-                                   "metrics go to TensorBoard at every --log-interval"),
     "--log-learning-rate-to-tensorboard": (dict(action="store_true"), "always logged"),
     "--log-loss-scale-to-tensorboard": (dict(action="store_true"), "always logged with --fp16"),
     "--log-batch-size-to-tensorboard": (dict(action="store_true"), "always logged"),

@@ -57,6 +57,13 @@ from megatron.training.model_builder import (
 )
 
 
+# Metrics of one iteration: TensorBoard and W&B get them every --tensorboard-log-interval
+# iterations, with that iteration's values (Megatron's training_log); metrics.jsonl gets
+# them every --log-interval with the console line (the loss there is the interval's mean).
+ITERATION_SCALARS = ("learning_rate", "global_batch_size", "lm_loss", "grad_norm", "loss_scale", "num_zeros",
+                     "params_norm")
+
+
 def print_rank_0(*message) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*message, flush=True)
@@ -370,6 +377,10 @@ class _Trainer:
         self.timers = Timers(args.timing_log_level, args.timing_log_option, device)
         self.num_zeros = None
         self.params = [p for p in built.unwrapped.parameters() if p.requires_grad]
+        # Decided from the arguments, not from the (rank-0-only) writer: every rank must take
+        # part in the collectives behind the per-iteration scalars.
+        self.dashboards = bool(args.tensorboard_dir or args.wandb_project)
+        self._params_norm = (None, None)  # (iteration, value): computed once per iteration
 
     def _flops_per_token(self) -> Optional[float]:
         try:
@@ -476,6 +487,8 @@ class _Trainer:
                 interval_count += 1
             else:
                 self.nan_iterations += 1
+            if self.dashboards and iteration % args.tensorboard_log_interval == 0:
+                self._write_iteration_scalars(iteration, loss, grad_norm)
 
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
                 if self.device.type == "cuda":
@@ -525,9 +538,7 @@ class _Trainer:
         mem = float(mem.item())
         lr = self.optimizer.param_groups[0]["lr"]
         loss_scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
-        params_norm = None
-        if args.log_params_norm:
-            params_norm = float(get_params_norm_of(args, self.built, self.params))
+        params_norm = self._params_norm_at(iteration) if args.log_params_norm else None
         num_zeros = self.num_zeros if args.log_num_zeros_in_grad else None
         timer_text, timer_scalars = self.timers.report(timers_to_log(args.timing_log_level), interval_iters)
         moe = collect_moe_metrics(self.built.unwrapped, _comm_device(self.device))
@@ -575,16 +586,42 @@ class _Trainer:
         }
         metrics.update(moe)
         self.last_metrics = {k: v for k, v in metrics.items() if v is not None}
-        self.writer.write("train", iteration, self.last_metrics)
-        # Megatron's flag-governed TensorBoard scalars, under its tag names.
-        extra = {}
+        self.writer.write_record("train", iteration, self.last_metrics)
+        # The dashboards get the interval's own numbers here (timing, throughput, MoE loads
+        # and losses); the per-iteration ones go every --tensorboard-log-interval.
+        self.writer.write_scalars("train", iteration, {k: v for k, v in self.last_metrics.items()
+                                                       if k not in ITERATION_SCALARS})
         if args.log_timers_to_tensorboard:
-            extra["iteration-time"] = seconds_per_iteration
-            extra.update(timer_scalars)
+            self.writer.write_tensorboard(iteration, {"iteration-time": seconds_per_iteration, **timer_scalars})
+
+    def _params_norm_at(self, iteration: int) -> float:
+        """The L2 norm of the parameters after ``iteration`` (a collective; once per iteration)."""
+        if self._params_norm[0] != iteration:
+            self._params_norm = (iteration, float(get_params_norm_of(self.args, self.built, self.params)))
+        return self._params_norm[1]
+
+    def _write_iteration_scalars(self, iteration: int, loss: float, grad_norm: float) -> None:
+        """Megatron's TensorBoard/W&B scalars of this one iteration (its training_log at
+        --tensorboard-log-interval): loss, learning rate, grad norm, ... Every rank calls it."""
+        args = self.args
+        scalars = {
+            "learning_rate": self.optimizer.param_groups[0]["lr"],
+            "global_batch_size": args.global_batch_size,
+            "lm_loss": loss,
+            "grad_norm": grad_norm,
+        }
+        if self.grad_scaler is not None:
+            scalars["loss_scale"] = self.grad_scaler.scale
+        if args.log_num_zeros_in_grad:
+            scalars["num_zeros"] = self.num_zeros
+        if args.log_params_norm:
+            scalars["params_norm"] = self._params_norm_at(iteration)
+        self.writer.write_scalars("train", iteration, scalars)
+        extra = {}
         if args.log_memory_to_tensorboard:
             extra.update(memory_scalars(self.device))
         if args.log_world_size_to_tensorboard:
-            extra["world-size"] = world
+            extra["world-size"] = _world()
         self.writer.write_tensorboard(iteration, extra)
 
     # ------------------------------------------------------------------------------------

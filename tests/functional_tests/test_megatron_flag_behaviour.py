@@ -156,3 +156,42 @@ def test_exit_signal_names_the_signal(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "exiting on signal after iteration" in out and "(SIGUSR1)" in out
     assert (tmp_path / "latest_checkpointed_iteration.txt").is_file()
+
+
+def _tensorboard_scalars(tb_dir):
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = glob.glob(os.path.join(tb_dir, "events.out.tfevents.*"))
+    assert len(events) == 1, events
+    acc = EventAccumulator(events[0])
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def _jsonl_losses(path):
+    import json
+
+    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, open(path)) if r["kind"] == "train"}
+
+
+def test_tensorboard_log_interval_writes_each_iterations_own_values(tmp_path):
+    # Reference: --log-interval 1 puts every iteration's loss into metrics.jsonl.
+    run(f"--train-iters 8 --tensorboard-dir {tmp_path}/ref")
+    per_iteration = _jsonl_losses(tmp_path / "ref" / "metrics.jsonl")
+    assert sorted(per_iteration) == list(range(1, 9))
+    for tb_interval, steps in ((1, list(range(1, 9))), (2, [2, 4, 6, 8])):
+        out = tmp_path / f"tb{tb_interval}"
+        run(f"--train-iters 8 --log-interval 4 --tensorboard-log-interval {tb_interval} --tensorboard-dir {out}")
+        scalars = _tensorboard_scalars(str(out))
+        for tag in ("lm-loss", "learning-rate", "grad-norm", "global-batch-size"):
+            assert sorted(scalars[tag]) == steps, (tag, scalars[tag])
+        # That iteration's loss, not the mean over the log interval.
+        for step in steps:
+            assert scalars["lm-loss"][step] == pytest.approx(per_iteration[step], rel=1e-6)
+        # The interval's numbers follow --log-interval, as do the console line and metrics.jsonl.
+        assert sorted(scalars["tokens-per-second"]) == [4, 8]
+        interval_mean = _jsonl_losses(out / "metrics.jsonl")
+        assert sorted(interval_mean) == [4, 8]
+        assert interval_mean[8] == pytest.approx(sum(per_iteration[i] for i in range(5, 9)) / 4, rel=1e-6)
