@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron.training.checkpointing import STRICTNESS
 from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.moe_arguments import add_moe_args, validate_moe_args
@@ -156,6 +157,13 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
                    help="write checkpoints in the background (state staged in CPU memory)")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on --exit-signal (default SIGTERM): finish the iteration, save a checkpoint, exit 0")
+    g.add_argument("--dist-ckpt-strictness", choices=tuple(STRICTNESS), default=None,
+                   help="tensors only one side has at --load. Upstream's names: 'unexpected' = in the model, not "
+                        "in the checkpoint (keeps its current value); 'missing' = in the checkpoint, not in the "
+                        "model (not read). log_*: one warning naming them; raise_*: an error before anything "
+                        "loads; ignore_all: silent; *_unexpected: missing ones are ignored; assume_ok_unexpected "
+                        "= raise_unexpected; return_* = log_* (no caller takes the returned keys). Default: "
+                        "raise_all (upstream: assume_ok_unexpected). Shape mismatches always raise")
 
     g = parser.add_argument_group("MFSDP (Megatron FSDP v2)")
     g.add_argument("--use-mfsdp", "--use-megatron-fsdp", dest="use_mfsdp", action="store_true")

@@ -472,6 +472,24 @@ def _model_mismatch(path: str, saved: Dict[str, Any], args: argparse.Namespace) 
             f"pass {ACTIVATION_FLAGS.get(theirs, theirs)} to build the checkpoint's model.")
 
 
+# --dist-ckpt-strictness -> (model tensor the checkpoint lacks, checkpoint tensor the model
+# lacks). Upstream's names: "unexpected" keys are the ones the model asks for and the
+# checkpoint lacks; "missing" keys the ones the checkpoint has and the model does not load.
+# assume_ok_unexpected leaves unexpected keys to the storage layer, which raises on them.
+# return_* return the keys from upstream's load(); there is no such caller here: they log.
+_RAISE, _LOG, _IGNORE = engine.OnMismatch.RAISE, engine.OnMismatch.LOG, engine.OnMismatch.IGNORE
+STRICTNESS = {
+    "assume_ok_unexpected": (_RAISE, _IGNORE),
+    "log_unexpected": (_LOG, _IGNORE),
+    "log_all": (_LOG, _LOG),
+    "raise_unexpected": (_RAISE, _IGNORE),
+    "raise_all": (_RAISE, _RAISE),
+    "return_unexpected": (_LOG, _IGNORE),
+    "return_all": (_LOG, _LOG),
+    "ignore_all": (_IGNORE, _IGNORE),
+}
+
+
 def load_checkpoint(
     model: torch.nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
@@ -529,9 +547,13 @@ def load_checkpoint(
 
     module = _unwrap(model)
     start = time.time()
+    # Without the flag: raise_all, as before the flag existed (upstream's default,
+    # assume_ok_unexpected, would skip checkpoint tensors the model lacks without a word).
+    absent_from_checkpoint, absent_from_model = STRICTNESS[getattr(args, "dist_ckpt_strictness", None) or "raise_all"]
     try:
         engine.load_checkpoint(module, optimizer if load_optim else None, path,
-                               process_group=_engine_group(module), pieces=_pieces(module))
+                               process_group=_engine_group(module), pieces=_pieces(module),
+                               absent_from_checkpoint=absent_from_checkpoint, absent_from_model=absent_from_model)
     except engine.OptimizerMismatchError as e:
         raise RuntimeError(f"{e} To load the model weights only, resume with --no-load-optim "
                            "(or --finetune to also restart at iteration 0).") from None

@@ -35,10 +35,6 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
     "--auto-detect-ckpt-format": (dict(action="store_true"), "there is one checkpoint format"),
     "--use-persistent-ckpt-worker": (dict(action="store_true"),
                                      "--async-save already writes from one long-lived background worker"),
-    "--dist-ckpt-strictness": (
-        dict(choices=("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
-                      "raise_all", "return_unexpected", "return_all", "ignore_all"), default=None),
-        "always raise_all: a missing or unexpected tensor is an error that names it"),
     "--dist-ckpt-optim-fully-reshardable": (dict(action="store_true"),
                                             "always: checkpoints load at any world size"),
     "--ckpt-fully-parallel-save": (dict(action="store_true"), "always: every rank writes its own shard"),

@@ -18,6 +18,7 @@ Directory contents (see docs/checkpointing.md)::
 Modules (each imports only the ones above it)::
 
     errors       CheckpointError, CheckpointMismatchError, OptimizerMismatchError
+    strictness   OnMismatch: raise, log or ignore tensors only one side has
     manifest     the manifest; atomic writes, fsync, digests, file checks (public: the
                  trainer and tools use it for their own files)
     agreement    which ranks take part; every rank raises the same error
@@ -41,6 +42,7 @@ from .manifest import (
 )
 from .offline import load_tensors, save_tensors
 from .save import save_checkpoint
+from .strictness import OnMismatch
 from .state import MODEL_PREFIX, OPTIMIZER_PREFIX
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "MANIFEST_NAME",
     "MODEL_PREFIX",
     "OPTIMIZER_PREFIX",
+    "OnMismatch",
     "OptimizerMismatchError",
     "checkpoint_tensors",
     "load_checkpoint",

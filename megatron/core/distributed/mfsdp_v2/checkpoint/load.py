@@ -30,6 +30,7 @@ from .state import (
     restore_optimizer_json,
     saved_shape,
 )
+from .strictness import OnMismatch, log_absent
 
 
 def load_checkpoint(
@@ -41,6 +42,8 @@ def load_checkpoint(
     process_group: Optional[dist.ProcessGroup] = None,
     verify: bool = True,
     pieces: Optional[Dict[str, Any]] = None,
+    absent_from_checkpoint: OnMismatch = OnMismatch.RAISE,
+    absent_from_model: OnMismatch = OnMismatch.RAISE,
 ) -> Dict[str, Any]:
     """Load a checkpoint written by ``save_checkpoint`` (any world size, any strategy)
     into ``model`` (and ``optimizer`` unless None), in place.
@@ -52,7 +55,18 @@ def load_checkpoint(
     loaded main weights (collective for ZeRO-1/2 and HFSDP). Returns the manifest's
     ``extra`` metadata. ``pieces``: as for ``save_checkpoint`` (each rank reads its piece
     of the global tensors).
+
+    ``absent_from_checkpoint`` / ``absent_from_model`` (``OnMismatch``): what to do with a
+    model tensor the checkpoint lacks (it keeps its current value; its parameter keeps its
+    current optimizer state, none for a fresh optimizer, so it starts like a new one) and
+    with a checkpoint tensor the model lacks (not read). RAISE (the default) fails before
+    anything changes; LOG warns once, from rank 0, naming them; IGNORE says nothing. A
+    tensor both have with different shapes, and a parameter whose optimizer state differs
+    from the checkpoint's, always raise.
     """
+    for policy in (absent_from_checkpoint, absent_from_model):
+        if not isinstance(policy, OnMismatch):
+            raise TypeError(f"absent_from_checkpoint / absent_from_model must be OnMismatch members, got {policy!r}.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_checkpoint expects an nn.Module, got {type(model).__name__}.")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -74,9 +88,17 @@ def load_checkpoint(
     # 2. Names and shapes, model and optimizer.
     saved = checkpoint_tensors(manifest)
     wanted_model = {MODEL_PREFIX + fqn: saved_shape(fqn, t.shape, pieces) for fqn, t, _ in named_tensors(model)}
-    comm.agree(_compare(saved, wanted_model, MODEL_PREFIX, "model"), CheckpointMismatchError)
+    # Tolerated absences (the same on every rank: the names are global) leave the comparison.
+    only_model = sorted(k[len(MODEL_PREFIX):] for k in wanted_model if k not in saved) \
+        if absent_from_checkpoint is not OnMismatch.RAISE else []
+    only_saved = sorted(k[len(MODEL_PREFIX):] for k in saved if k.startswith(MODEL_PREFIX) and k not in wanted_model) \
+        if absent_from_model is not OnMismatch.RAISE else []
+    skipped = set(only_model) | set(only_saved)
+    comm.agree(_compare({k: v for k, v in saved.items() if k[len(MODEL_PREFIX):] not in skipped},
+                        {k: v for k, v in wanted_model.items() if k[len(MODEL_PREFIX):] not in skipped},
+                        MODEL_PREFIX, "model"), CheckpointMismatchError)
     error = None if optimizer is None else _optimizer_mismatch(manifest.get("optimizer"), optimizer, names, saved,
-                                                               pieces)
+                                                               pieces, skipped)
     comm.agree(error, OptimizerMismatchError)
 
     # 3. File integrity: each rank checks a share of the files, then all agree.
@@ -86,6 +108,10 @@ def load_checkpoint(
         errors = check_sizes(checkpoint_dir, manifest)
     comm.agree(errors[0] if errors else None)
 
+    if comm.rank == 0:
+        log_absent(checkpoint_dir, only_model if absent_from_checkpoint is OnMismatch.LOG else [],
+                   only_saved if absent_from_model is OnMismatch.LOG else [])
+
     # 4. Load in place.
     engine_view.reshard_all(contexts)
     if optimizer is not None:
@@ -93,7 +119,7 @@ def load_checkpoint(
         with_state |= set(manifest["optimizer"].get("scalar_state", {}))
         _initialize_optimizer_state(optimizer, names, with_state)
     engine = engine_view.sharded_parameters(contexts)
-    state = model_state(model, engine, pieces)
+    state = {k: v for k, v in model_state(model, engine, pieces).items() if k in saved}
     if optimizer is not None:
         tensors, _ = optimizer_state(optimizer, engine, names, pieces)
         state.update({k: v for k, v in tensors.items() if k in saved})
@@ -144,30 +170,32 @@ def _compare(saved: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], wanted: Dict
             + f". Build the {what} with the configuration the checkpoint was saved with.")
 
 
-def _optimizer_mismatch(saved_optimizer, optimizer, names, saved, pieces) -> Optional[str]:
-    """Why the checkpoint's optimizer state does not fit ``optimizer``, or None."""
+def _optimizer_mismatch(saved_optimizer, optimizer, names, saved, pieces, skipped=frozenset()) -> Optional[str]:
+    """Why the checkpoint's optimizer state does not fit ``optimizer``, or None. ``skipped``:
+    parameters only one side has, tolerated (their state is neither read nor required)."""
     if saved_optimizer is None:
         return "the checkpoint holds no optimizer state; load it with optimizer=None (model weights only)."
     if saved_optimizer["class"] != type(optimizer).__name__:
         return (f"the checkpoint holds {saved_optimizer['class']} state but the optimizer is "
                 f"{type(optimizer).__name__}; use the same optimizer class or load without the optimizer.")
-    error = _check_param_groups(saved_optimizer["param_groups"], optimizer, names)
+    error = _check_param_groups(saved_optimizer["param_groups"], optimizer, names, skipped)
     if error is not None:
         return error
-    wanted = _optimizer_keys_after_init(optimizer, names, saved, pieces)
-    in_optimizer = {names[id(p)] for p in optimizer_params(optimizer)}
+    wanted = {k: v for k, v in _optimizer_keys_after_init(optimizer, names, saved, pieces).items()
+              if k[len(OPTIMIZER_PREFIX):].rsplit(".", 1)[0] not in skipped}
+    in_optimizer = {names[id(p)] for p in optimizer_params(optimizer)} - set(skipped)
     return _compare({k: v for k, v in saved.items() if k.startswith(OPTIMIZER_PREFIX)
                      and k[len(OPTIMIZER_PREFIX):].rsplit(".", 1)[0] in in_optimizer},
                     wanted, OPTIMIZER_PREFIX, "optimizer")
 
 
-def _check_param_groups(saved_groups, optimizer, names) -> Optional[str]:
+def _check_param_groups(saved_groups, optimizer, names, skipped=frozenset()) -> Optional[str]:
     if len(saved_groups) != len(optimizer.param_groups):
         return (f"the checkpoint's optimizer has {len(saved_groups)} parameter groups but this one has "
                 f"{len(optimizer.param_groups)}; build the optimizer the same way as when saving.")
     for index, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
-        current = [names[id(p)] for p in group["params"]]
-        if sorted(saved["params"]) != sorted(current):
+        current = [names[id(p)] for p in group["params"] if names[id(p)] not in skipped]
+        if sorted(n for n in saved["params"] if n not in skipped) != sorted(current):
             diff = sorted(set(saved["params"]) ^ set(current))
             return (f"optimizer parameter group {index} holds different parameters than in the checkpoint "
                     f"(differing: {_fmt_list(diff)}); build the optimizer the same way as when saving.")
