@@ -2,6 +2,7 @@
 (plain and MFSDP models), and an MFSDP checkpoint read into a plain module (tools/generate.py)."""
 
 import argparse
+import logging
 import os
 
 import pytest
@@ -148,3 +149,47 @@ def test_mfsdp_save_load_resumes_exactly_and_loads_into_a_plain_model(tmp_path, 
     assert set(plain_params) == set(at_save)
     for name, value in at_save.items():
         torch.testing.assert_close(plain_params[name], value, rtol=0, atol=0, msg=name)
+
+
+# --- --dist-ckpt-strictness: upstream's names for tensors only one side has ------------------
+
+
+def _variant(seed):
+    """make()'s model without the LayerNorm bias ('missing': in the checkpoint only) and
+    with a parameter 'gate' ('unexpected': in the model only)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8, bias=False), torch.nn.Linear(8, 2))
+    model.register_parameter("gate", torch.nn.Parameter(torch.ones(2)))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=0.01), model)
+    sched = OptimizerParamScheduler(opt, 0.0, 0.01, 0.001, 4, 40, "cosine", weight_decay=0.01)
+    return model, opt, sched
+
+
+@pytest.mark.parametrize("strictness, outcome", [
+    (None, "raise"), ("raise_all", "raise"), ("raise_unexpected", "raise"), ("assume_ok_unexpected", "raise"),
+    ("log_all", ["'gate'", "'1.bias'"]), ("return_all", ["'gate'", "'1.bias'"]), ("log_unexpected", ["'gate'"]),
+    ("ignore_all", []),
+])
+def test_dist_ckpt_strictness(tmp_path, world_of_one, caplog, strictness, outcome):
+
+    args = argparse.Namespace(save=str(tmp_path), load=str(tmp_path), dist_ckpt_strictness=strictness)
+    model, opt, sched = make(0)
+    train_steps(model, opt, sched, 2)
+    save_checkpoint(2, model, opt, sched, args)
+    model2, opt2, sched2 = _variant(7)
+    before = {n: p.detach().clone() for n, p in model2.named_parameters()}
+    with caplog.at_level(logging.WARNING):
+        if outcome == "raise":
+            with pytest.raises(RuntimeError, match="does not fit this model: .*'gate'"):
+                load_checkpoint(model2, opt2, sched2, args)
+            assert all(torch.equal(p, before[n]) for n, p in model2.named_parameters()) and not opt2.state
+            return
+        assert load_checkpoint(model2, opt2, sched2, args)[0] == 2
+    saved = dict(model.named_parameters())
+    for name, p in model2.named_parameters():
+        assert torch.equal(p, before[name] if name == "gate" else saved[name]), name
+    messages = [r.getMessage() for r in caplog.records if "lacks" in r.getMessage()]
+    assert len(messages) == (1 if outcome else 0), messages
+    for name in ("'gate'", "'1.bias'") if outcome else ():
+        assert (name in messages[0]) == (name in outcome), (name, messages)
+    train_steps(model2, opt2, sched2, 1)  # the loaded optimizer steps on
