@@ -561,7 +561,8 @@ def load_checkpoint(
         how = "with" if common.get("use_mfsdp") else "without"
         raise RuntimeError(f"{path} (saved {how} --use-mfsdp by {common.get('world_size', '?')} ranks) does not fit "
                            f"this model: {e} Compare the model flags with the checkpoint's common.json "
-                           "(tools/checkpoint/inspect.py lists its tensors).") from None
+                           "(tools/checkpoint/inspect.py lists its tensors); --dist-ckpt-strictness log_all skips "
+                           "tensors that only one side has (not different shapes).") from None
 
     print_rank_0(f"> loaded checkpoint {path} in {time.time() - start:.2f} s")
     if model_only:
