@@ -264,3 +264,14 @@ def test_tensor_parallel_with_transformer_engine_is_refused(monkeypatch):
                         lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
     with pytest.raises(ValueError, match="transformer_engine with tensor parallelism is not supported yet"):
         parse("--tensor-model-parallel-size 2 --transformer-impl transformer_engine", world_size=2, cuda=True)
+
+
+def test_tensorboard_log_interval_and_dist_ckpt_strictness_parse():
+    assert parse("").tensorboard_log_interval == 1  # upstream's default
+    assert parse("--tensorboard-log-interval 5").tensorboard_log_interval == 5
+    with pytest.raises(ValueError, match="--tensorboard-log-interval must be positive, got 0"):
+        parse("--tensorboard-log-interval 0")
+    assert parse("").dist_ckpt_strictness is None  # raise_all at load (checkpointing.STRICTNESS)
+    assert parse("--dist-ckpt-strictness ignore_all").dist_ckpt_strictness == "ignore_all"
+    with pytest.raises(ValueError, match="--dist-ckpt-strictness: invalid choice"):
+        parse("--dist-ckpt-strictness lenient")
