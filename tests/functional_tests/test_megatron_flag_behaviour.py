@@ -1,7 +1,8 @@
 """What the implemented Megatron-LM flags do to a run (one process, in-process pretrain):
 fp16 loss scaling skips overflowing steps, --calculate-per-token-loss changes the
 normalization, sample-based schedules, --exit-interval, --exit-signal, --manual-gc,
---deterministic-mode, --timing-log-level, --use-checkpoint-opt_param-scheduler."""
+--deterministic-mode, --timing-log-level, --use-checkpoint-opt_param-scheduler,
+--tensorboard-log-interval."""
 
 import gc
 import os
