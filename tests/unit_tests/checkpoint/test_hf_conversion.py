@@ -15,6 +15,8 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+
+from _hf_round_trip import assert_round_trip_is_bit_exact, run_convert
 from tools.checkpoint import convert, inspect as inspect_tool
 from tools.checkpoint.checkpoint_io import open_checkpoint
 
@@ -58,8 +60,7 @@ def _trainer_args(style, save):
     return argparse.Namespace(**args)
 
 
-def _run(argv):
-    assert convert.main(argv + ["--quiet"]) == 0
+
 
 
 @pytest.mark.parametrize("style", sorted(STYLES))
@@ -68,7 +69,7 @@ def test_to_hugging_face_gives_the_same_logits(tmp_path, style):
 
     model = _our_model(style)
     save_checkpoint(7, model, None, None, _trainer_args(style, tmp_path / "ckpt"))
-    _run(["--input", str(tmp_path / "ckpt"), "--to", "hf", "--output", str(tmp_path / "hf")])
+    run_convert(["--input", str(tmp_path / "ckpt"), "--to", "hf", "--output", str(tmp_path / "hf")])
     config = json.load(open(tmp_path / "hf" / "config.json"))
     expected = "GPT2LMHeadModel" if style.startswith("gpt2") else "LlamaForCausalLM"
     assert config["architectures"] == [expected]
@@ -84,14 +85,14 @@ def test_consolidated_safetensors_holds_every_weight(tmp_path):
 
     model = _our_model("llama")
     save_checkpoint(3, model, torch.optim.AdamW(model.parameters()), None, _trainer_args("llama", tmp_path / "c"))
-    _run(["--input", str(tmp_path / "c"), "--to", "safetensors", "--output", str(tmp_path / "m.safetensors")])
+    run_convert(["--input", str(tmp_path / "c"), "--to", "safetensors", "--output", str(tmp_path / "m.safetensors")])
     loaded = load_file(str(tmp_path / "m.safetensors"))
     expected = dict(model.named_parameters())
     assert set(loaded) == set(expected)
     for name, p in expected.items():
         assert torch.equal(loaded[name], p.detach()), name
     # The consolidated file converts on to Hugging Face (its metadata records the architecture).
-    _run(["--input", str(tmp_path / "m.safetensors"), "--to", "hf", "--output", str(tmp_path / "hf")])
+    run_convert(["--input", str(tmp_path / "m.safetensors"), "--to", "hf", "--output", str(tmp_path / "hf")])
     assert json.load(open(tmp_path / "hf" / "config.json"))["num_key_value_heads"] == 2
 
 
@@ -112,18 +113,8 @@ def _hf_model(kind, seed=0):
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_hugging_face_round_trip_is_bit_exact_and_loads_into_our_model(tmp_path, kind):
-    from safetensors.torch import load_file
-
     hf = _hf_model(kind)
-    hf.save_pretrained(str(tmp_path / "hf"))
-    _run(["--input", str(tmp_path / "hf"), "--to", "mfsdp", "--output", str(tmp_path / "mfsdp")])
-    _run(["--input", str(tmp_path / "mfsdp"), "--to", "hf", "--output", str(tmp_path / "back")])
-
-    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert set(back) == set(original)
-    for name, tensor in original.items():
-        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    assert_round_trip_is_bit_exact(hf, tmp_path)
     a = json.load(open(tmp_path / "hf" / "config.json"))
     b = json.load(open(tmp_path / "back" / "config.json"))
     for key, value in a.items():
@@ -157,7 +148,7 @@ def test_existing_output_is_refused_unless_forced(tmp_path, capsys):
     assert convert.main(["--input", str(tmp_path / "hf"), "--to", "mfsdp", "--output", str(out), "--quiet"]) == 2
     assert "already exists; pass --force" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "precious"
-    _run(["--input", str(tmp_path / "hf"), "--to", "mfsdp", "--output", str(out), "--force"])
+    run_convert(["--input", str(tmp_path / "hf"), "--to", "mfsdp", "--output", str(out), "--force"])
     assert not (out / "keep.txt").exists()
     assert open_checkpoint(str(out)).kind == "MFSDP"
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]

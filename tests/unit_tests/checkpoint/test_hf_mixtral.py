@@ -13,7 +13,8 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
-from tools.checkpoint import convert
+
+from _hf_round_trip import assert_round_trip_is_bit_exact, run_convert
 from tools.checkpoint.hf_conversion import config_from_hf, from_hf
 
 VOCAB, SEQ = 61, 16
@@ -22,8 +23,7 @@ CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_gro
               layernorm_epsilon=1e-6, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24)
 
 
-def _run(argv):
-    assert convert.main(argv + ["--quiet"]) == 0
+
 
 
 def _ours(config=CONFIG, vocab=VOCAB, seed=0):
@@ -48,7 +48,7 @@ def test_to_mixtral_gives_the_same_logits(tmp_path):
                               moe_router_topk=2, tokenizer_type="NullTokenizer", vocab_size=VOCAB,
                               padded_vocab_size=VOCAB)
     save_checkpoint(5, model, None, None, args)
-    _run(["--input", str(tmp_path / "ckpt"), "--to", "hf", "--output", str(tmp_path / "hf")])
+    run_convert(["--input", str(tmp_path / "ckpt"), "--to", "hf", "--output", str(tmp_path / "hf")])
     config = json.load(open(tmp_path / "hf" / "config.json"))
     assert config["architectures"] == ["MixtralForCausalLM"]
     assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 24)
@@ -80,17 +80,8 @@ def _ours_from_config(cfg):
 
 
 def test_mixtral_round_trip_is_bit_exact_and_loads_into_our_model(tmp_path):
-    from safetensors.torch import load_file
-
     hf = _mixtral()
-    hf.save_pretrained(str(tmp_path / "hf"))
-    _run(["--input", str(tmp_path / "hf"), "--to", "mfsdp", "--output", str(tmp_path / "mfsdp")])
-    _run(["--input", str(tmp_path / "mfsdp"), "--to", "hf", "--output", str(tmp_path / "back")])
-    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert set(back) == set(original)
-    for name, tensor in original.items():
-        assert torch.equal(back[name], tensor), name
+    assert_round_trip_is_bit_exact(hf, tmp_path)
     ours = _ours_from_config(config_from_hf(json.load(open(tmp_path / "hf" / "config.json"))))
     load_checkpoint(ours, None, None, argparse.Namespace(load=str(tmp_path / "mfsdp")))
     with torch.no_grad():
