@@ -2,6 +2,10 @@
 engine measures (FsdpContext.persistent_bytes(), FsdpContext.counter) on trainer-built
 models at 2 and 4 ranks; its output also reaches tools/estimate_memory.py."""
 
+import collections
+import contextlib
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,6 +14,7 @@ from _trainer_models import REPO, batches, gpt_provider, trainer_args
 from megatron.core.distributed.mfsdp_v2.estimate import ActivationShape, activation_bytes, plan, units_of
 from megatron.core.pipeline_parallel import forward_backward_no_pipelining
 from megatron.training.model_builder import build_model, build_optimizer
+from tools.estimate_memory import planned_units
 
 FLAGS = {
     "zero1": ["--data-parallel-sharding-strategy", "optim"],
@@ -20,6 +25,8 @@ FLAGS = {
 }
 # Widths chosen so that rows do not split evenly over 4 ranks (padding is exercised).
 SHAPE = "--num-layers 3 --hidden-size 48 --num-attention-heads 4 --ffn-hidden-size 80".split()
+# TP=2-divisible heads, query groups and FFN; TP-local rows still split unevenly over DP.
+TP_SHAPE = "--num-layers 2 --hidden-size 40 --num-attention-heads 4 --ffn-hidden-size 72".split()
 
 
 def _forward_step(data_iterator, model):
@@ -28,15 +35,18 @@ def _forward_step(data_iterator, model):
     return forward_step(data_iterator, model)
 
 
-def one_step(built, args):
+def one_step(built, args, dp_rank=None, dp_size=None, finalize=lambda: None):
+    """One step on this data-parallel rank's rows (every TP rank of it reads the same)."""
     optimizer, _ = build_optimizer(args, built)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    dp_size = dist.get_world_size() if dp_size is None else dp_size
+    dp_rank = dist.get_rank() if dp_rank is None else dp_rank
     (batch,) = batches(1, args.micro_batch_size, args.global_batch_size, args.seq_length, 96)
-    per_rank = args.global_batch_size // world
-    mine = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()}
+    per_rank = args.global_batch_size // dp_size
+    mine = {k: v[dp_rank * per_rank:(dp_rank + 1) * per_rank] for k, v in batch.items()}
     mbs = [{k: v[i:i + args.micro_batch_size] for k, v in mine.items()} for i in range(0, per_rank, args.micro_batch_size)]
     built.context.counter.reset()
     forward_backward_no_pipelining(_forward_step, iter(mbs), built.model, len(mbs), context=built.context)
+    finalize()
     optimizer.step()
     return optimizer, len(mbs)
 
@@ -55,13 +65,139 @@ def test_planner_matches_engine_measurements(strategy, arch):
     predicted = plan(units, strategy, world, outer_size=outer, microbatches=microbatches,
                      rank=dist.get_rank())
 
+    check_persistent(predicted, built, optimizer)
+    assert predicted.comm_bytes == built.context.counter.bytes_by_kind()
+
+
+
+# ---------------------------------------------------------------------------------------
+# Tensor and expert parallelism: persistent bytes against the engine, FSDP bytes against
+# its counter, TP and all-to-all bytes against a tap on torch.distributed.
+# ---------------------------------------------------------------------------------------
+
+TAPPED = {"all_reduce": "tensor", "all_gather_single": "input_tensor", "reduce_scatter_single": "input",
+          "all_to_all_single": "input"}
+
+
+@contextlib.contextmanager
+def collective_tap(groups):
+    """(function name, bytes of the input this rank contributes) of every call of the
+    TAPPED torch.distributed functions on one of ``groups`` (all groups if None); the real
+    collective still runs."""
+    records, saved = [], {name: getattr(dist, name) for name in TAPPED}
+
+    def wrap(name, real):
+        signature = inspect.signature(real)
+
+        def tapped(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            if groups is None or bound.arguments.get("group") in groups:
+                tensor = bound.arguments[TAPPED[name]]
+                records.append((name, tensor.numel() * tensor.element_size()))
+            return real(*args, **kwargs)
+
+        return tapped
+
+    for name, real in saved.items():
+        setattr(dist, name, wrap(name, real))
+    try:
+        yield records
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+
+
+def summed(records, names) -> dict:
+    out = collections.Counter()
+    for name, nbytes in records:
+        out[names[name]] += nbytes
+    return dict(out)
+
+
+@contextlib.contextmanager
+def model_parallel(tp: int, args):
+    from megatron.core import parallel_state
+
+    state = parallel_state.initialize_model_parallel(tp, args.dp_outer_size)
+    try:
+        yield state
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def activation_shape(args, tp=1):
+    return ActivationShape(args.micro_batch_size, args.seq_length, args.hidden_size, args.num_attention_heads,
+                           args.ffn_hidden_size, args.num_layers, args.padded_vocab_size,
+                           tp_size=tp, sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+
+
+def check_persistent(predicted, built, optimizer):
     measured = built.context.persistent_bytes()
     for key in ("main_weight", "model_weight", "main_grad"):
         assert predicted.persistent[key] == measured[key], (key, predicted.persistent, measured)
     adam = sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
                for state in optimizer.state.values() for k, t in state.items() if k in ("exp_avg", "exp_avg_sq"))
     assert predicted.persistent["optimizer_state"] == adam
-    assert predicted.comm_bytes == built.context.counter.bytes_by_kind()
+
+
+TP_NAMES = {"all_reduce": "tp_all_reduce", "all_gather_single": "tp_all_gather",
+            "reduce_scatter_single": "tp_reduce_scatter"}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_parallel):
+    from megatron.training.model_builder import finalize_model_grads
+
+    tp = 2
+    world = dist.get_world_size()
+    extra = ["--sequence-parallel"] if sequence_parallel else []
+    args = trainer_args("llama", "--use-mfsdp", "--tensor-model-parallel-size", str(tp), "--global-batch-size",
+                        str(4 * world // tp), *TP_SHAPE, *FLAGS[strategy], *extra)
+    with model_parallel(tp, args) as state:
+        built = build_model(gpt_provider, args, torch.device("cpu"))
+        model = built.unwrapped
+        units = planned_units(model)
+        with collective_tap({state.tp_group}) as records:
+            optimizer, microbatches = one_step(built, args, state.dp_rank, state.dp_size,
+                                               finalize=lambda: finalize_model_grads(args, built))
+        predicted = plan(units, strategy, state.dp_size, microbatches=microbatches, rank=state.dp_rank,
+                         activations=activation_shape(args, tp))
+    check_persistent(predicted, built, optimizer)
+    fsdp = {k: v for k, v in predicted.comm_bytes.items() if not k.startswith("tp_")}
+    assert fsdp == built.context.counter.bytes_by_kind()
+    tp_bytes = {k: v for k, v in predicted.comm_bytes.items() if k.startswith("tp_")}
+    assert tp_bytes == summed(records, TP_NAMES)
+    assert set(tp_bytes) == ({"tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"} if sequence_parallel
+                             else {"tp_all_reduce"})
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_planner_matches_engine_with_expert_parallelism(strategy):
+    from megatron.core.distributed.mfsdp_v2.estimate import MoEShape
+
+    ep, world = 2, dist.get_world_size()
+    args = trainer_args("llama", "--use-mfsdp", "--num-experts", "4", "--moe-router-topk", "2",
+                        "--moe-ffn-hidden-size", "24", "--expert-model-parallel-size", str(ep),
+                        "--global-batch-size", str(4 * world), *TP_SHAPE, *FLAGS[strategy])
+    built = build_model(gpt_provider, args, torch.device("cpu"))
+    model = built.unwrapped
+    units = planned_units(model)
+    experts = [u for u in units if u.expert]
+    assert len(experts) == args.num_layers  # every layer routes (--moe-layer-freq 1)
+    with collective_tap(None) as records:
+        optimizer, microbatches = one_step(built, args, dist.get_rank(), world)
+    moe = MoEShape(len(experts), args.num_experts, args.moe_router_topk, ep)
+    predicted = plan(units, strategy, world, microbatches=microbatches, rank=dist.get_rank(),
+                     activations=activation_shape(args), moe=moe)
+    check_persistent(predicted, built, optimizer)
+    fsdp = {k: v for k, v in predicted.comm_bytes.items() if k != "all_to_all"}
+    assert fsdp == built.context.counter.bytes_by_kind()
+    # Dropless routing: what a rank receives depends on the routing; summed over the EP
+    # group (here: the world), received equals sent, which the plan counts exactly.
+    measured = torch.tensor(summed(records, {n: n for n in TAPPED}).get("all_to_all_single", 0))
+    dist.all_reduce(measured)
+    assert measured.item() == world * predicted.comm_bytes["all_to_all"]
 
 
 def test_ddp_plan_is_the_whole_model_on_every_rank():
