@@ -47,12 +47,16 @@ def planned_units(model):
     return units_of(model, modules + [model], expert_modules=experts, tp_split=tensor_parallel_parameters(model))
 
 
+def needs_process_groups(args) -> bool:
+    ep = args.expert_model_parallel_size if args.num_experts else 1
+    return args.tensor_model_parallel_size > 1 or ep > 1
+
+
 @contextlib.contextmanager
 def planning_world(args, world_size: int):
     """Rank 0 of a ``world_size``-rank fake world with the trainer's parallel state, when
     the model needs process groups (TP or EP > 1); nothing otherwise."""
-    ep = args.expert_model_parallel_size if args.num_experts else 1
-    if args.tensor_model_parallel_size == 1 and ep == 1:
+    if not needs_process_groups(args):
         yield
         return
     import torch.distributed as dist
@@ -60,8 +64,6 @@ def planning_world(args, world_size: int):
 
     from megatron.core import parallel_state
 
-    if dist.is_initialized():
-        raise RuntimeError("estimate_memory.py plans TP/EP in a process of its own; run it without torchrun.")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.dp_outer_size)
@@ -138,6 +140,12 @@ def main(argv=None):
         args = parse_args(rest, world_size=known.world_size, cuda_available=False)
     except ValueError as error:
         raise SystemExit(f"estimate_memory.py: error: {error}")
+    import torch.distributed as dist
+
+    if needs_process_groups(args) and dist.is_initialized():
+        # The planning world is a process group of its own; this process already has one.
+        raise SystemExit("estimate_memory.py: error: plans with TP or EP > 1 build the model in a fake world; "
+                         "run the tool as a plain process (not under torchrun).")
     outer = known.outer_size or (args.num_distributed_optimizer_instances if args.dp_outer_size > 1 else 2)
     units, plans = estimate(args, known.world_size, outer)
     n = sum(u.numel for u in units)

@@ -4,14 +4,26 @@ models at 2 and 4 ranks; its output also reaches tools/estimate_memory.py."""
 
 import collections
 import contextlib
+import dataclasses
 import inspect
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from _trainer_models import REPO, batches, gpt_provider, trainer_args
-from megatron.core.distributed.mfsdp_v2.estimate import ActivationShape, activation_bytes, plan, units_of
+from _trainer_models import ARCHS, BASE, REPO, batches, gpt_provider, trainer_args
+from megatron.core.distributed.mfsdp_v2.estimate import (
+    ActivationShape,
+    MoEShape,
+    UnitShapes,
+    activation_bytes,
+    plan,
+    units_of,
+)
 from megatron.core.pipeline_parallel import forward_backward_no_pipelining
 from megatron.training.model_builder import build_model, build_optimizer
 from tools.estimate_memory import planned_units
@@ -140,6 +152,39 @@ def check_persistent(predicted, built, optimizer):
     assert predicted.persistent["optimizer_state"] == adam
 
 
+def describe(units):
+    return [[u.name, [list(shape) for shape in u.shapes], u.is_root, u.expert, list(u.tp_replicated)] for u in units]
+
+
+TOOL_UNITS = """
+import json, sys
+from megatron.training.arguments import parse_args
+from tools.estimate_memory import model_units
+args = parse_args(sys.argv[2:], world_size=int(sys.argv[1]), cuda_available=False)
+units = model_units(args, int(sys.argv[1]))[0]
+print(json.dumps([[u.name, [list(s) for s in u.shapes], u.is_root, u.expert, list(u.tp_replicated)] for u in units]))
+"""
+
+
+def tool_units(*flags):
+    """The units tools/estimate_memory.py plans for ``args`` (one rank's model, built in a
+    process of its own with the fake backend's world) for trainer_args("llama", *flags),
+    from rank 0, on every rank."""
+    out = [None]
+    if dist.get_rank() == 0:
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC")}
+        run = subprocess.run([sys.executable, "-c", TOOL_UNITS, str(dist.get_world_size()),
+                              *BASE, *ARCHS["llama"], *flags],
+                             env=env, cwd=REPO, capture_output=True, text=True, timeout=50)
+        assert run.returncode == 0, run.stderr[-2000:]
+        out = [json.loads(run.stdout.strip().splitlines()[-1])]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+TORCHRUN_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
+
+
 TP_NAMES = {"all_reduce": "tp_all_reduce", "all_gather_single": "tp_all_gather",
             "reduce_scatter_single": "tp_reduce_scatter"}
 
@@ -152,8 +197,9 @@ def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_para
     tp = 2
     world = dist.get_world_size()
     extra = ["--sequence-parallel"] if sequence_parallel else []
-    args = trainer_args("llama", "--use-mfsdp", "--tensor-model-parallel-size", str(tp), "--global-batch-size",
-                        str(4 * world // tp), *TP_SHAPE, *FLAGS[strategy], *extra)
+    flags = ["--use-mfsdp", "--tensor-model-parallel-size", str(tp), "--global-batch-size", str(4 * world // tp),
+             *TP_SHAPE, *FLAGS[strategy], *extra]
+    args = trainer_args("llama", *flags)
     with model_parallel(tp, args) as state:
         built = build_model(gpt_provider, args, torch.device("cpu"))
         model = built.unwrapped
@@ -170,6 +216,8 @@ def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_para
     assert tp_bytes == summed(records, TP_NAMES)
     assert set(tp_bytes) == ({"tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"} if sequence_parallel
                              else {"tp_all_reduce"})
+    if strategy == "zero3":
+        assert tool_units(*flags) == describe(units)
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
@@ -177,9 +225,10 @@ def test_planner_matches_engine_with_expert_parallelism(strategy):
     from megatron.core.distributed.mfsdp_v2.estimate import MoEShape
 
     ep, world = 2, dist.get_world_size()
-    args = trainer_args("llama", "--use-mfsdp", "--num-experts", "4", "--moe-router-topk", "2",
-                        "--moe-ffn-hidden-size", "24", "--expert-model-parallel-size", str(ep),
-                        "--global-batch-size", str(4 * world), *TP_SHAPE, *FLAGS[strategy])
+    flags = ["--use-mfsdp", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
+             "--expert-model-parallel-size", str(ep), "--global-batch-size", str(4 * world), *TP_SHAPE,
+             *FLAGS[strategy]]
+    args = trainer_args("llama", *flags)
     built = build_model(gpt_provider, args, torch.device("cpu"))
     model = built.unwrapped
     units = planned_units(model)
@@ -191,6 +240,8 @@ def test_planner_matches_engine_with_expert_parallelism(strategy):
     predicted = plan(units, strategy, world, microbatches=microbatches, rank=dist.get_rank(),
                      activations=activation_shape(args), moe=moe)
     check_persistent(predicted, built, optimizer)
+    if strategy == "zero3":
+        assert tool_units(*flags) == describe(units)
     fsdp = {k: v for k, v in predicted.comm_bytes.items() if k != "all_to_all"}
     assert fsdp == built.context.counter.bytes_by_kind()
     # Dropless routing: what a rank receives depends on the routing; summed over the EP
@@ -223,12 +274,33 @@ def test_recompute_shrinks_the_activation_estimate():
     assert none - logits == 8 * (34 * 512 * 2 * 256 + 5 * 8 * 512 * 512 * 2) * 2
 
 
+def test_tensor_parallelism_splits_the_activation_estimate():
+    shape = ActivationShape(micro_batch_size=2, seq_length=512, hidden_size=256, num_attention_heads=8,
+                            ffn_hidden_size=1024, num_layers=8, vocab_size=1000)
+    tp = dataclasses.replace(shape, tp_size=2)
+    sp = dataclasses.replace(tp, sequence_parallel=True)
+    for recompute in (None, "selective", "full"):
+        whole = activation_bytes(shape, recompute)
+        # With SP every saved tensor is split; without, the layer inputs, norms and dropout
+        # masks (Korthikanti's 10 of 34 s b h per layer) stay whole.
+        assert activation_bytes(sp, recompute) == whole // 2
+        assert whole // 2 < activation_bytes(tp, recompute) < whole
+    s, b, h, L = 512, 2, 256, 8
+    assert activation_bytes(tp) - activation_bytes(sp) == L * 10 * s * b * h * 2 // 2
+
+
 def test_bad_strategy_and_outer_size_are_refused():
     units = []
     with pytest.raises(ValueError, match="strategy must be one of"):
         plan(units, "zero4", 2)
     with pytest.raises(ValueError, match="outer size >= 2 that divides"):
         plan(units, "hsdp", 3, outer_size=2)
+    experts = [UnitShapes("experts", (torch.Size((2, 8, 4)),), expert=True)]
+    moe = MoEShape(num_moe_layers=1, num_experts=4, topk=2, ep_size=2)
+    with pytest.raises(ValueError, match="refuses MoE with HSDP/HFSDP"):
+        plan(experts, "hsdp", 4, outer_size=2, moe=moe)
+    with pytest.raises(ValueError, match="divides the data-parallel size"):
+        plan(experts, "zero3", 3, moe=moe)
 
 
 def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
@@ -244,7 +316,15 @@ def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
     assert [p.strategy for p in plans] == ["ddp", "zero1", "zero2", "zero3", "hsdp", "hfsdp"]
     for name in ("ddp", "zero1", "zero2", "zero3", "hsdp", "hfsdp", "all_gather", "reduce_scatter"):
         assert name in out
+    small = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
+             "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--lr", "1e-3",
+             "--train-iters", "1"]
     with pytest.raises(SystemExit, match="--num-attention-heads"):
-        main(["--world-size", "2", "--num-layers", "2", "--hidden-size", "30", "--num-attention-heads", "4",
-              "--seq-length", "8", "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer",
-              "--vocab-size", "96", "--lr", "1e-3", "--train-iters", "1"])
+        main(["--world-size", "2", *small, "--hidden-size", "30"])
+    # What the trainer refuses, the planner refuses with the trainer's message.
+    with pytest.raises(SystemExit, match="HSDP/HFSDP"):
+        main(["--world-size", "4", *small, "--use-mfsdp", "--num-experts", "4", "--num-distributed-optimizer-instances",
+              "2"])
+    # TP/EP plans need a fake world of their own (tool_units runs them in a fresh process).
+    with pytest.raises(SystemExit, match="not under torchrun"):
+        main(["--world-size", "4", *small, "--tensor-model-parallel-size", "2"])
