@@ -76,24 +76,29 @@ def planning_world(args, world_size: int):
 def model_units(args, world_size: int):
     """(units of one rank's model as the trainer would build it, ActivationShape, MoEShape
     or None), without memory."""
-    from megatron.core.distributed.mfsdp_v2.estimate import ActivationShape, MoEShape
-    from megatron.core.transformer.moe.expert_parallel import moe_layers
     from megatron.training.training import build_tokenizer_from_args
     from pretrain_gpt import model_provider
 
     build_tokenizer_from_args(args)
     with planning_world(args, world_size), torch.device("meta"):
         model = model_provider(args)
-    units = planned_units(model)
-    tp = args.tensor_model_parallel_size
+    return (planned_units(model),) + shapes_of(args, model)
+
+
+def shapes_of(args, model):
+    """(ActivationShape, MoEShape or None) of one microbatch of ``model`` built for ``args``."""
+    from megatron.core.distributed.mfsdp_v2.estimate import ActivationShape, MoEShape
+    from megatron.core.transformer.moe.expert_parallel import moe_layers
+
     shape = ActivationShape(args.micro_batch_size, args.seq_length, args.hidden_size, args.num_attention_heads,
                             args.ffn_hidden_size, args.num_layers, args.padded_vocab_size,
-                            element_bytes=2 if args.bf16 else 4, tp_size=tp, sequence_parallel=args.sequence_parallel)
+                            element_bytes=2 if args.bf16 else 4, tp_size=args.tensor_model_parallel_size,
+                            sequence_parallel=args.sequence_parallel)
     moe = None
     if args.num_experts:
         moe = MoEShape(len(moe_layers(model)), args.num_experts, args.moe_router_topk,
                        args.expert_model_parallel_size)
-    return units, shape, moe
+    return shape, moe
 
 
 def estimate(args, world_size: int, outer_size: int):

@@ -26,7 +26,7 @@ from megatron.core.distributed.mfsdp_v2.estimate import (
 )
 from megatron.core.pipeline_parallel import forward_backward_no_pipelining
 from megatron.training.model_builder import build_model, build_optimizer
-from tools.estimate_memory import planned_units
+from tools.estimate_memory import planned_units, shapes_of
 
 FLAGS = {
     "zero1": ["--data-parallel-sharding-strategy", "optim"],
@@ -137,12 +137,6 @@ def model_parallel(tp: int, args):
         parallel_state.destroy_model_parallel()
 
 
-def activation_shape(args, tp=1):
-    return ActivationShape(args.micro_batch_size, args.seq_length, args.hidden_size, args.num_attention_heads,
-                           args.ffn_hidden_size, args.num_layers, args.padded_vocab_size,
-                           tp_size=tp, sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
-
-
 def check_persistent(predicted, built, optimizer):
     measured = built.context.persistent_bytes()
     for key in ("main_weight", "model_weight", "main_grad"):
@@ -208,7 +202,7 @@ def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_para
             optimizer, microbatches = one_step(built, args, state.dp_rank, state.dp_size,
                                                finalize=lambda: finalize_model_grads(args, built))
         predicted = plan(units, strategy, state.dp_size, microbatches=microbatches, rank=state.dp_rank,
-                         activations=activation_shape(args, tp))
+                         activations=shapes_of(args, model)[0])
     check_persistent(predicted, built, optimizer)
     fsdp = {k: v for k, v in predicted.comm_bytes.items() if not k.startswith("tp_")}
     assert fsdp == built.context.counter.bytes_by_kind()
@@ -222,8 +216,6 @@ def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_para
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_planner_matches_engine_with_expert_parallelism(strategy):
-    from megatron.core.distributed.mfsdp_v2.estimate import MoEShape
-
     ep, world = 2, dist.get_world_size()
     flags = ["--use-mfsdp", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
              "--expert-model-parallel-size", str(ep), "--global-batch-size", str(4 * world), *TP_SHAPE,
@@ -236,9 +228,10 @@ def test_planner_matches_engine_with_expert_parallelism(strategy):
     assert len(experts) == args.num_layers  # every layer routes (--moe-layer-freq 1)
     with collective_tap(None) as records:
         optimizer, microbatches = one_step(built, args, dist.get_rank(), world)
-    moe = MoEShape(len(experts), args.num_experts, args.moe_router_topk, ep)
+    shape, moe = shapes_of(args, model)
+    assert moe == MoEShape(args.num_layers, 4, 2, ep)
     predicted = plan(units, strategy, world, microbatches=microbatches, rank=dist.get_rank(),
-                     activations=activation_shape(args), moe=moe)
+                     activations=shape, moe=moe)
     check_persistent(predicted, built, optimizer)
     if strategy == "zero3":
         assert tool_units(*flags) == describe(units)
