@@ -90,14 +90,25 @@ def shapes_of(args, model):
     from megatron.core.distributed.mfsdp_v2.estimate import ActivationShape, MoEShape
     from megatron.core.transformer.moe.expert_parallel import moe_layers
 
+    layers, routed = model.decoder.layers, {id(m) for m in moe_layers(model)}
+    recomputed, chunk_ends = [], []  # under full recompute (TransformerBlock's chunks)
+    if args.recompute_granularity == "full":
+        start = 0
+        for size, checkpointed in model.decoder.recompute_chunks():
+            if checkpointed:
+                recomputed += list(layers[start:start + size])
+                chunk_ends.append(layers[start + size - 1])
+            start += size
+    is_moe = [id(layer.mlp) in routed for layer in chunk_ends]
     shape = ActivationShape(args.micro_batch_size, args.seq_length, args.hidden_size, args.num_attention_heads,
                             args.ffn_hidden_size, args.num_layers, args.padded_vocab_size,
                             element_bytes=2 if args.bf16 else 4, tp_size=args.tensor_model_parallel_size,
-                            sequence_parallel=args.sequence_parallel)
+                            sequence_parallel=args.sequence_parallel, recomputed_layers=len(recomputed),
+                            recomputed_dense_chunk_ends=is_moe.count(False), hidden_dropout=args.hidden_dropout)
     moe = None
     if args.num_experts:
-        moe = MoEShape(len(moe_layers(model)), args.num_experts, args.moe_router_topk,
-                       args.expert_model_parallel_size)
+        moe = MoEShape(len(routed), args.num_experts, args.moe_router_topk, args.expert_model_parallel_size,
+                       recomputed_moe_layers=sum(id(layer.mlp) in routed for layer in recomputed))
     return shape, moe
 
 

@@ -76,6 +76,11 @@ class ActivationShape:
     element_bytes: int = 4
     tp_size: int = 1
     sequence_parallel: bool = False
+    # Full recompute runs these layers' forward again in backward, in checkpointed chunks;
+    # ``recomputed_dense_chunk_ends``: chunks whose last layer has a dense MLP.
+    recomputed_layers: int = 0
+    recomputed_dense_chunk_ends: int = 0
+    hidden_dropout: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,7 @@ class MoEShape:
     num_experts: int
     topk: int
     ep_size: int = 1
+    recomputed_moe_layers: int = 0  # of them, under full recompute
 
 @dataclasses.dataclass
 class Plan:
@@ -163,7 +169,7 @@ def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None) ->
 
 def tensor_parallel_bytes(shape: ActivationShape, microbatches: int = 1, replicated_grad_numel: int = 0) -> Dict[str, int]:
     """Bytes a rank contributes per step to the TP layers' collectives (all inputs, as the
-    counter counts them), for ``microbatches`` forwards and backwards without recompute.
+    counter counts them), for ``microbatches`` forwards and backwards.
 
     Each microbatch: every layer's two row-parallel outputs (attention projection, fc2)
     reduce forward and its two column-parallel inputs (QKV, fc1) backward; the vocab-parallel
@@ -173,19 +179,27 @@ def tensor_parallel_bytes(shape: ActivationShape, microbatches: int = 1, replica
     an all-gather of the rank's ``[b, s/T, h]`` chunk where the sequence enters a TP region
     and a reduce-scatter of ``[b, s, h]`` where it leaves (the backward swaps the two), and
     after the last microbatch the gradients of the TP-replicated parameters
-    (``replicated_grad_numel`` elements of this rank, fp32) are all-reduced once."""
+    (``replicated_grad_numel`` elements of this rank, fp32) are all-reduced once.
+
+    A layer that full recompute runs again issues its forward collectives again, except
+    that torch's non-reentrant checkpoint stops once backward has all it saved: without
+    hidden dropout (whose mask needs it) nothing needs the output of a chunk's last
+    reduction (fc2's), so the chunk's dense last layer skips it."""
     t = shape.tp_size
     if t == 1:
         return {}
     tokens = shape.micro_batch_size * shape.seq_length
     act = tokens * shape.hidden_size * shape.element_bytes
-    per_microbatch = 4 * shape.num_layers + 2  # the layers' four, the embedding's and the output layer's
     loss = 3 * tokens * 4
+    # The layers' four, the embedding's and the output layer's; recompute's again.
+    per_microbatch = 4 * shape.num_layers + 2
+    skipped = 0 if shape.hidden_dropout else shape.recomputed_dense_chunk_ends
+    again = 2 * shape.recomputed_layers - skipped  # reductions; the gathers all run again
     if not shape.sequence_parallel:
-        return {"tp_all_reduce": microbatches * (per_microbatch * act + loss)}
+        return {"tp_all_reduce": microbatches * ((per_microbatch + again) * act + loss)}
     return {
-        "tp_all_gather": microbatches * per_microbatch * act // t,
-        "tp_reduce_scatter": microbatches * per_microbatch * act,
+        "tp_all_gather": microbatches * (per_microbatch + 2 * shape.recomputed_layers) * act // t,
+        "tp_reduce_scatter": microbatches * (per_microbatch + again) * act,
         "tp_all_reduce": microbatches * loss + replicated_grad_numel * 4,
     }
 
@@ -197,12 +211,17 @@ def all_to_all_bytes(shape: ActivationShape, moe: MoEShape, microbatches: int = 
     the experts' rows back; backward, the same rows and weights reversed. What a rank sends
     forward (T*k rows and weights, T = b*s tokens) is exact; what it receives (the combine's
     forward and the dispatch's backward input) depends on the routing and equals T*k rows
-    only in expectation, or summed over the EP group. Capacity dropping sends fewer rows."""
+    only in expectation, or summed over the EP group. Capacity dropping sends fewer rows.
+    A layer that full recompute runs again repeats its forward exchanges, all of them:
+    unlike a dense layer's last reduction (``tensor_parallel_bytes``), the combine's
+    output feeds the un-permutation, whose index backward keeps."""
     if moe.ep_size == 1:
         return {}
     rows = shape.micro_batch_size * shape.seq_length * moe.topk
-    per_layer = moe.num_experts * 8 + rows * (4 * shape.hidden_size + 2) * shape.element_bytes
-    return {"all_to_all": microbatches * moe.num_moe_layers * per_layer}
+    forward = moe.num_experts * 8 + rows * (2 * shape.hidden_size + 1) * shape.element_bytes
+    backward = rows * (2 * shape.hidden_size + 1) * shape.element_bytes
+    per_microbatch = moe.num_moe_layers * (forward + backward) + moe.recomputed_moe_layers * forward
+    return {"all_to_all": microbatches * per_microbatch}
 
 
 def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_size: int = 1,

@@ -183,14 +183,21 @@ TP_NAMES = {"all_reduce": "tp_all_reduce", "all_gather_single": "tp_all_gather",
             "reduce_scatter_single": "tp_reduce_scatter"}
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
-def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_parallel):
+RECOMPUTE = "--recompute-granularity full --recompute-method block --recompute-num-layers 1".split()
+
+
+# recompute: None, "full", or "full+dropout" (hidden dropout makes a recomputed chunk's
+# last reduction run again).
+@pytest.mark.parametrize("strategy,sequence_parallel,recompute", [
+    ("zero1", False, None), ("zero1", True, None), ("zero3", False, None), ("zero3", True, "full"),
+    ("zero1", False, "full+dropout")])
+def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_parallel, recompute):
     from megatron.training.model_builder import finalize_model_grads
 
     tp = 2
     world = dist.get_world_size()
-    extra = ["--sequence-parallel"] if sequence_parallel else []
+    extra = (["--sequence-parallel"] if sequence_parallel else []) + (RECOMPUTE if recompute else [])
+    extra += ["--hidden-dropout", "0.1"] if recompute == "full+dropout" else []
     flags = ["--use-mfsdp", "--tensor-model-parallel-size", str(tp), "--global-batch-size", str(4 * world // tp),
              *TP_SHAPE, *FLAGS[strategy], *extra]
     args = trainer_args("llama", *flags)
@@ -214,12 +221,12 @@ def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_para
         assert tool_units(*flags) == describe(units)
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-def test_planner_matches_engine_with_expert_parallelism(strategy):
+@pytest.mark.parametrize("strategy,recompute", [("zero2", False), ("zero3", True)])
+def test_planner_matches_engine_with_expert_parallelism(strategy, recompute):
     ep, world = 2, dist.get_world_size()
     flags = ["--use-mfsdp", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
              "--expert-model-parallel-size", str(ep), "--global-batch-size", str(4 * world), *TP_SHAPE,
-             *FLAGS[strategy]]
+             *FLAGS[strategy], *(RECOMPUTE if recompute else [])]
     args = trainer_args("llama", *flags)
     built = build_model(gpt_provider, args, torch.device("cpu"))
     model = built.unwrapped
@@ -229,7 +236,7 @@ def test_planner_matches_engine_with_expert_parallelism(strategy):
     with collective_tap(None) as records:
         optimizer, microbatches = one_step(built, args, dist.get_rank(), world)
     shape, moe = shapes_of(args, model)
-    assert moe == MoEShape(args.num_layers, 4, 2, ep)
+    assert moe == MoEShape(args.num_layers, 4, 2, ep, recomputed_moe_layers=int(recompute))
     predicted = plan(units, strategy, world, microbatches=microbatches, rank=dist.get_rank(),
                      activations=shape, moe=moe)
     check_persistent(predicted, built, optimizer)
