@@ -172,7 +172,11 @@ def main(argv=None):
           + ("no HSDP/HFSDP with experts" if args.num_experts else f"HSDP/HFSDP with {outer} replicas"))
     print("MiB per rank; act = saved activations of one microbatch, _rc = with full recompute")
     if args.num_experts and ep > 1:
-        print("all_to_all: dropless routing, the value for uniform routing (what a rank receives varies)")
+        if args.moe_expert_capacity_factor is not None:
+            print("all_to_all: planned as dropless; with --moe-expert-capacity-factor it differs (dropping "
+                  "sends fewer rows, padding to capacity sends capacity rows per expert)")
+        else:
+            print("all_to_all: dropless routing, the value for uniform routing (what a rank receives varies)")
     print(format_plans(plans))
     return plans
 
