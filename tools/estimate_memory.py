@@ -171,6 +171,8 @@ def main(argv=None):
           f"{args.num_microbatches} microbatch(es) of {args.micro_batch_size} x {args.seq_length} per rank per step; "
           + ("no HSDP/HFSDP with experts" if args.num_experts else f"HSDP/HFSDP with {outer} replicas"))
     print("MiB per rank; act = saved activations of one microbatch, _rc = with full recompute")
+    if args.num_experts:
+        print("act: as for a dense MLP of --ffn-hidden-size (the experts' activations are not modelled)")
     if args.num_experts and ep > 1:
         if args.moe_expert_capacity_factor is not None:
             print("all_to_all: planned as dropless; with --moe-expert-capacity-factor it differs (dropping "
