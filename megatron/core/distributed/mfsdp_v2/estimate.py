@@ -20,7 +20,8 @@ tensors over the DP sub-mesh only. Expert units (``UnitShapes.expert``, a MoE la
 mesh of ``world_size / ep_size`` ranks, every other unit over all ``world_size``.
 
 Shard sizes come from the engine's ``FlatLayout``, so the persistent bytes and the FSDP
-collective bytes are exact, and so are the TP bytes (they depend on shapes only). The
+collective bytes are exact, and so are the TP bytes (they depend on shapes only; full
+recompute's repeated ones included). The
 all-to-all bytes of dropless routing depend on where tokens go: the plan gives the value
 of uniform routing, which is exact for what a rank sends and, summed over an EP group,
 for what it receives. Activations are an estimate (Korthikanti et al., 2022). DDP is
@@ -92,6 +93,7 @@ class MoEShape:
     topk: int
     ep_size: int = 1
     recomputed_moe_layers: int = 0  # of them, under full recompute
+
 
 @dataclasses.dataclass
 class Plan:
