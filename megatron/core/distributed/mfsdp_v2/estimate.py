@@ -169,7 +169,8 @@ def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None) ->
     return shape.num_layers * (dense + core) + logits
 
 
-def tensor_parallel_bytes(shape: ActivationShape, microbatches: int = 1, replicated_grad_numel: int = 0) -> Dict[str, int]:
+def tensor_parallel_bytes(shape: ActivationShape, microbatches: int = 1,
+                          replicated_grad_numel: int = 0) -> Dict[str, int]:
     """Bytes a rank contributes per step to the TP layers' collectives (all inputs, as the
     counter counts them), for ``microbatches`` forwards and backwards.
 
