@@ -9,9 +9,16 @@ Takes pretrain_gpt.py's own flags (parsed and validated by the trainer's parser)
 world size; builds the model on the meta device (no memory) and prints, per strategy
 (DDP, ZeRO-1/2/3, HSDP, HFSDP) and per rank, the persistent bytes, the transient peak
 and the bytes sent per step by collective kind (megatron/core/distributed/mfsdp_v2/estimate.py).
+
+With ``--tensor-model-parallel-size`` or ``--expert-model-parallel-size`` above 1 the
+model is one rank's: its TP-local shapes and its E/EP experts. The model provider takes
+real process groups of those sizes (and the trainer's checks on them); here they come
+from torch's in-process "fake" backend (a world of --world-size ranks whose collectives
+do nothing), so no other process is started.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -24,41 +31,110 @@ import torch  # noqa: E402
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
-def model_units(args):
-    """(units of the model the trainer would build, ActivationShape), without memory."""
-    from megatron.core.distributed.mfsdp_v2.estimate import ActivationShape, units_of
+def planned_units(model):
+    """The units ``model_builder.build_model`` wraps, in its order: per layer its experts
+    (a MoE layer's, sharded over the expert-data-parallel mesh) then the layer; the root last."""
+    from megatron.core.distributed.mfsdp_v2.estimate import units_of
+    from megatron.core.tensor_parallel import tensor_parallel_parameters
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    modules, experts = [], []
+    for layer in model.decoder.layers:
+        if isinstance(getattr(layer, "mlp", None), MoELayer):
+            modules.append(layer.mlp.experts)
+            experts.append(layer.mlp.experts)
+        modules.append(layer)
+    return units_of(model, modules + [model], expert_modules=experts, tp_split=tensor_parallel_parameters(model))
+
+
+def needs_process_groups(args) -> bool:
+    ep = args.expert_model_parallel_size if args.num_experts else 1
+    return args.tensor_model_parallel_size > 1 or ep > 1
+
+
+@contextlib.contextmanager
+def planning_world(args, world_size: int):
+    """Rank 0 of a ``world_size``-rank fake world with the trainer's parallel state, when
+    the model needs process groups (TP or EP > 1); nothing otherwise."""
+    if not needs_process_groups(args):
+        yield
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron.core import parallel_state
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.dp_outer_size)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def model_units(args, world_size: int):
+    """(units of one rank's model as the trainer would build it, ActivationShape, MoEShape
+    or None), without memory."""
     from megatron.training.training import build_tokenizer_from_args
     from pretrain_gpt import model_provider
 
     build_tokenizer_from_args(args)
-    with torch.device("meta"):
+    with planning_world(args, world_size), torch.device("meta"):
         model = model_provider(args)
-    units = units_of(model, list(model.decoder.layers) + [model])
+    return (planned_units(model),) + shapes_of(args, model)
+
+
+def shapes_of(args, model):
+    """(ActivationShape, MoEShape or None) of one microbatch of ``model`` built for ``args``."""
+    from megatron.core.distributed.mfsdp_v2.estimate import ActivationShape, MoEShape
+    from megatron.core.transformer.moe.expert_parallel import moe_layers
+
+    layers, routed = model.decoder.layers, {id(m) for m in moe_layers(model)}
+    recomputed, chunk_ends = [], []  # under full recompute (TransformerBlock's chunks)
+    if args.recompute_granularity == "full":
+        start = 0
+        for size, checkpointed in model.decoder.recompute_chunks():
+            if checkpointed:
+                recomputed += list(layers[start:start + size])
+                chunk_ends.append(layers[start + size - 1])
+            start += size
+    is_moe = [id(layer.mlp) in routed for layer in chunk_ends]
     shape = ActivationShape(args.micro_batch_size, args.seq_length, args.hidden_size, args.num_attention_heads,
                             args.ffn_hidden_size, args.num_layers, args.padded_vocab_size,
-                            element_bytes=2 if args.bf16 else 4)
-    return units, shape
+                            element_bytes=2 if args.bf16 else 4, tp_size=args.tensor_model_parallel_size,
+                            sequence_parallel=args.sequence_parallel, recomputed_layers=len(recomputed),
+                            recomputed_dense_chunk_ends=is_moe.count(False), hidden_dropout=args.hidden_dropout)
+    moe = None
+    if args.num_experts:
+        moe = MoEShape(len(routed), args.num_experts, args.moe_router_topk, args.expert_model_parallel_size,
+                       recomputed_moe_layers=sum(id(layer.mlp) in routed for layer in recomputed))
+    return shape, moe
 
 
 def estimate(args, world_size: int, outer_size: int):
-    """Plans of every strategy that fits ``world_size`` (hybrids need outer_size | world)."""
+    """Plans of every strategy that fits ``world_size`` ranks, each over the data-parallel
+    size world / TP (hybrids need outer_size | that; MoE excludes them, as the trainer does)."""
     from megatron.core.distributed.mfsdp_v2.estimate import STRATEGIES, plan
 
-    units, shape = model_units(args)
+    units, shape, moe = model_units(args, world_size)
+    dp = world_size // args.tensor_model_parallel_size
     compute = 2 if args.bf16 else 4
     grads = _BYTES[args.main_grads_dtype] if args.main_grads_dtype is not None else compute
     comm = _BYTES[args.grad_comm_dtype] if args.grad_comm_dtype is not None else grads
     plans = []
     for strategy in STRATEGIES:
         hybrid = strategy in ("hsdp", "hfsdp")
-        if hybrid and (outer_size < 2 or world_size % outer_size):
+        if hybrid and (outer_size < 2 or dp % outer_size or moe is not None):
             continue
+        if strategy == "ddp" and moe is not None and moe.ep_size > 1:
+            continue  # DDP would average different experts (the trainer refuses it)
         # HFSDP's outer shards differ between ranks: report the largest.
-        ranks = range(world_size) if strategy == "hfsdp" else [0]
+        ranks = range(dp) if strategy == "hfsdp" else [0]
         candidates = [
-            plan(units, strategy, world_size, outer_size=outer_size if hybrid else 1,
+            plan(units, strategy, dp, outer_size=outer_size if hybrid else 1,
                  microbatches=args.num_microbatches, compute_bytes=compute, grad_bytes=grads, comm_bytes=comm,
-                 rank=r, activations=shape)
+                 rank=r, activations=shape, moe=moe)
             for r in ranks
         ]
         plans.append(max(candidates, key=lambda p: p.persistent_total))
@@ -67,7 +143,7 @@ def estimate(args, world_size: int, outer_size: int):
 
 def main(argv=None):
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--world-size", type=int, required=True, help="number of data-parallel ranks")
+    pre.add_argument("--world-size", type=int, required=True, help="number of ranks (TP x data-parallel)")
     pre.add_argument("--outer-size", type=int, default=None,
                      help="replicas for HSDP/HFSDP (default --num-distributed-optimizer-instances, else 2)")
     known, rest = pre.parse_known_args(argv)
@@ -80,20 +156,29 @@ def main(argv=None):
         args = parse_args(rest, world_size=known.world_size, cuda_available=False)
     except ValueError as error:
         raise SystemExit(f"estimate_memory.py: error: {error}")
-    if args.tensor_model_parallel_size > 1:
-        raise SystemExit("estimate_memory.py: error: the planner covers data parallelism only; drop "
-                         "--tensor-model-parallel-size (docs/design.md gives TP x FSDP's per-rank memory).")
-    if args.num_experts:
-        # Expert units live on their own sub-mesh with their own divisor; the planner has one mesh.
-        raise SystemExit("estimate_memory.py: error: the planner does not model mixture-of-experts models yet "
-                         "(expert units are sharded over the expert-data-parallel mesh); drop --num-experts.")
+    import torch.distributed as dist
+
+    if needs_process_groups(args) and dist.is_initialized():
+        # The planning world is a process group of its own; this process already has one.
+        raise SystemExit("estimate_memory.py: error: plans with TP or EP > 1 build the model in a fake world; "
+                         "run the tool as a plain process (not under torchrun).")
     outer = known.outer_size or (args.num_distributed_optimizer_instances if args.dp_outer_size > 1 else 2)
     units, plans = estimate(args, known.world_size, outer)
     n = sum(u.numel for u in units)
-    print(f"model: {n:,} parameters in {len(units)} units; world size {known.world_size}; "
+    tp, ep = args.tensor_model_parallel_size, (args.expert_model_parallel_size if args.num_experts else 1)
+    print(f"model: {n:,} parameters per TP/EP rank in {len(units)} units; world size {known.world_size} = "
+          f"TP {tp} x DP {known.world_size // tp}{f' (EP {ep})' if args.num_experts else ''}; "
           f"{args.num_microbatches} microbatch(es) of {args.micro_batch_size} x {args.seq_length} per rank per step; "
-          f"HSDP/HFSDP with {outer} replicas")
+          + ("no HSDP/HFSDP with experts" if args.num_experts else f"HSDP/HFSDP with {outer} replicas"))
     print("MiB per rank; act = saved activations of one microbatch, _rc = with full recompute")
+    if args.num_experts:
+        print("act: as for a dense MLP of --ffn-hidden-size (the experts' activations are not modelled)")
+    if args.num_experts and ep > 1:
+        if args.moe_expert_capacity_factor is not None:
+            print("all_to_all: planned as dropless; with --moe-expert-capacity-factor it differs (dropping "
+                  "sends fewer rows, padding to capacity sends capacity rows per expert)")
+        else:
+            print("all_to_all: dropless routing, the value for uniform routing (what a rank receives varies)")
     print(format_plans(plans))
     return plans
 

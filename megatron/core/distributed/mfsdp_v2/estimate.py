@@ -9,12 +9,24 @@ from a model object, which may live on ``meta``), ``plan(...)`` returns per rank
 * the transient peak: gathered units in flight, reduce buffers, and (given an
   ``ActivationShape``) saved activations with and without recompute;
 * bytes sent per step by collective kind, as ``FsdpContext.counter`` counts them (the
-  input a rank contributes to each collective).
+  input a rank contributes to each collective); with tensor parallelism also the TP
+  layers' collectives (``tp_all_reduce``, ``tp_all_gather``, ``tp_reduce_scatter``), with
+  experts on several EP ranks the token dispatcher's ``all_to_all``.
 
-Shard sizes come from the engine's ``FlatLayout``, so the persistent bytes and the
-collective bytes are exact; activations are an estimate (Korthikanti et al., 2022, for a
-transformer layer without tensor parallelism). DDP is planned as torch's DDP: full
-weights, gradients and optimizer state, one all-reduce of every gradient per step.
+Under tensor parallelism the units hold one TP rank's (TP-local) shapes and
+``world_size`` is the data-parallel size (world / TP): the engine shards those plain
+tensors over the DP sub-mesh only. Expert units (``UnitShapes.expert``, a MoE layer's
+``mlp.experts``: E/EP experts' stacked weights) are laid out over the expert-data-parallel
+mesh of ``world_size / ep_size`` ranks, every other unit over all ``world_size``.
+
+Shard sizes come from the engine's ``FlatLayout``, so the persistent bytes and the FSDP
+collective bytes are exact, and so are the TP bytes (they depend on shapes only; full
+recompute's repeated ones included). The
+all-to-all bytes of dropless routing depend on where tokens go: the plan gives the value
+of uniform routing, which is exact for what a rank sends and, summed over an EP group,
+for what it receives. Activations are an estimate (Korthikanti et al., 2022). DDP is
+planned as torch's DDP: full weights, gradients and optimizer state, one all-reduce of
+every gradient per step.
 
 Imports nothing but the engine's layout; no trainer or model code.
 """
@@ -41,6 +53,10 @@ class UnitShapes:
     name: str
     shapes: Tuple[torch.Size, ...]
     is_root: bool = False
+    expert: bool = False  # sharded over the expert-data-parallel mesh (world_size / ep_size)
+    # Per shape: replicated over TP (norms, row-parallel biases, position embeddings); under
+    # sequence parallelism their gradients are summed over TP once per step. Empty: none.
+    tp_replicated: Tuple[bool, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -59,6 +75,24 @@ class ActivationShape:
     num_layers: int
     vocab_size: int
     element_bytes: int = 4
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    # Full recompute runs these layers' forward again in backward, in checkpointed chunks;
+    # ``recomputed_dense_chunk_ends``: chunks whose last layer has a dense MLP.
+    recomputed_layers: int = 0
+    recomputed_dense_chunk_ends: int = 0
+    hidden_dropout: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+    """The routed layers of a mixture-of-experts model."""
+
+    num_moe_layers: int
+    num_experts: int
+    topk: int
+    ep_size: int = 1
+    recomputed_moe_layers: int = 0  # of them, under full recompute
 
 
 @dataclasses.dataclass
@@ -79,15 +113,20 @@ class Plan:
         return self.persistent_total + sum(v for k, v in self.transient.items() if k != skip)
 
 
-def units_of(model: nn.Module, unit_modules: Sequence[nn.Module]) -> List[UnitShapes]:
+def units_of(model: nn.Module, unit_modules: Sequence[nn.Module], expert_modules: Sequence[nn.Module] = (),
+             tp_split: Sequence[torch.Tensor] = ()) -> List[UnitShapes]:
     """Shapes owned by each unit: its parameters not under a nested unit, each tied
     parameter once, in the order ``fully_shard`` packs them. ``unit_modules`` lists the
-    modules to be wrapped, children before parents (as they are passed to fully_shard)."""
+    modules to be wrapped, children before parents (as they are passed to fully_shard);
+    those also in ``expert_modules`` are expert units. ``tp_split``: the parameters split
+    over TP (every other one is replicated over TP)."""
     unit_ids = {id(m) for m in unit_modules}
+    expert_ids = {id(m) for m in expert_modules}
+    split_ids = {id(p) for p in tp_split}
     names = {id(m): n for n, m in model.named_modules()}
     out = []
     for unit in unit_modules:
-        seen, shapes = set(), []
+        seen, shapes, replicated = set(), [], []
         stack = [unit]
         while stack:
             module = stack.pop()
@@ -95,9 +134,11 @@ def units_of(model: nn.Module, unit_modules: Sequence[nn.Module]) -> List[UnitSh
                 if param is not None and id(param) not in seen:
                     seen.add(id(param))
                     shapes.append(param.shape)
+                    replicated.append(id(param) not in split_ids)
             stack.extend(c for c in reversed(list(module._modules.values()))
                          if c is not None and id(c) not in unit_ids)
-        out.append(UnitShapes(names.get(id(unit), type(unit).__name__), tuple(shapes), unit is model))
+        out.append(UnitShapes(names.get(id(unit), type(unit).__name__), tuple(shapes), unit is model,
+                              id(unit) in expert_ids, tuple(replicated) if split_ids else ()))
     return out
 
 
@@ -108,30 +149,98 @@ def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None) ->
     dropout account for the second term); scaled to ``element_bytes``. Selective recompute
     drops the attention core's share; full recompute keeps one layer input per layer plus
     one layer's activations rebuilt during backward. The output logits (and their softmax)
-    are kept in fp32 either way."""
+    are kept in fp32 either way. Under T-way TP the attention and MLP internals (8 + 16 of
+    the 34 at ffn = 4h), the core and the logits are 1/T; the layer inputs, norms and
+    dropout masks too with sequence parallelism, else they are whole on every rank."""
     s, b, h, a = shape.seq_length, shape.micro_batch_size, shape.hidden_size, shape.num_attention_heads
+    t, sp = shape.tp_size, shape.sequence_parallel
     scale = shape.element_bytes / 2
     # 34 s b h assumes ffn = 4h; the MLP's share (19 of the 34) scales with ffn / 4h.
-    dense = int((15 + 19 * shape.ffn_hidden_size / (4 * h)) * s * b * h * scale)
-    core = int(5 * a * s * s * b * scale)
-    logits = 2 * b * s * shape.vocab_size * 4
+    ratio = shape.ffn_hidden_size / (4 * h)
+    split, whole = 8 + 16 * ratio, 7 + 3 * ratio
+    dense = int((split / t + whole / (t if sp else 1)) * s * b * h * scale)
+    core = int(5 * a * s * s * b * scale / t)
+    logits = 2 * b * s * shape.vocab_size * 4 // t
+    layer_input = s * b * h * shape.element_bytes // (t if sp else 1)
     if recompute == "full":
-        return shape.num_layers * s * b * h * shape.element_bytes + dense + core + logits
+        return shape.num_layers * layer_input + dense + core + logits
     if recompute == "selective":
         return shape.num_layers * dense + core + logits
     return shape.num_layers * (dense + core) + logits
 
 
+def tensor_parallel_bytes(shape: ActivationShape, microbatches: int = 1,
+                          replicated_grad_numel: int = 0) -> Dict[str, int]:
+    """Bytes a rank contributes per step to the TP layers' collectives (all inputs, as the
+    counter counts them), for ``microbatches`` forwards and backwards.
+
+    Each microbatch: every layer's two row-parallel outputs (attention projection, fc2)
+    reduce forward and its two column-parallel inputs (QKV, fc1) backward; the vocab-parallel
+    embedding reduces forward and the output layer's input gradient backward; the loss
+    all-reduces three fp32 ``[b, s]`` tensors (max, target logit, sum of exponentials).
+    Without sequence parallelism each reduction is an all-reduce of ``[b, s, h]``; with it,
+    an all-gather of the rank's ``[b, s/T, h]`` chunk where the sequence enters a TP region
+    and a reduce-scatter of ``[b, s, h]`` where it leaves (the backward swaps the two), and
+    after the last microbatch the gradients of the TP-replicated parameters
+    (``replicated_grad_numel`` elements of this rank, fp32) are all-reduced once.
+
+    A layer that full recompute runs again issues its forward collectives again, except
+    that torch's non-reentrant checkpoint stops once backward has all it saved: without
+    hidden dropout (whose mask needs it) nothing needs the output of a chunk's last
+    reduction (fc2's), so the chunk's dense last layer skips it."""
+    t = shape.tp_size
+    if t == 1:
+        return {}
+    tokens = shape.micro_batch_size * shape.seq_length
+    act = tokens * shape.hidden_size * shape.element_bytes
+    loss = 3 * tokens * 4
+    # The layers' four, the embedding's and the output layer's; recompute's again.
+    per_microbatch = 4 * shape.num_layers + 2
+    skipped = 0 if shape.hidden_dropout else shape.recomputed_dense_chunk_ends
+    again = 2 * shape.recomputed_layers - skipped  # reductions; the gathers all run again
+    if not shape.sequence_parallel:
+        return {"tp_all_reduce": microbatches * ((per_microbatch + again) * act + loss)}
+    return {
+        "tp_all_gather": microbatches * (per_microbatch + 2 * shape.recomputed_layers) * act // t,
+        "tp_reduce_scatter": microbatches * (per_microbatch + again) * act,
+        "tp_all_reduce": microbatches * loss + replicated_grad_numel * 4,
+    }
+
+
+def all_to_all_bytes(shape: ActivationShape, moe: MoEShape, microbatches: int = 1) -> Dict[str, int]:
+    """Bytes a rank contributes per step to the token dispatcher's all-to-alls (EP > 1),
+    under uniform routing. Each MoE layer and microbatch: forward, the tokens per expert
+    (E int64), the k rows of every token and their router weights to their experts, and
+    the experts' rows back; backward, the same rows and weights reversed. What a rank sends
+    forward (T*k rows and weights, T = b*s tokens) is exact; what it receives (the combine's
+    forward and the dispatch's backward input) depends on the routing and equals T*k rows
+    only in expectation, or summed over the EP group. Capacity dropping sends fewer rows.
+    A layer that full recompute runs again repeats its forward exchanges, all of them:
+    unlike a dense layer's last reduction (``tensor_parallel_bytes``), the combine's
+    output feeds the un-permutation, whose index backward keeps."""
+    if moe.ep_size == 1:
+        return {}
+    rows = shape.micro_batch_size * shape.seq_length * moe.topk
+    forward = moe.num_experts * 8 + rows * (2 * shape.hidden_size + 1) * shape.element_bytes
+    backward = rows * (2 * shape.hidden_size + 1) * shape.element_bytes
+    per_microbatch = moe.num_moe_layers * (forward + backward) + moe.recomputed_moe_layers * forward
+    return {"all_to_all": microbatches * per_microbatch}
+
+
 def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_size: int = 1,
          microbatches: int = 1, compute_bytes: int = 4, main_bytes: int = 4, grad_bytes: Optional[int] = None,
          comm_bytes: Optional[int] = None, rank: int = 0,
-         activations: Optional[ActivationShape] = None) -> Plan:
-    """The plan of ``strategy`` at ``world_size`` ranks (``outer_size`` replicas for HSDP/HFSDP).
+         activations: Optional[ActivationShape] = None, moe: Optional[MoEShape] = None) -> Plan:
+    """The plan of ``strategy`` at ``world_size`` data-parallel ranks (``outer_size``
+    replicas for HSDP/HFSDP).
 
     ``grad_bytes`` defaults to ``compute_bytes`` and ``comm_bytes`` to ``grad_bytes`` (the
     engine's MixedPrecisionPolicy defaults). ``rank`` is the rank in the (outer, inner)
-    mesh: shards are padded to one size, but the optimizer states cover only a rank's
-    own rows, and HFSDP's outer shards differ between ranks."""
+    data-parallel mesh: shards are padded to one size, but the optimizer states cover only
+    a rank's own rows, and HFSDP's outer shards differ between ranks. ``activations``
+    (with its TP size) adds the activation estimate and the TP collectives; ``moe`` (with
+    ``activations``) the all-to-all bytes, and lays the expert units out over
+    ``world_size / moe.ep_size`` ranks."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
     hybrid = strategy in ("hsdp", "hfsdp")
@@ -140,6 +249,10 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
                          f"got {outer_size}.")
     if not hybrid and outer_size != 1:
         raise ValueError(f"outer_size applies to hsdp/hfsdp only; {strategy} shards over all {world_size} ranks.")
+    ep = moe.ep_size if moe is not None else 1
+    if any(u.expert for u in units) and (hybrid or world_size % ep):
+        raise ValueError(f"expert units need a non-hybrid strategy and an EP size ({ep}) that divides the "
+                         f"data-parallel size ({world_size}); the trainer refuses MoE with HSDP/HFSDP.")
     grad_bytes = compute_bytes if grad_bytes is None else grad_bytes
     comm_bytes = grad_bytes if comm_bytes is None else comm_bytes
     inner = world_size // outer_size
@@ -150,6 +263,7 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
     comm: Dict[str, int] = {}
     gathered: List[int] = []  # bytes of each unit's gathered weights
     reduce_inputs: List[int] = []  # bytes of each unit's gradients in gathered layout
+    tp_replicated_grads = 0  # elements of this rank's gradients of TP-replicated parameters
 
     def send(kind: str, nbytes: int) -> None:
         comm[kind] = comm.get(kind, 0) + nbytes
@@ -161,14 +275,18 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
             persistent["main_grad"] += T * grad_bytes
             persistent["optimizer_state"] += ADAM_STATES * T * compute_bytes
             send("all_reduce", T * comm_bytes)
+            tp_replicated_grads += sum(math.prod(s) for s, r in zip(unit.shapes, unit.tp_replicated) if r)
             continue
-        layout = FlatLayout(unit.shapes, inner)
+        # Experts: EP ranks r, r + ep, ... hold the same experts (expert_parallel.py).
+        shards, shard = (inner // ep, inner_rank // ep) if unit.expert else (inner, inner_rank)
+        layout = FlatLayout(unit.shapes, shards)
         S, G = layout.shard_numel, layout.gathered_numel
-        optim, optim_used = S, layout.used_numel(inner_rank)
+        optim, optim_used = S, layout.used_numel(shard)
+        optim_layout, optim_shard = layout, shard
         if strategy == "zero1":
             persistent.update(main_weight=persistent["main_weight"] + S * main_bytes,
                               model_weight=persistent["model_weight"] + T * compute_bytes,
-                              main_grad=persistent["main_grad"] + (inner * S + S) * grad_bytes)
+                              main_grad=persistent["main_grad"] + (shards * S + S) * grad_bytes)
             send("reduce_scatter", G * comm_bytes)
             send("all_gather", S * compute_bytes)
         elif strategy == "zero2":
@@ -191,6 +309,7 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
                 outer_layout = _outer_layout(layout, inner_rank, outer_size)
                 So = outer_layout.shard_numel
                 optim, optim_used, grads = So, outer_layout.used_numel(outer_rank), S + So
+                optim_layout, optim_shard = outer_layout, outer_rank
                 send("reduce_scatter", outer_size * So * comm_bytes)
                 send("all_gather", So * compute_bytes)
             persistent["main_weight"] += optim * main_bytes
@@ -200,6 +319,7 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
                 persistent["model_weight"] += S * compute_bytes
             persistent["main_grad"] += grads * grad_bytes
         persistent["optimizer_state"] += ADAM_STATES * optim_used * main_bytes
+        tp_replicated_grads += _replicated_grad_numel(unit, layout, inner_rank, optim_layout, optim_shard)
 
     transient = {}
     if strategy == "ddp":
@@ -216,7 +336,34 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
     if activations is not None:
         transient["activations"] = activation_bytes(activations)
         transient["activations_full_recompute"] = activation_bytes(activations, "full")
+        for kind, nbytes in tensor_parallel_bytes(activations, mb, tp_replicated_grads).items():
+            send(kind, nbytes)
+        if moe is not None:
+            for kind, nbytes in all_to_all_bytes(activations, moe, mb).items():
+                send(kind, nbytes)
     return Plan(strategy, world_size, persistent, transient, comm)
+
+
+def _replicated_grad_numel(unit: UnitShapes, layout: FlatLayout, shard: int, optim_layout: FlatLayout,
+                           optim_shard: int) -> int:
+    """Elements of this rank's ``.grad`` (the optimizer's rows) of the unit's TP-replicated
+    parameters: what sequence parallelism all-reduces over TP."""
+    if not any(unit.tp_replicated):
+        return 0
+    if optim_layout is layout:
+        index_of = list(range(len(unit.shapes)))
+    else:  # HFSDP: the outer layout's tensors are the inner shard's pieces
+        index_of = [pc.index for pc in layout.pieces_by_shard[shard]]
+    total = 0
+    for j, shape in enumerate(optim_layout.shapes):
+        if not unit.tp_replicated[index_of[j]]:
+            continue
+        if optim_layout.replicated[j]:
+            total += 1
+        else:
+            start, end, _ = optim_layout.local_piece(j, optim_shard)
+            total += (end - start) * math.prod(shape[1:])
+    return total
 
 
 def _outer_layout(layout: FlatLayout, inner_rank: int, outer_size: int) -> FlatLayout:

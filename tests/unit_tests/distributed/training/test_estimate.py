@@ -2,14 +2,31 @@
 engine measures (FsdpContext.persistent_bytes(), FsdpContext.counter) on trainer-built
 models at 2 and 4 ranks; its output also reaches tools/estimate_memory.py."""
 
+import collections
+import contextlib
+import dataclasses
+import inspect
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from _trainer_models import REPO, batches, gpt_provider, trainer_args
-from megatron.core.distributed.mfsdp_v2.estimate import ActivationShape, activation_bytes, plan, units_of
+from _trainer_models import ARCHS, BASE, REPO, batches, gpt_provider, trainer_args
+from megatron.core.distributed.mfsdp_v2.estimate import (
+    ActivationShape,
+    MoEShape,
+    UnitShapes,
+    activation_bytes,
+    plan,
+    units_of,
+)
 from megatron.core.pipeline_parallel import forward_backward_no_pipelining
 from megatron.training.model_builder import build_model, build_optimizer
+from tools.estimate_memory import planned_units, shapes_of
 
 FLAGS = {
     "zero1": ["--data-parallel-sharding-strategy", "optim"],
@@ -20,6 +37,8 @@ FLAGS = {
 }
 # Widths chosen so that rows do not split evenly over 4 ranks (padding is exercised).
 SHAPE = "--num-layers 3 --hidden-size 48 --num-attention-heads 4 --ffn-hidden-size 80".split()
+# TP=2-divisible heads, query groups and FFN; TP-local rows still split unevenly over DP.
+TP_SHAPE = "--num-layers 2 --hidden-size 40 --num-attention-heads 4 --ffn-hidden-size 72".split()
 
 
 def _forward_step(data_iterator, model):
@@ -28,15 +47,18 @@ def _forward_step(data_iterator, model):
     return forward_step(data_iterator, model)
 
 
-def one_step(built, args):
+def one_step(built, args, dp_rank=None, dp_size=None, finalize=lambda: None):
+    """One step on this data-parallel rank's rows (every TP rank of it reads the same)."""
     optimizer, _ = build_optimizer(args, built)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    dp_size = dist.get_world_size() if dp_size is None else dp_size
+    dp_rank = dist.get_rank() if dp_rank is None else dp_rank
     (batch,) = batches(1, args.micro_batch_size, args.global_batch_size, args.seq_length, 96)
-    per_rank = args.global_batch_size // world
-    mine = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()}
+    per_rank = args.global_batch_size // dp_size
+    mine = {k: v[dp_rank * per_rank:(dp_rank + 1) * per_rank] for k, v in batch.items()}
     mbs = [{k: v[i:i + args.micro_batch_size] for k, v in mine.items()} for i in range(0, per_rank, args.micro_batch_size)]
     built.context.counter.reset()
     forward_backward_no_pipelining(_forward_step, iter(mbs), built.model, len(mbs), context=built.context)
+    finalize()
     optimizer.step()
     return optimizer, len(mbs)
 
@@ -55,13 +77,178 @@ def test_planner_matches_engine_measurements(strategy, arch):
     predicted = plan(units, strategy, world, outer_size=outer, microbatches=microbatches,
                      rank=dist.get_rank())
 
+    check_persistent(predicted, built, optimizer)
+    assert predicted.comm_bytes == built.context.counter.bytes_by_kind()
+
+
+
+# ---------------------------------------------------------------------------------------
+# Tensor and expert parallelism: persistent bytes against the engine, FSDP bytes against
+# its counter, TP and all-to-all bytes against a tap on torch.distributed.
+# ---------------------------------------------------------------------------------------
+
+TAPPED = {"all_reduce": "tensor", "all_gather_single": "input_tensor", "reduce_scatter_single": "input",
+          "all_to_all_single": "input"}
+
+
+@contextlib.contextmanager
+def collective_tap(groups):
+    """(function name, bytes of the input this rank contributes) of every call of the
+    TAPPED torch.distributed functions on one of ``groups`` (all groups if None); the real
+    collective still runs."""
+    records, saved = [], {name: getattr(dist, name) for name in TAPPED}
+
+    def wrap(name, real):
+        signature = inspect.signature(real)
+
+        def tapped(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            if groups is None or bound.arguments.get("group") in groups:
+                tensor = bound.arguments[TAPPED[name]]
+                records.append((name, tensor.numel() * tensor.element_size()))
+            return real(*args, **kwargs)
+
+        return tapped
+
+    for name, real in saved.items():
+        setattr(dist, name, wrap(name, real))
+    try:
+        yield records
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+
+
+def summed(records, names) -> dict:
+    out = collections.Counter()
+    for name, nbytes in records:
+        out[names[name]] += nbytes
+    return dict(out)
+
+
+@contextlib.contextmanager
+def model_parallel(tp: int, args):
+    from megatron.core import parallel_state
+
+    state = parallel_state.initialize_model_parallel(tp, args.dp_outer_size)
+    try:
+        yield state
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def check_persistent(predicted, built, optimizer):
     measured = built.context.persistent_bytes()
     for key in ("main_weight", "model_weight", "main_grad"):
         assert predicted.persistent[key] == measured[key], (key, predicted.persistent, measured)
     adam = sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
                for state in optimizer.state.values() for k, t in state.items() if k in ("exp_avg", "exp_avg_sq"))
     assert predicted.persistent["optimizer_state"] == adam
-    assert predicted.comm_bytes == built.context.counter.bytes_by_kind()
+
+
+def describe(units):
+    return [[u.name, [list(shape) for shape in u.shapes], u.is_root, u.expert, list(u.tp_replicated)] for u in units]
+
+
+TOOL_UNITS = """
+import json, sys
+from megatron.training.arguments import parse_args
+from tools.estimate_memory import model_units
+args = parse_args(sys.argv[2:], world_size=int(sys.argv[1]), cuda_available=False)
+units = model_units(args, int(sys.argv[1]))[0]
+print(json.dumps([[u.name, [list(s) for s in u.shapes], u.is_root, u.expert, list(u.tp_replicated)] for u in units]))
+"""
+
+
+def tool_units(*flags):
+    """The units tools/estimate_memory.py plans for ``args`` (one rank's model, built in a
+    process of its own with the fake backend's world) for trainer_args("llama", *flags),
+    from rank 0, on every rank."""
+    out = [None]
+    if dist.get_rank() == 0:
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC")}
+        run = subprocess.run([sys.executable, "-c", TOOL_UNITS, str(dist.get_world_size()),
+                              *BASE, *ARCHS["llama"], *flags],
+                             env=env, cwd=REPO, capture_output=True, text=True, timeout=50)
+        assert run.returncode == 0, run.stderr[-2000:]
+        out = [json.loads(run.stdout.strip().splitlines()[-1])]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+TORCHRUN_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
+
+
+TP_NAMES = {"all_reduce": "tp_all_reduce", "all_gather_single": "tp_all_gather",
+            "reduce_scatter_single": "tp_reduce_scatter"}
+
+
+RECOMPUTE = "--recompute-granularity full --recompute-method block --recompute-num-layers 1".split()
+
+
+# recompute: None, "full", or "full+dropout" (hidden dropout makes a recomputed chunk's
+# last reduction run again).
+@pytest.mark.parametrize("strategy,sequence_parallel,recompute", [
+    ("zero1", False, None), ("zero1", True, None), ("zero3", False, None), ("zero3", True, "full"),
+    ("zero1", False, "full+dropout")])
+def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_parallel, recompute):
+    from megatron.training.model_builder import finalize_model_grads
+
+    tp = 2
+    world = dist.get_world_size()
+    extra = (["--sequence-parallel"] if sequence_parallel else []) + (RECOMPUTE if recompute else [])
+    extra += ["--hidden-dropout", "0.1"] if recompute == "full+dropout" else []
+    flags = ["--use-mfsdp", "--tensor-model-parallel-size", str(tp), "--global-batch-size", str(4 * world // tp),
+             *TP_SHAPE, *FLAGS[strategy], *extra]
+    args = trainer_args("llama", *flags)
+    with model_parallel(tp, args) as state:
+        built = build_model(gpt_provider, args, torch.device("cpu"))
+        model = built.unwrapped
+        units = planned_units(model)
+        with collective_tap({state.tp_group}) as records:
+            optimizer, microbatches = one_step(built, args, state.dp_rank, state.dp_size,
+                                               finalize=lambda: finalize_model_grads(args, built))
+        predicted = plan(units, strategy, state.dp_size, microbatches=microbatches, rank=state.dp_rank,
+                         activations=shapes_of(args, model)[0])
+    check_persistent(predicted, built, optimizer)
+    fsdp = {k: v for k, v in predicted.comm_bytes.items() if not k.startswith("tp_")}
+    assert fsdp == built.context.counter.bytes_by_kind()
+    tp_bytes = {k: v for k, v in predicted.comm_bytes.items() if k.startswith("tp_")}
+    assert tp_bytes == summed(records, TP_NAMES)
+    assert set(tp_bytes) == ({"tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"} if sequence_parallel
+                             else {"tp_all_reduce"})
+    if strategy == "zero3":
+        assert tool_units(*flags) == describe(units)
+
+
+@pytest.mark.parametrize("strategy,recompute", [("zero2", False), ("zero3", True)])
+def test_planner_matches_engine_with_expert_parallelism(strategy, recompute):
+    ep, world = 2, dist.get_world_size()
+    flags = ["--use-mfsdp", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
+             "--expert-model-parallel-size", str(ep), "--global-batch-size", str(4 * world), *TP_SHAPE,
+             *FLAGS[strategy], *(RECOMPUTE if recompute else [])]
+    args = trainer_args("llama", *flags)
+    built = build_model(gpt_provider, args, torch.device("cpu"))
+    model = built.unwrapped
+    units = planned_units(model)
+    experts = [u for u in units if u.expert]
+    assert len(experts) == args.num_layers  # every layer routes (--moe-layer-freq 1)
+    with collective_tap(None) as records:
+        optimizer, microbatches = one_step(built, args, dist.get_rank(), world)
+    shape, moe = shapes_of(args, model)
+    assert moe == MoEShape(args.num_layers, 4, 2, ep, recomputed_moe_layers=int(recompute))
+    predicted = plan(units, strategy, world, microbatches=microbatches, rank=dist.get_rank(),
+                     activations=shape, moe=moe)
+    check_persistent(predicted, built, optimizer)
+    if strategy == "zero3":
+        assert tool_units(*flags) == describe(units)
+    fsdp = {k: v for k, v in predicted.comm_bytes.items() if k != "all_to_all"}
+    assert fsdp == built.context.counter.bytes_by_kind()
+    # Dropless routing: what a rank receives depends on the routing; summed over the EP
+    # group (here: the world), received equals sent, which the plan counts exactly.
+    measured = torch.tensor(summed(records, {n: n for n in TAPPED}).get("all_to_all_single", 0))
+    dist.all_reduce(measured)
+    assert measured.item() == world * predicted.comm_bytes["all_to_all"]
 
 
 def test_ddp_plan_is_the_whole_model_on_every_rank():
@@ -87,12 +274,33 @@ def test_recompute_shrinks_the_activation_estimate():
     assert none - logits == 8 * (34 * 512 * 2 * 256 + 5 * 8 * 512 * 512 * 2) * 2
 
 
+def test_tensor_parallelism_splits_the_activation_estimate():
+    shape = ActivationShape(micro_batch_size=2, seq_length=512, hidden_size=256, num_attention_heads=8,
+                            ffn_hidden_size=1024, num_layers=8, vocab_size=1000)
+    tp = dataclasses.replace(shape, tp_size=2)
+    sp = dataclasses.replace(tp, sequence_parallel=True)
+    for recompute in (None, "selective", "full"):
+        whole = activation_bytes(shape, recompute)
+        # With SP every saved tensor is split; without, the layer inputs, norms and dropout
+        # masks (Korthikanti's 10 of 34 s b h per layer) stay whole.
+        assert activation_bytes(sp, recompute) == whole // 2
+        assert whole // 2 < activation_bytes(tp, recompute) < whole
+    s, b, h, L = 512, 2, 256, 8
+    assert activation_bytes(tp) - activation_bytes(sp) == L * 10 * s * b * h * 2 // 2
+
+
 def test_bad_strategy_and_outer_size_are_refused():
     units = []
     with pytest.raises(ValueError, match="strategy must be one of"):
         plan(units, "zero4", 2)
     with pytest.raises(ValueError, match="outer size >= 2 that divides"):
         plan(units, "hsdp", 3, outer_size=2)
+    experts = [UnitShapes("experts", (torch.Size((2, 8, 4)),), expert=True)]
+    moe = MoEShape(num_moe_layers=1, num_experts=4, topk=2, ep_size=2)
+    with pytest.raises(ValueError, match="refuses MoE with HSDP/HFSDP"):
+        plan(experts, "hsdp", 4, outer_size=2, moe=moe)
+    with pytest.raises(ValueError, match="divides the data-parallel size"):
+        plan(experts, "zero3", 3, moe=moe)
 
 
 def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
@@ -108,7 +316,15 @@ def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
     assert [p.strategy for p in plans] == ["ddp", "zero1", "zero2", "zero3", "hsdp", "hfsdp"]
     for name in ("ddp", "zero1", "zero2", "zero3", "hsdp", "hfsdp", "all_gather", "reduce_scatter"):
         assert name in out
+    small = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
+             "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--lr", "1e-3",
+             "--train-iters", "1"]
     with pytest.raises(SystemExit, match="--num-attention-heads"):
-        main(["--world-size", "2", "--num-layers", "2", "--hidden-size", "30", "--num-attention-heads", "4",
-              "--seq-length", "8", "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer",
-              "--vocab-size", "96", "--lr", "1e-3", "--train-iters", "1"])
+        main(["--world-size", "2", *small, "--hidden-size", "30"])
+    # What the trainer refuses, the planner refuses with the trainer's message.
+    with pytest.raises(SystemExit, match="HSDP/HFSDP"):
+        main(["--world-size", "4", *small, "--use-mfsdp", "--num-experts", "4", "--num-distributed-optimizer-instances",
+              "2"])
+    # TP/EP plans need a fake world of their own (tool_units runs them in a fresh process).
+    with pytest.raises(SystemExit, match="not under torchrun"):
+        main(["--world-size", "4", *small, "--tensor-model-parallel-size", "2"])
