@@ -29,7 +29,6 @@ from typing import Any, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
 
 from . import work as comm
 
@@ -59,10 +58,6 @@ class FlatBuffer:
     def __post_init__(self):
         if len(self.codes) != len(self.groups) or set(self.codes) - set(_PLACEMENTS):
             raise ValueError(f"placement codes {self.codes!r} for {len(self.groups)} mesh axes; use S, R or P per axis.")
-
-    @property
-    def placements(self) -> Tuple[Placement, ...]:
-        return tuple(_PLACEMENTS[c] for c in self.codes)
 
     def like(self, data: torch.Tensor, codes: str) -> "FlatBuffer":
         """Another buffer on the same axes (e.g. the output of a collective)."""

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from . import work as comm
 from .flat_buffer import CommResources, FlatBuffer, alloc_storage, free_storage, single_axis_steps
