@@ -158,6 +158,9 @@ _COUNTED_FUNCTIONS = {
     "reduce_scatter_tensor": "reduce_scatter",
     "all_reduce": "all_reduce",
     "broadcast": "broadcast",
+    # MFSDP on gloo (mfsdp_v2/gloo_wire.py): all-gathers and reduce-scatters as
+    # point-to-point sends.
+    "isend": "send",
 }
 
 
@@ -170,7 +173,10 @@ def wire_bytes(kind: str, input_bytes: int, size: int) -> float:
 
     all_gather: contributes ``input_bytes`` (its shard), sends (N-1) shards.
     reduce_scatter: contributes ``input_bytes`` (the full buffer), sends (N-1)/N of it.
-    all_reduce: reduce-scatter + all-gather of the buffer, 2 (N-1)/N of it."""
+    all_reduce: reduce-scatter + all-gather of the buffer, 2 (N-1)/N of it.
+    send: one point-to-point message, all of it."""
+    if kind == "send":
+        return float(input_bytes)
     if size <= 1:
         return 0.0
     if kind == "all_gather":
@@ -269,6 +275,9 @@ def count_collectives(c, batch) -> dict:
 
 
 HOOK_RANGE_PREFIX = "MFSDP "
+HOOK_NAMES = ("pre_forward", "post_forward", "pre_backward", "post_backward", "finish_backward")
+# Ranges nested in (or next to) the hooks, see mfsdp_v2/profiling.py and work.py.
+WAIT_PREFIX, POST_OPS_PREFIX, STASH_NAME = "MFSDP wait ", "MFSDP post_ops ", "MFSDP stash_grad"
 
 
 def _outermost(events) -> list:
@@ -282,33 +291,62 @@ def _outermost(events) -> list:
     return out
 
 
+def _inside(event, outer) -> bool:
+    return any(o.thread == event.thread and o.time_range.start <= event.time_range.start
+               and event.time_range.end <= o.time_range.end for o in outer)
+
+
 def hook_overhead(c, batch, steps: int) -> Optional[dict]:
-    """Wall time inside MFSDP's hooks per step, from the engine's own profiler ranges
-    (``MFSDP <unit> <hook>`` and ``MFSDP finish_backward``, record_function in
-    profiling.py): ``steps`` untimed steps under torch.profiler (CPU), summing the outermost
-    ranges. The ranges cover the hook bodies (unshard, reshard, launching and waiting for
-    collectives, the reductions' post-ops); the per-gradient copy into the reduce buffer
-    and the optimizer's post-step sync run outside them. The profiler's per-operator
-    bookkeeping inflates every figure a little, the same for every engine. None for an
-    engine without ranges (a snapshot from before they existed)."""
+    """Where the engine's time goes, per step, from its own profiler ranges: ``steps``
+    untimed steps under torch.profiler (CPU).
+
+    * hooks: wall time inside ``MFSDP <unit> <hook>`` and ``MFSDP finish_backward``
+      (outermost ranges; unshard, reshard, launching and waiting for collectives, the
+      reductions' post-ops),
+    * waits: the host blocked on a collective (``MFSDP wait <kind>``), inside the hooks
+      (exposed communication) or outside (e.g. the optimizer's post-step all-gather),
+    * post-ops and gradient stashing (``MFSDP post_ops <kind>``, ``MFSDP stash_grad``, the
+      per-gradient copy into the reduce buffer that runs in autograd's hook),
+    * own: the engine's own work = hooks - waits inside hooks + stashing and post-ops
+      outside hooks (Python, launches, copies, divisions).
+
+    The profiler's per-operator bookkeeping inflates every figure a little, the same for
+    every engine. None for an engine without ranges (a snapshot from before they existed)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         for _ in range(steps):
             c.step(*batch)
         wall = time.perf_counter() - t
-    ranges = _outermost([e for e in prof.events() if e.name.startswith(HOOK_RANGE_PREFIX)])
-    if not ranges:
+    events = [e for e in prof.events() if e.name.startswith(HOOK_RANGE_PREFIX)]
+    hooks = _outermost([e for e in events if e.name.rsplit(" ", 1)[-1] in HOOK_NAMES])
+    if not hooks:
         return None
+
+    def per_step(es) -> float:
+        return sum(e.time_range.elapsed_us() for e in es) / 1e6 / steps
+
     by_hook: Dict[str, float] = {}
-    for e in ranges:
+    for e in hooks:
         hook = e.name.rsplit(" ", 1)[-1]
         by_hook[hook] = by_hook.get(hook, 0.0) + e.time_range.elapsed_us() / 1e6 / steps
+    waits = [e for e in events if e.name.startswith(WAIT_PREFIX)]
+    extra = _outermost([e for e in events if e.name.startswith(POST_OPS_PREFIX) or e.name == STASH_NAME])
+    wait_in = {k: per_step([e for e in waits if e.name == WAIT_PREFIX + k and _inside(e, hooks)])
+               for k in sorted({e.name[len(WAIT_PREFIX):] for e in waits})}
+    wait_out = {k: per_step([e for e in waits if e.name == WAIT_PREFIX + k and not _inside(e, hooks)])
+                for k in wait_in}
+    extra_out = [e for e in extra if not _inside(e, hooks)]
     hook_s = sum(by_hook.values())
+    own_s = hook_s - sum(wait_in.values()) + per_step(extra_out)
     units = len(c.ctx.units)
     return {
         "steps": steps, "units": units, "step_wall_s": wall / steps, "source": "torch.profiler ranges 'MFSDP ...'",
         "hook_s_per_step": hook_s, "hook_s_per_unit_per_step": hook_s / units,
-        "by_hook_s_per_step": by_hook, "ranges_per_step": len(ranges) / steps,
+        "by_hook_s_per_step": by_hook, "ranges_per_step": len(hooks) / steps,
+        "wait_in_hooks_s_per_step": wait_in, "wait_outside_hooks_s_per_step": wait_out,
+        "post_ops_s_per_step": per_step([e for e in extra if e.name.startswith(POST_OPS_PREFIX)]),
+        "stash_s_per_step": per_step([e for e in extra if e.name == STASH_NAME]),
+        "own_s_per_step": own_s, "own_s_per_unit_per_step": own_s / units,
     }
 
 

@@ -24,6 +24,7 @@ import torch
 
 from . import work as comm
 from .flat_buffer import single_axis_steps
+from .profiling import cpu_range
 
 
 class GradientReduction:
@@ -55,7 +56,8 @@ class GradientReduction:
         def hook(param: torch.Tensor) -> None:
             self._received.add(p.index)
             if self._stash_grads:
-                self._stash_grad(p)
+                with cpu_range("MFSDP stash_grad"):
+                    self._stash_grad(p)
             self.on_grad_ready(self)
 
         return hook

@@ -29,6 +29,15 @@ def hook_range(name: str, device_handle):
     return device_handle.nvtx_range(name)
 
 
+def cpu_range(name: str):
+    """A CPU-only range (e.g. the host blocked on a collective), recorded only while a
+    torch profiler runs: nested in a hook's range, it splits the hook's time into waiting
+    and the engine's own work."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _profiled_range(name: str, device_handle) -> Iterator[None]:
     with torch.profiler.record_function(name), device_handle.nvtx_range(name):

@@ -218,12 +218,14 @@ class StreamChecker(TorchDispatchMode):
         reads, writes = [], []
         if func.namespace == "c10d":
             # c10d schemas carry no alias annotations: outputs are named so, inputs too,
-            # and in-place collectives take ``tensors``.
+            # and in-place collectives take ``tensors`` (which a send only reads and a
+            # receive only writes).
+            op = schema.name.split("::")[-1]
             for argument, value in bound:
                 name = argument.name
-                if "output" in name or name == "tensors":
+                if "output" in name or (name == "tensors" and op != "send"):
                     writes.extend(self._tensors(value))
-                if "input" in name or name == "tensors":
+                if "input" in name or (name == "tensors" and not op.startswith("recv")):
                     reads.extend(self._tensors(value))
             return reads, writes
         factory = bool(_FACTORY.match(schema.name.split("::")[-1]))

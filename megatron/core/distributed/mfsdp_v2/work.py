@@ -14,11 +14,16 @@ and the stream it ran on. Its contract is the same on every device handle:
   before the stream dependency exists.
 * Post-ops run exactly once, in order, after the collective and before any consumer.
 
+Wire algorithms: NCCL runs its native collectives. On gloo the all-gather is a
+point-to-point shard exchange and the reduce-scatter a point-to-point chunk exchange
+plus a local sum in rank order (``gloo_wire.py``: both are faster there than torch's gloo collectives).
+
 Averaging: a reduction whose divisor is the group size uses ``ReduceOp.AVG`` where the
-backend has it (NCCL; gloo on torch 2.13), one pass over the output fewer. On gloo, AVG
-is bitwise equal to SUM followed by ``div_(group size)`` in fp32, bf16 and fp16 (checked at
-2, 3 and 4 ranks, and by ``test_avg_is_bitwise_sum_then_divide``), so losses do not change.
-Any other divisor (``grad_divisor``, accumulation with a scale) keeps SUM, then divides.
+backend has it (NCCL; gloo's all-reduce on torch 2.13), one pass over the output fewer.
+On gloo, AVG is bitwise equal to SUM followed by ``div_(group size)`` in fp32, bf16 and
+fp16 (checked at 2, 3 and 4 ranks, and by ``test_avg_is_bitwise_sum_then_divide``), which
+is what the gloo reduce-scatter does after its sum. Any other divisor (``grad_divisor``,
+accumulation with a scale) keeps SUM, then divides.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from typing import Callable, Iterable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import gloo_wire
 from .device import DeviceHandle
+from .profiling import cpu_range
 
 PostOp = Callable[[], None]
 
@@ -79,7 +86,9 @@ class CollectiveWork:
         result: Optional[torch.Tensor] = None,
         post_ops: Sequence[PostOp] = (),
         keep_alive: Iterable[torch.Tensor] = (),
+        kind: str = "none",
     ):
+        self.kind = kind
         self._work = work
         self._device = device
         self._stream = stream
@@ -113,9 +122,13 @@ class CollectiveWork:
         if self._completed:
             return
         try:
+            # Profiler ranges: the host blocked on the backend, then the post-ops' tensor work.
             if self._work is not None:
-                self._work.wait()
-            self._run_post_ops()
+                with cpu_range(f"MFSDP wait {self.kind}"):
+                    self._work.wait()
+            if self._post_ops:
+                with cpu_range(f"MFSDP post_ops {self.kind}"):
+                    self._run_post_ops()
         except BaseException as error:  # remembered so a second wait() fails the same way
             self._error = error
             raise
@@ -159,10 +172,12 @@ def follow_current_stream(device: DeviceHandle, stream) -> None:
     device.stream_waits_for_current(stream)
 
 
-def _launch(device: DeviceHandle, stream, fn):
-    """Issue ``fn`` on ``stream`` after everything already queued on the current stream."""
+def _launch(device: DeviceHandle, stream, kind: str, fn):
+    """Issue ``fn`` on ``stream`` after everything already queued on the current stream
+    (inside a profiler range ``MFSDP launch <kind>``: one per collective, whatever the
+    backend's calls)."""
     follow_current_stream(device, stream)
-    with device.stream(stream):
+    with device.stream(stream), cpu_range(f"MFSDP launch {kind}"):
         return fn()
 
 
@@ -184,10 +199,14 @@ def all_gather(
         )
     if counter is not None:
         counter.record("all_gather", input.numel() * input.element_size(), size)
-    work = _launch(
-        device, stream, lambda: dist.all_gather_single(output, input, group=group, async_op=True)
-    )
-    return CollectiveWork(work, device, stream, result=output, post_ops=post_ops, keep_alive=(input,))
+    if _on_gloo(group):  # see gloo_wire.py: a point-to-point shard exchange is faster there
+        work = _launch(device, stream, "all_gather", lambda: gloo_wire.all_gather(output, input, group))
+    else:
+        work = _launch(
+            device, stream, "all_gather", lambda: dist.all_gather_single(output, input, group=group, async_op=True)
+        )
+    return CollectiveWork(work, device, stream, result=output, post_ops=post_ops, keep_alive=(input,),
+                          kind="all_gather")
 
 
 def reduce_scatter(
@@ -209,12 +228,18 @@ def reduce_scatter(
         )
     if counter is not None:
         counter.record("reduce_scatter", input.numel() * input.element_size(), size)
-    op, division = _reduction(output, group, size, divisor)
-    work = _launch(
-        device, stream, lambda: dist.reduce_scatter_single(output, input, op=op, group=group, async_op=True)
-    )
-    ops = division + list(post_ops)
-    return CollectiveWork(work, device, stream, result=output, post_ops=ops, keep_alive=(input,))
+    if _on_gloo(group):  # see gloo_wire.py: chunks exchanged point to point, summed here
+        work, combine = _launch(device, stream, "reduce_scatter",
+                                lambda: gloo_wire.reduce_scatter(output, input, group))
+        # gloo's AVG is SUM then a division by the group size: the same here, bitwise.
+        ops = [combine] + ([_divide(output, divisor)] if divisor != 1 else []) + list(post_ops)
+    else:
+        op, division = _reduction(output, group, size, divisor)
+        work = _launch(device, stream, "reduce_scatter",
+                       lambda: dist.reduce_scatter_single(output, input, op=op, group=group, async_op=True))
+        ops = division + list(post_ops)
+    return CollectiveWork(work, device, stream, result=output, post_ops=ops, keep_alive=(input,),
+                          kind="reduce_scatter")
 
 
 def all_reduce(
@@ -232,14 +257,18 @@ def all_reduce(
     if counter is not None:
         counter.record("all_reduce", tensor.numel() * tensor.element_size(), size)
     op, division = _reduction(tensor, group, size, divisor)
-    work = _launch(device, stream, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
+    work = _launch(device, stream, "all_reduce", lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
     ops = division + list(post_ops)
-    return CollectiveWork(work, device, stream, result=tensor, post_ops=ops)
+    return CollectiveWork(work, device, stream, result=tensor, post_ops=ops, kind="all_reduce")
 
 
 # Backends with ReduceOp.AVG for all-reduce and reduce-scatter: NCCL, and gloo in the torch
 # this package pins (2.13), where it is bitwise SUM then division by the group size.
 AVG_BACKENDS = ("nccl", "gloo")
+
+
+def _on_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
 
 
 def _reduction(result: torch.Tensor, group, size: int, divisor: float):

@@ -167,3 +167,59 @@ def test_size_mismatches_raise_before_communicating():
     tensor = torch.ones(1)
     _all_reduce(tensor).wait()
     assert tensor.item() == n
+
+
+# --------------------------------------------------------------------------------------
+# The gloo wire (gloo_wire.py): point-to-point all-gathers and reduce-scatters
+# --------------------------------------------------------------------------------------
+
+
+def _rank_order_sum(chunks):
+    total = chunks[0].clone()
+    for chunk in chunks[1:]:
+        total.add_(chunk)
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_collectives_in_flight_together_each_get_their_own_messages(dtype):
+    """Several all-gathers and reduce-scatters of different sizes issued before any wait
+    (as prefetch and reductions in flight do) match their messages by tag and order:
+    each result is exact, the reduce-scatters the rank-order sum of this rank's chunks."""
+    n, r = _world(), _rank()
+    sizes = [5, 1, 12]
+    shards = {k: _inputs(k, dtype) for k in sizes}
+    fulls = {k: _inputs(k * n, dtype) for k in sizes}
+    works = []
+    for k in sizes:
+        gathered, scattered = torch.empty(k * n, dtype=dtype), torch.empty(k, dtype=dtype)
+        works.append(("ag", k, _all_gather(gathered, shards[k][r].clone())))
+        works.append(("rs", k, _reduce_scatter(scattered, fulls[k][r].clone(), divisor=n)))
+    for kind, k, work in reversed(works):  # waited in the opposite order
+        result = work.wait()
+        if kind == "ag":
+            assert torch.equal(result, torch.cat(shards[k]))
+        else:
+            expected = _rank_order_sum([full.narrow(0, r * k, k) for full in fulls[k]]).div_(n)
+            assert torch.equal(result, expected)
+
+
+def test_gloo_wire_on_a_subgroup_uses_group_ranks():
+    """On a subgroup (the inner axis of a 2-D mesh) ranks are the group's own."""
+    n = _world()
+    if n % 2:
+        pytest.skip("needs an even world")
+    pairs = [list(range(i, i + 2)) for i in range(0, n, 2)]
+    groups = [dist.new_group(ranks) for ranks in pairs]  # every rank creates every group
+    mine = groups[_rank() // 2]
+    local = dist.get_rank(mine)
+    shard = torch.full((3,), float(_rank()))
+    gathered = torch.empty(6)
+    comm.all_gather(gathered, shard, mine, device=DEVICE, stream=STREAM).wait()
+    base = _rank() - local
+    assert torch.equal(gathered, torch.cat([torch.full((3,), float(base)), torch.full((3,), float(base + 1))]))
+    full = torch.arange(4.0) + 10 * _rank()
+    out = torch.empty(2)
+    comm.reduce_scatter(out, full, mine, device=DEVICE, stream=STREAM).wait()
+    expected = (torch.arange(4.0) + 10 * base) + (torch.arange(4.0) + 10 * (base + 1))
+    assert torch.equal(out, expected.narrow(0, 2 * local, 2))

@@ -123,17 +123,22 @@ def numel(shapes: Sequence[torch.Size]) -> int:
 
 
 class DistTap:
-    """Counts the collectives called on ``torch.distributed`` while active, independently
-    of the engine's own counter: a collective issued around the work wrapper is seen too.
+    """Counts the calls made on ``torch.distributed`` while active, independently of the
+    engine's own counter: a collective issued around the work wrapper is seen too.
 
-    Records ``(kind, bytes a rank contributes, group size)`` like the engine's counter;
-    a collective that calls another one internally counts once."""
+    Records ``(kind, bytes of this rank's input, group size)`` of each call as the
+    backend sees it (point-to-point messages and all-to-alls included: on gloo the
+    engine's all-gathers and reduce-scatters travel as those, see ``wire_records``); a
+    call made inside another tapped call counts once."""
 
     KINDS = {
         "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
         "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-        "all_reduce": "all_reduce",
+        "all_reduce": "all_reduce", "all_to_all_single": "all_to_all", "isend": "send", "irecv": "recv",
     }
+    # Position of the tensor a rank contributes, and of the group, in each kind's signature.
+    TENSOR_ARG = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "all_reduce": 0, "send": 0, "recv": 0}
+    GROUP_ARG = {"all_gather": 2, "reduce_scatter": 3, "all_to_all": 4, "all_reduce": 2, "send": 2, "recv": 2}
 
     def __init__(self):
         self.records: List[Tuple[str, int, int]] = []
@@ -145,8 +150,9 @@ class DistTap:
 
         def tapped(*args, **kwargs):
             if self._depth == 0:
-                tensor = args[0] if kind == "all_reduce" else (args[1] if len(args) > 1 else kwargs["input"])
-                group = kwargs.get("group", args[3 if kind == "reduce_scatter" else 2] if len(args) > 3 else None)
+                at = self.TENSOR_ARG[kind]
+                tensor = args[at] if len(args) > at else kwargs["input" if at else "tensor"]
+                group = kwargs.get("group", args[self.GROUP_ARG[kind]] if len(args) > self.GROUP_ARG[kind] else None)
                 self.records.append((kind, tensor.numel() * tensor.element_size(), dist.get_world_size(group)))
             self._depth += 1
             try:
@@ -166,3 +172,20 @@ class DistTap:
         for name, fn in self._originals.items():
             setattr(dist, name, fn)
         self._originals.clear()
+
+
+def wire_records(records, backend: str) -> List[Tuple[str, int, int]]:
+    """What the backend must see for the engine's counted collectives ``(kind, bytes,
+    group size)``. On gloo (``gloo_wire.py``) an all-gather of a B-byte shard over N ranks
+    is N-1 sends and N-1 receives of B bytes, a reduce-scatter of a B-byte input N-1
+    sends and receives of B/N bytes, and both are local copies over one rank; on any
+    other backend each collective is itself."""
+    out = []
+    for kind, nbytes, size in records:
+        if backend == "gloo" and kind == "all_gather":
+            out += [("send", nbytes, size), ("recv", nbytes, size)] * (size - 1)
+        elif backend == "gloo" and kind == "reduce_scatter":
+            out += [("send", nbytes // size, size), ("recv", nbytes // size, size)] * (size - 1)
+        else:
+            out.append((kind, nbytes, size))
+    return out

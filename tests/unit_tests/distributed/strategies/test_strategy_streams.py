@@ -112,6 +112,15 @@ def test_unit_called_twice_keeps_the_stream_protocol():
 # --------------------------------------------------------------------------------------
 
 
+def _wire_ops(what: str) -> tuple:
+    """The ops that touch a collective's data on this backend's wire (gloo_wire.py: on
+    gloo the all-gather output arrives by receives; the reduce-scatter input is read by
+    sends and by the post-op that sums this rank's own chunk)."""
+    gloo = {"all_gather output": ("recv",), "reduce_scatter input": ("send", "aten.add")}
+    native = {"all_gather output": ("allgather",), "reduce_scatter input": ("reduce_scatter",)}
+    return (gloo if dist.get_backend() == "gloo" else native)[what]
+
+
 def _skip_stream_waits(monkeypatch, stream_name: str) -> None:
     """Break CollectiveWork.wait for collectives on ``stream_name``: the consumer's stream
     no longer waits on the collective's event (nor keeps its input alive)."""
@@ -143,7 +152,8 @@ def test_missing_wait_before_using_the_gathered_buffer_is_reported(monkeypatch):
     _skip_stream_waits(monkeypatch, "allgather")
     reports = _reports_from(lambda: train_pair(Net, "sgd", 1, 1))
     found = _assert_reported(reports, "read-after-write", "allgather")
-    assert any("allgather" in r.other.op for r in found)  # the all-gather's output, read by compute
+    # The all-gather's output, read by compute (on gloo it arrives by receives, gloo_wire.py).
+    assert any(op in r.other.op for r in found for op in _wire_ops("all_gather output"))
 
 
 def test_reduce_input_freed_before_its_collective_ends_is_reported(monkeypatch):
@@ -157,7 +167,7 @@ def test_reduce_input_freed_before_its_collective_ends_is_reported(monkeypatch):
     monkeypatch.setattr(comm, "reduce_scatter", reduce_scatter)
     reports = _reports_from(lambda: train_pair(Net, "sgd", 1, 1))
     found = _assert_reported(reports, "reuse-after-free", "reduce_scatter")
-    assert any("reduce_scatter" in r.other.op for r in found)
+    assert any(op in r.other.op for r in found for op in _wire_ops("reduce_scatter input"))
 
 
 def test_grad_exposed_without_the_reduce_scatter_event_is_reported(monkeypatch):
@@ -193,28 +203,36 @@ CPU = CpuDeviceHandle(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter"])
-def test_avg_is_bitwise_sum_then_divide(kind, dtype):
-    """The premise of using ReduceOp.AVG (work.py): on gloo it equals SUM, then div_(n), bit for bit."""
+def test_avg_is_bitwise_sum_then_divide(dtype):
+    """The premise of using ReduceOp.AVG for all-reduces (work.py): on gloo it equals
+    SUM, then div_(n), bit for bit; and so does gloo's reduce-scatter, which at two ranks
+    the engine's own (gloo_wire.py) equals bit for bit."""
     n = dist.get_world_size()
     if n == 1:
         pytest.skip("AVG is only used for groups of two or more")
     x = (torch.randn(512 * n, generator=torch.Generator().manual_seed(dist.get_rank())) * 3).to(dtype)
-    if kind == "all_reduce":
-        sum_then_divide, avg = x.clone(), x.clone()
-        dist.all_reduce(sum_then_divide)
-        sum_then_divide.div_(n)
-        engine = x.clone()
-        comm.all_reduce(engine, dist.group.WORLD, device=CPU, stream=CPU.current_stream(), divisor=n).wait()
-    else:
-        sum_then_divide, avg, engine = (torch.empty(512, dtype=dtype) for _ in range(3))
-        dist.reduce_scatter_single(sum_then_divide, x)
-        sum_then_divide.div_(n)
-        comm.reduce_scatter(engine, x, dist.group.WORLD, device=CPU, stream=CPU.current_stream(), divisor=n).wait()
+    sum_then_divide, avg = x.clone(), x.clone()
+    dist.all_reduce(sum_then_divide)
+    sum_then_divide.div_(n)
+    engine = x.clone()
+    comm.all_reduce(engine, dist.group.WORLD, device=CPU, stream=CPU.current_stream(), divisor=n).wait()
     assert comm._reduction(engine, dist.group.WORLD, n, n)[0] == dist.ReduceOp.AVG
-    if kind == "all_reduce":
-        dist.all_reduce(avg, op=dist.ReduceOp.AVG)
-    else:
-        dist.reduce_scatter_single(avg, x, op=dist.ReduceOp.AVG)
+    dist.all_reduce(avg, op=dist.ReduceOp.AVG)
     assert torch.equal(avg, sum_then_divide)
     assert torch.equal(engine, sum_then_divide)
+    scattered_sum, scattered_avg, engine = (torch.empty(512, dtype=dtype) for _ in range(3))
+    dist.reduce_scatter_single(scattered_sum, x)
+    scattered_sum.div_(n)
+    dist.reduce_scatter_single(scattered_avg, x, op=dist.ReduceOp.AVG)
+    assert torch.equal(scattered_avg, scattered_sum)
+    comm.reduce_scatter(engine, x, dist.group.WORLD, device=CPU, stream=CPU.current_stream(), divisor=n).wait()
+    # The engine's: this rank's chunks of every rank summed in rank order, then divided.
+    everyone = torch.empty(n * x.numel(), dtype=dtype)
+    dist.all_gather_into_tensor(everyone, x)
+    mine = everyone.view(n, n, 512)[:, dist.get_rank()]
+    folded = mine[0].clone()
+    for chunk in mine[1:]:
+        folded.add_(chunk)
+    assert torch.equal(engine, folded.div_(n))
+    if n == 2:  # a sum of two does not depend on the order: gloo's own, bit for bit
+        assert torch.equal(engine, scattered_sum)
