@@ -2,8 +2,8 @@
 ``finalize_model_grads``, the tensor-parallel part).
 
 A parameter of a tensor-parallel layer (or one a MoE layer's experts name in
-``tensor_parallel_split``) is split over TP: each rank's gradient is that of its own piece. Every other parameter is replicated over TP.
-Without sequence parallelism all TP ranks compute the same gradient for it. With
+``tensor_parallel_split``) is split over TP: each rank's gradient is that of its own
+piece. Every other parameter is replicated over TP. Without sequence parallelism all TP ranks compute the same gradient for it. With
 sequence parallelism every replicated parameter of the model is used inside a
 sequence-parallel region (norms, row-parallel biases, learned position embeddings, which
 look up this rank's positions only, a MoE router, which routes this rank's chunk, and an

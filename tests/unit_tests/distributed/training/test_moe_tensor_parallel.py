@@ -57,11 +57,9 @@ def tensor_parallel(tp: int):
 
 
 def moe_args(arch: str, tp: int, ep: int, sp: bool, losses: bool, world_size=WORLD):
-    flags = MOE + (ROUTER_LOSSES if losses else []) + ["--expert-model-parallel-size", str(ep)]
+    flags = MOE + (ROUTER_LOSSES if losses else []) + ["--expert-model-parallel-size", str(ep), "--use-mfsdp"]
     if tp > 1:
         flags += ["--tensor-model-parallel-size", str(tp)] + (["--sequence-parallel"] if sp else [])
-    if world_size > 1:
-        flags += ["--use-mfsdp"]
     return trainer_args(arch, *flags, world_size=world_size)
 
 
@@ -193,17 +191,19 @@ def _identity(x, group):
 
 # Each would be a silent error: without the TP sum of the experts' outputs, or with every
 # TP rank's sequence chunk weighing its router losses as a whole micro-batch.
-BROKEN = {"no TP sum of the expert outputs": ((2, 2, False), "reduce_from_tensor_model_parallel_region"),
-          "router losses not shared over the sequence chunks": ((2, 2, True), "sequence_group")}
+# (what, the first layout with TP and that sequence parallelism, what to break there)
+BROKEN = [(what, next(layout for layout in LAYOUTS if layout[0] > 1 and layout[2] == sp), name)
+          for what, sp, name in (("no TP sum of the expert outputs", False, "reduce_from_tensor_model_parallel_region"),
+                                 ("router losses not shared over the sequence chunks", True, "sequence_group"))
+          if any(layout[0] > 1 and layout[2] == sp for layout in LAYOUTS)]
 
 
-@pytest.mark.parametrize("what", [w for w, (layout, _) in BROKEN.items() if layout in LAYOUTS] or ["none"])
-def test_parity_fails_without_the_tensor_parallel_reductions(what, monkeypatch):
-    if what == "none":  # one rank: no TP to break; the reference itself still has to match
-        _, _, (mine, ref, _, _), _ = run_case("gpt2", 1, 1, False, True)
+@pytest.mark.parametrize("what,layout,name", BROKEN or [("none", (1, 1, False), None)])
+def test_parity_fails_without_the_tensor_parallel_reductions(what, layout, name, monkeypatch):
+    if name is None:  # one rank: no TP to break; the reference itself still has to match
+        _, _, (mine, ref, _, _), _ = run_case("gpt2", *layout, True)
         assert mine == pytest.approx(ref, rel=2e-5)
         return
-    layout, name = BROKEN[what]
     if name == "sequence_group":
         monkeypatch.setattr(router.TopKRouter, "sequence_group", property(lambda self: None))
     else:
