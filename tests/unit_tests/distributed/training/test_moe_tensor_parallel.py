@@ -31,7 +31,7 @@ from megatron.core.transformer.moe import moe_layer, router
 from megatron.core.transformer.moe.metrics import collect_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
 from megatron.training.model_builder import build_model, finalize_model_grads, get_grad_norm_and_clip
-from test_moe_expert_parallel import compare_weights
+from test_moe_expert_parallel import compare_weights, reference_backward
 
 WORLD = dist.get_world_size()
 SEQ, VOCAB, STEPS, ROWS = 16, 96, 3, 2  # ROWS per data-parallel rank
@@ -113,16 +113,7 @@ def train(args, built, reference, state, losses: bool, check_grads: bool = True)
         finalize_model_grads(args, built)
 
         ref_optimizer.zero_grad(set_to_none=True)
-        if losses:
-            ref_loss = 0.0
-            for r in range(dp):  # each data-parallel rank's rows are one micro-batch of the reference
-                part = reference(tokens[r * ROWS:(r + 1) * ROWS], labels=labels[r * ROWS:(r + 1) * ROWS]).mean() / dp
-                part.backward()
-                ref_loss += float(part.detach())
-        else:
-            ref_loss = reference(tokens, labels=labels).mean()
-            ref_loss.backward()
-            ref_loss = float(ref_loss.detach())
+        ref_loss = reference_backward(reference, tokens, labels, dp, per_rank=losses)
         if step == 0 and check_grads:
             compare_grads(built.unwrapped, reference)
 
