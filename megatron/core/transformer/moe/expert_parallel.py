@@ -48,6 +48,13 @@ class ExpertParallel:
     mesh: Any = None
 
     @property
+    def tp_size(self) -> int:
+        """The TP size the mesh was built for (its innermost ``tp`` dimension, else 1)."""
+        if self.mesh is None or "tp" not in self.mesh.mesh_dim_names:
+            return 1
+        return self.mesh.size(self.mesh.mesh_dim_names.index("tp"))
+
+    @property
     def expert_dp_mesh(self):
         """The 1-D mesh of the ranks that hold the same experts (MFSDP shards experts over it)."""
         if self.mesh is None:

@@ -58,6 +58,13 @@ class MoELayer(nn.Module):
                 f"expert-parallel layout the model is built with (size {expert_parallel.size}); build the layout "
                 "with build_expert_parallel(config.expert_model_parallel_size, ...)."
             )
+        tp = config.tensor_model_parallel_size
+        if expert_parallel.mesh is not None and expert_parallel.tp_size != tp:
+            # Else EP groups and expert-data-parallel groups would mix different TP pieces.
+            raise ValueError(
+                f"the expert-parallel layout was built for TP size {expert_parallel.tp_size}, the model has "
+                f"tensor_model_parallel_size {tp}; build it with build_expert_parallel(..., tp_size={tp})."
+            )
         self.config = config
         self.layer_number = layer_number
         self.expert_parallel = expert_parallel
@@ -97,10 +104,10 @@ class MoELayer(nn.Module):
         b, chunk = hidden_states.shape[:2]
         experts = probs.shape[-1]
         tokens = gather_from_sequence_parallel_region(hidden_states, group)
-        probs = gather_from_sequence_parallel_region(probs.view(b, chunk, experts), group).reshape(-1, experts)
+        probs = gather_from_sequence_parallel_region(probs.reshape(b, chunk, experts), group).reshape(-1, experts)
         # The map needs no gradient; gloo gathers no bool.
         routing_map = gather_from_sequence_parallel_region(
-            routing_map.view(b, chunk, experts).to(torch.uint8), group).reshape(-1, experts).bool()
+            routing_map.reshape(b, chunk, experts).to(torch.uint8), group).reshape(-1, experts).bool()
         return tokens, probs, routing_map
 
     def _leave_tensor_parallel(self, partial: torch.Tensor) -> torch.Tensor:

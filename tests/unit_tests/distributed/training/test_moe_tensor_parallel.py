@@ -36,12 +36,15 @@ from test_moe_expert_parallel import compare_weights, reference_backward
 WORLD = dist.get_world_size()
 SEQ, VOCAB, STEPS, ROWS = 16, 96, 3, 2  # ROWS per data-parallel rank
 MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --clip-grad 0".split()
-ROUTER_LOSSES = "--moe-aux-loss-coeff 0.1 --moe-z-loss-coeff 0.01".split()
+# The router-loss cases also run a shared expert (a dense TP MLP); the others the grouped GEMM.
+ROUTER_LOSSES = "--moe-aux-loss-coeff 0.1 --moe-z-loss-coeff 0.01 --moe-shared-expert-intermediate-size 16".split()
+NO_ROUTER_LOSSES = ["--moe-grouped-gemm"]
 
 # (TP, EP, sequence parallel) that fit the world; TP=1 at one rank (a run without torchrun).
 LAYOUTS = [(tp, ep, sp) for tp, ep, sp in ((2, 2, False), (2, 1, False), (2, 2, True), (2, 1, True))
            if WORLD % tp == 0 and (WORLD // tp) % ep == 0 and not (sp and ep == 1 and WORLD >= 4)] or [(1, 1, False)]
-# Each layout with and without the router losses: SwiGLU experts without biases, GELU experts with biases.
+# Each layout with and without the router losses: SwiGLU experts without biases (grouped
+# GEMM), GELU experts with biases (and a shared expert).
 CASES = [(layout, arch, losses) for layout in LAYOUTS for arch, losses in (("llama", False), ("gpt2", True))]
 
 
@@ -57,7 +60,8 @@ def tensor_parallel(tp: int):
 
 
 def moe_args(arch: str, tp: int, ep: int, sp: bool, losses: bool, world_size=WORLD):
-    flags = MOE + (ROUTER_LOSSES if losses else []) + ["--expert-model-parallel-size", str(ep), "--use-mfsdp"]
+    flags = MOE + (ROUTER_LOSSES if losses else NO_ROUTER_LOSSES) + ["--expert-model-parallel-size", str(ep),
+                                                                     "--use-mfsdp"]
     if tp > 1:
         flags += ["--tensor-model-parallel-size", str(tp)] + (["--sequence-parallel"] if sp else [])
     return trainer_args(arch, *flags, world_size=world_size)
@@ -233,3 +237,19 @@ def test_checkpoint_saved_with_tensor_and_expert_parallelism_loads_at_tp1_ep1(tm
     expected = dict(reference.named_parameters())
     for key in keys:
         torch.testing.assert_close(offline[key], expected[key[len("model."):]].detach(), rtol=2e-5, atol=2e-6)
+
+
+def test_an_expert_layout_built_for_another_tp_size_is_refused():
+    """EP and expert-data-parallel groups built without the TP dimension would mix
+    different TP pieces of the experts: the MoE layer refuses such a layout."""
+    from megatron.core.transformer.moe.expert_parallel import build_expert_parallel
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from pretrain_gpt import core_transformer_config_from_args
+
+    tp = LAYOUTS[0][0]
+    with tensor_parallel(tp):
+        config = core_transformer_config_from_args(moe_args("llama", tp, 1, False, False))
+        assert MoELayer(config, 1, build_expert_parallel(1, "cpu", tp_size=tp)).experts.linear_fc2.weight.shape[1] == 32 // tp
+        if tp > 1:
+            with pytest.raises(ValueError, match=f"built for TP size 1.*build_expert_parallel\\(..., tp_size={tp}\\)"):
+                MoELayer(config, 1, build_expert_parallel(1, "cpu", tp_size=1))
