@@ -88,7 +88,8 @@ def model_provider(args):
             # One process (tools reading a checkpoint with its saved flags): every expert is
             # local. Checkpoints store experts globally, so any saved EP size loads.
             config = dataclasses.replace(config, expert_model_parallel_size=1)
-        expert_parallel = build_expert_parallel(config.expert_model_parallel_size, getattr(args, "device_type", "cpu"))
+        expert_parallel = build_expert_parallel(config.expert_model_parallel_size, getattr(args, "device_type", "cpu"),
+                                                tp_size=config.tensor_model_parallel_size)
     return GPTModel(
         config,
         expert_parallel=expert_parallel,

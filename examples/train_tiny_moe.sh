@@ -8,6 +8,7 @@
 #   bash examples/train_tiny_moe.sh
 #   TRAIN_ITERS=50 OUT=runs/moe_short bash examples/train_tiny_moe.sh
 #   SKIP_SETUP=1 bash examples/train_tiny_moe.sh        # the environment is installed already
+#   TP=2 bash examples/train_tiny_moe.sh                # TP=2 x EP=2: every expert split over a TP pair too
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -n "${SKIP_SETUP:-}" ] || source scripts/setup_env.sh
@@ -17,6 +18,7 @@ TRAIN_ITERS="${TRAIN_ITERS:-200}"
 VOCAB="${VOCAB:-4096}"
 NPROC="${NPROC:-4}"
 EP="${EP:-2}"
+TP="${TP:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export WANDB_MODE="${WANDB_MODE:-offline}"
 rm -rf "$OUT"
@@ -30,6 +32,7 @@ python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_
     --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
     --untie-embeddings-and-output-weights \
     --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256 --expert-model-parallel-size "$EP" \
+    --tensor-model-parallel-size "$TP" \
     --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 --moe-grouped-gemm \
     --micro-batch-size 4 --global-batch-size 16 \
     --optimizer adam --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20 \

@@ -158,6 +158,10 @@ def main(argv=None):
         raise SystemExit(f"estimate_memory.py: error: {error}")
     import torch.distributed as dist
 
+    if args.num_experts and args.tensor_model_parallel_size > 1:
+        # The TP collectives of a MoE layer (its token and router-weight regions) are not modelled.
+        raise SystemExit("estimate_memory.py: error: plans of a mixture of experts with "
+                         "--tensor-model-parallel-size > 1 are not supported yet; plan it at TP 1.")
     if needs_process_groups(args) and dist.is_initialized():
         # The planning world is a process group of its own; this process already has one.
         raise SystemExit("estimate_memory.py: error: plans with TP or EP > 1 build the model in a fake world; "

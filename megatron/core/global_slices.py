@@ -6,6 +6,10 @@ weight holds rows of the global weight, a row-parallel weight columns, SwiGLU's 
 the experts of this rank. The module that owns such a parameter says so in a
 ``global_slices`` attribute: ``{parameter attribute name: GlobalSlice}``.
 
+A piece cut along two dims (an expert's row-parallel ``linear_fc2`` under expert and
+tensor parallelism: this rank's experts, then its TP columns of them) is a slice with an
+``inner`` slice: ``inner`` cuts the local tensor out of what the outer slice cuts out.
+
 Everything that must not depend on the layout reads it: the invariant initializer draws
 the global tensor and keeps this rank's piece, checkpoints store global tensors at their
 true offsets, and converters assemble the global tensor. A parameter without an entry is
@@ -15,7 +19,7 @@ the same on every rank of its tensor/expert-parallel group (norms, row-parallel 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,12 +27,15 @@ import torch.nn as nn
 
 @dataclasses.dataclass(frozen=True)
 class GlobalSlice:
-    """The local tensor is the concatenation, along ``dim``, of ``ranges`` of the global
-    tensor of shape ``global_shape`` (``(start, stop)`` pairs in global coordinates)."""
+    """The concatenation, along ``dim``, of ``ranges`` of the global tensor of shape
+    ``global_shape`` (``(start, stop)`` pairs in global coordinates) is the local tensor, or,
+    with ``inner``, the tensor of shape ``inner.global_shape`` that ``inner`` cuts the local
+    tensor from."""
 
     global_shape: Tuple[int, ...]
     dim: int
     ranges: Tuple[Tuple[int, int], ...]
+    inner: Optional["GlobalSlice"] = None
 
     def __post_init__(self):
         if not 0 <= self.dim < len(self.global_shape):
@@ -37,18 +44,27 @@ class GlobalSlice:
         for start, stop in self.ranges:
             if not 0 <= start < stop <= size:
                 raise ValueError(f"GlobalSlice range ({start}, {stop}) is outside [0, {size}) on dim {self.dim}.")
+        if self.inner is not None and tuple(self.inner.global_shape) != self.outer_shape:
+            raise ValueError(f"the inner GlobalSlice cuts a tensor of shape {tuple(self.inner.global_shape)}, "
+                             f"but the outer one gives {self.outer_shape}.")
 
     @property
-    def local_shape(self) -> Tuple[int, ...]:
+    def outer_shape(self) -> Tuple[int, ...]:
+        """The shape of what ``ranges`` cut out (the local shape without ``inner``)."""
         shape = list(self.global_shape)
         shape[self.dim] = sum(stop - start for start, stop in self.ranges)
         return tuple(shape)
+
+    @property
+    def local_shape(self) -> Tuple[int, ...]:
+        return self.outer_shape if self.inner is None else self.inner.local_shape
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the global tensor ``full`` (a new tensor)."""
         if tuple(full.shape) != tuple(self.global_shape):
             raise ValueError(f"expected a global tensor of shape {self.global_shape}, got {tuple(full.shape)}.")
-        return torch.cat([full.narrow(self.dim, start, stop - start) for start, stop in self.ranges], dim=self.dim)
+        outer = torch.cat([full.narrow(self.dim, start, stop - start) for start, stop in self.ranges], dim=self.dim)
+        return outer if self.inner is None else self.inner.take(outer)
 
 
 def partition(global_shape, dim: int, rank: int, size: int, blocks: int = 1) -> GlobalSlice:

@@ -81,7 +81,6 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
 PARALLEL_SIZES = (
     "--pipeline-model-parallel-size",
     "--context-parallel-size",
-    "--expert-tensor-parallel-size",
 )
 
 # flag -> what to do instead. Registered so that they are recognised (and named in the

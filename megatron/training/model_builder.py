@@ -282,10 +282,12 @@ def get_grad_norm_and_clip(args, built: BuiltModel, optimizer: Optional[torch.op
 
     params = [p for p in built.unwrapped.parameters() if p.requires_grad]
     ep = expert_parallel_of(built.unwrapped)
+    tensor_parallel = tensor_parallel_norm_args(args, built)
     if ep is not None and ep.size > 1:
         # Expert gradients differ across the EP group: their norm adds up over it too.
-        return clip_grad_norm_with_experts(params, expert_parameters(built.unwrapped), ep, args.clip_grad)
-    return clip_grad_norm(params, args.clip_grad, **tensor_parallel_norm_args(args, built))
+        return clip_grad_norm_with_experts(params, expert_parameters(built.unwrapped), ep, args.clip_grad,
+                                           **tensor_parallel)
+    return clip_grad_norm(params, args.clip_grad, **tensor_parallel)
 
 
 def tensor_parallel_norm_args(args, built: BuiltModel) -> dict:
@@ -316,9 +318,11 @@ def get_params_norm_of(args, built: BuiltModel, params) -> torch.Tensor:
         expert_parallel_of, expert_parameters, norm_with_experts)
 
     ep = expert_parallel_of(built.unwrapped)
+    tensor_parallel = tensor_parallel_norm_args(args, built)
     if ep is not None and ep.size > 1:
-        return norm_with_experts(params, expert_parameters(built.unwrapped), ep, get_params_norm)
-    return get_params_norm(params, **tensor_parallel_norm_args(args, built))
+        return norm_with_experts(params, expert_parameters(built.unwrapped), ep,
+                                 lambda ps: get_params_norm(ps, **tensor_parallel))
+    return get_params_norm(params, **tensor_parallel)
 
 
 def count_zeros_of(args, built: BuiltModel, params) -> int:
@@ -328,6 +332,7 @@ def count_zeros_of(args, built: BuiltModel, params) -> int:
         count_zeros_with_experts, expert_parallel_of, expert_parameters)
 
     ep = expert_parallel_of(built.unwrapped)
+    tensor_parallel = tensor_parallel_norm_args(args, built)
     if ep is not None and ep.size > 1:
-        return count_zeros_with_experts(params, expert_parameters(built.unwrapped), ep)
-    return count_zeros(params, **tensor_parallel_norm_args(args, built))
+        return count_zeros_with_experts(params, expert_parameters(built.unwrapped), ep, **tensor_parallel)
+    return count_zeros(params, **tensor_parallel)

@@ -44,6 +44,8 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
                    help="alltoall (allgather runs it too: same results); flex is not implemented")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks that split each layer's experts (inner within the data-parallel ranks)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="ranks that split each expert (default and only value: --tensor-model-parallel-size)")
 
 
 def moe_config_kwargs(args) -> dict:
@@ -69,6 +71,7 @@ def moe_config_kwargs(args) -> dict:
         moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size"),
         moe_token_dispatcher_type="alltoall",  # allgather gives the same results
         expert_model_parallel_size=get("expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=get("expert_tensor_parallel_size"),
     )
 
 
@@ -77,17 +80,14 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     if args.moe_token_dispatcher_type == "flex":
         raise ValueError("--moe-token-dispatcher-type flex (DeepEP) is not supported; use alltoall.")
     fields = moe_config_kwargs(args)
-    fields.update(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size)
+    fields.update(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+                  tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
+                  sequence_parallel=getattr(args, "sequence_parallel", False))
     check_moe_config(types.SimpleNamespace(**fields))
     if args.num_experts is None:
         return
-    if getattr(args, "tensor_model_parallel_size", 1) > 1:
-        raise ValueError(
-            "--num-experts with --tensor-model-parallel-size > 1 is not supported yet; use "
-            "--tensor-model-parallel-size 1 and shard the experts with --expert-model-parallel-size."
-        )
     ep = args.expert_model_parallel_size
-    check_expert_parallel_size(ep, args.data_parallel_size)
+    check_expert_parallel_size(ep, args.data_parallel_size, getattr(args, "tensor_model_parallel_size", 1))
     if ep > 1 and not args.use_mfsdp:
         raise ValueError(
             f"--expert-model-parallel-size {ep} needs --use-mfsdp: DDP would average the gradients of "

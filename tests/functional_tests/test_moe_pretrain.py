@@ -1,9 +1,12 @@
-"""pretrain_gpt.py with a mixture of experts: EP=2 at 4 ranks trains like EP=1 at 2 ranks.
+"""pretrain_gpt.py with a mixture of experts: TP=2 x EP=2 at 4 ranks trains like TP=1/EP=1
+at 2 ranks.
 
-Same seed, same global batch (8), fp32, dropless, no router losses (they are defined per
-micro-batch per rank, and the two layouts cut the batch into micro-batches differently):
-the initial weights are the same global tensors at every EP size, so the loss curves agree
-to reduction order. The log line and metrics.jsonl carry the MoE metrics.
+At 4 ranks with TP=2 the data-parallel size is 2, as at 2 ranks without TP: the same
+micro-batches, each expert split over the TP pair, each TP rank exchanging tokens with
+its EP partner of the same TP rank. Same seed, same global batch (8), fp32, dropless: the
+initial weights are the same global tensors at every layout, so the loss curves agree to
+reduction order. The log line and metrics.jsonl carry the MoE metrics, counted once per
+token. (EP=2 without TP at 4 ranks is covered by the unit tests.)
 """
 
 import pytest
@@ -26,24 +29,29 @@ def run(tmp_path, name, nproc, *flags):
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
-    """EP=1 at 2 ranks; EP=2 at 4 ranks, saving at iteration 2."""
+    """EP=1 at 2 ranks; TP=2 x EP=2 at 4 ranks, saving at iteration 2."""
     tmp_path = tmp_path_factory.mktemp("moe")
     ep1, _ = run(tmp_path, "ep1", 2)
     save = tmp_path / "ckpt"
-    ep2, log = run(tmp_path, "ep2", 4, "--expert-model-parallel-size", "2", "--save", str(save), "--save-interval", "2")
+    ep2, log = run(tmp_path, "tp2-ep2", 4, "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                   "--save", str(save), "--save-interval", "2")
     return ep1, ep2, log, save
 
 
-def test_ep2_at_4_ranks_matches_ep1_at_2_ranks(layouts):
+def test_tp2_ep2_at_4_ranks_matches_ep1_at_2_ranks(layouts):
     ep1, ep2, log, _ = layouts
     curve1 = [ep1[i]["lm_loss"] for i in range(1, ITERS + 1)]
     curve2 = [ep2[i]["lm_loss"] for i in range(1, ITERS + 1)]
     assert curve2 == pytest.approx(curve1, rel=2e-5)
+    assert [ep2[i]["grad_norm"] for i in range(1, ITERS + 1)] == pytest.approx(
+        [ep1[i]["grad_norm"] for i in range(1, ITERS + 1)], rel=1e-4)
     assert len(set(curve1)) == ITERS  # a real curve, not one value repeated
-    # Token load per layer: a micro-batch of the whole world is 4 ranks x 2 x 32 tokens, top-2 of 4 experts.
+    assert "tensor parallel 2 x data parallel 2" in log
+    # Token load per layer, counted once per token (not once per TP rank): a micro-batch of
+    # the data-parallel world is 2 ranks x 2 x 32 tokens, top-2 of 4 experts; the routing is EP=1's.
     for layer in (1, 2):
-        assert ep2[1][f"moe/layer{layer}/mean_tokens_per_expert"] == pytest.approx(4 * 2 * 32 * 2 / 4)
-        assert ep2[1][f"moe/layer{layer}/max_tokens_per_expert"] >= 128
+        assert ep2[1][f"moe/layer{layer}/mean_tokens_per_expert"] == pytest.approx(2 * 2 * 32 * 2 / 4)
+        assert ep2[1][f"moe/layer{layer}/max_tokens_per_expert"] == ep1[1][f"moe/layer{layer}/max_tokens_per_expert"]
     assert "tokens per expert max/mean: layer1 " in log
 
 
@@ -59,9 +67,10 @@ def test_router_losses_and_dropped_tokens_are_logged(tmp_path):
     assert "load_balancing_loss: " in log and "z_loss: " in log and "dropped tokens: " in log
 
 
-def test_checkpoint_saved_at_ep2_resumes_at_ep1(layouts, tmp_path):
-    """Experts are stored by global index (weights and Adam state): the EP=2 run's
-    checkpoint of iteration 2 resumes at EP=1 on 2 ranks exactly where the EP=2 run went on."""
+def test_checkpoint_saved_at_tp2_ep2_resumes_at_tp1_ep1(layouts, tmp_path):
+    """Experts are stored as global tensors by global index (weights and Adam state): the
+    TP=2 x EP=2 run's checkpoint of iteration 2 resumes at TP=1/EP=1 on 2 ranks exactly
+    where the TP=2 x EP=2 run went on."""
     _, ep2, _, save = layouts
     resumed, log = run(tmp_path, "resumed", 2, "--load", str(save / "iter_0000002"))
     assert "resumed from" in log

@@ -1,13 +1,14 @@
 """Gradients of a tensor-parallel model before the optimizer step (Megatron's
 ``finalize_model_grads``, the tensor-parallel part).
 
-A parameter of a tensor-parallel layer is split over TP (its ``global_slices``): each
-rank's gradient is that of its own piece. Every other parameter is replicated over TP.
-Without sequence parallelism all TP ranks compute the same gradient for it. With
+A parameter of a tensor-parallel layer (or one a MoE layer's experts name in
+``tensor_parallel_split``) is split over TP: each rank's gradient is that of its own
+piece. Every other parameter is replicated over TP. Without sequence parallelism all TP ranks compute the same gradient for it. With
 sequence parallelism every replicated parameter of the model is used inside a
 sequence-parallel region (norms, row-parallel biases, learned position embeddings, which
-look up this rank's positions only), so each rank holds the gradient of its sequence
-chunk, and the gradient is their sum over TP: ``all_reduce_sequence_parallel_grads``.
+look up this rank's positions only, a MoE router, which routes this rank's chunk, and an
+expert's fc2 bias, which TP rank 0 alone adds), so each rank holds the gradient of its
+sequence chunk, and the gradient is their sum over TP: ``all_reduce_sequence_parallel_grads``.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ TENSOR_PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallel
 
 
 def tensor_parallel_parameters(model: nn.Module) -> List[nn.Parameter]:
-    """The parameters split over TP (read after wrapping: the module's current ones)."""
+    """The parameters split over TP (read after wrapping: the module's current ones): those
+    of the TP layers, and those another layer names in ``tensor_parallel_split`` (the
+    experts of a MoE layer)."""
     out = []
     for module in model.modules():
         if isinstance(module, TENSOR_PARALLEL_LAYERS):
-            out += [module._parameters[a] for a in module.global_slices if module._parameters.get(a) is not None]
+            names = module.global_slices
+        else:
+            names = getattr(module, "tensor_parallel_split", ())
+        out += [module._parameters[a] for a in names if module._parameters.get(a) is not None]
     return out
 
 

@@ -142,6 +142,9 @@ class TransformerConfig:
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_token_dispatcher_type: str = "alltoall"
     expert_model_parallel_size: int = 1
+    # Each expert's split over TP (Megatron's field): None or the TP size; other sizes are
+    # not implemented (moe/config.py says so).
+    expert_tensor_parallel_size: Optional[int] = None
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -237,11 +240,6 @@ class TransformerConfig:
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
         self._check_tensor_parallel()
         check_moe_config(self)
-        if self.num_moe_experts is not None and self.tensor_model_parallel_size > 1:
-            raise ValueError(
-                "mixture of experts with tensor parallelism is not supported yet; use "
-                "tensor_model_parallel_size 1 with experts (expert parallelism shards them instead)."
-            )
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_model_parallel_size

@@ -162,8 +162,9 @@ def test_parallel_sizes_mapped_and_rejected_flags():
             parse(f"{flag} 2")
     with pytest.raises(ValueError, match="--expert-model-parallel-size 2 needs a mixture of experts; add --num-experts"):
         parse("--expert-model-parallel-size 2")
-    with pytest.raises(ValueError, match="--num-experts with --tensor-model-parallel-size > 1 is not supported yet"):
-        parse("--num-experts 4 --tensor-model-parallel-size 2", world_size=2)
+    # Experts under TP: each expert split like the dense MLP (Megatron's default expert TP size).
+    args = parse("--num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2", world_size=2)
+    assert (args.tensor_model_parallel_size, args.expert_tensor_parallel_size) == (2, 2)
     with pytest.raises(ValueError, match="--fp8-format is not supported: FP8 training is not supported; use --bf16"):
         parse("--fp8-format hybrid")
     with pytest.raises(ValueError, match="--ckpt-format: invalid choice"):

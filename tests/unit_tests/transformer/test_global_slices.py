@@ -19,6 +19,18 @@ def test_partition_rows_columns_and_blocks():
     assert piece.local_shape == (4, 6)
 
 
+def test_a_piece_cut_along_two_dims():
+    """An expert's row-parallel weight under EP x TP: rank 1 of 2's experts (rows 4..8),
+    then TP rank 0 of 2's columns of them."""
+    full = torch.arange(8 * 6).view(8, 6)
+    experts = partition((8, 6), 0, 1, 2)
+    piece = GlobalSlice(experts.global_shape, experts.dim, experts.ranges, inner=partition(experts.outer_shape, 1, 0, 2))
+    assert piece.local_shape == (4, 3) and experts.outer_shape == (4, 6)
+    assert torch.equal(piece.take(full), full[4:8, 0:3])
+    with pytest.raises(ValueError, match="inner GlobalSlice cuts a tensor of shape"):
+        GlobalSlice((8, 6), 0, ((4, 8),), inner=partition((8, 6), 1, 0, 2))
+
+
 def test_bad_partitions_raise():
     with pytest.raises(ValueError, match="does not split"):
         partition((6, 2), 0, 0, 4)

@@ -188,6 +188,20 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
     ("--num-experts 4 --moe-pad-expert-input-to-capacity", 1, "needs --moe-expert-capacity-factor"),
     ("--num-experts 4 --use-mfsdp --num-distributed-optimizer-instances 2", 2, "HSDP/HFSDP"),
     ("--num-experts 4 --moe-token-dispatcher-type flex", 1, "flex"),
+    # Experts under tensor parallelism.
+    ("--num-experts 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --use-mfsdp", 2,
+     r"must divide the data-parallel size \(1 = world size 2 / tensor-parallel size 2\)"),
+    ("--num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1", 2,
+     "--expert-tensor-parallel-size 1 is not supported with --tensor-model-parallel-size 2.*set it to 2"),
+    ("--expert-tensor-parallel-size 2", 1, "set it to 1"),
+    ("--num-experts 4 --tensor-model-parallel-size 2 --moe-ffn-hidden-size 33", 2,
+     r"--moe-ffn-hidden-size \(33\) must be divisible by --tensor-model-parallel-size \(2\)"),
+    ("--num-experts 4 --tensor-model-parallel-size 2 --moe-shared-expert-intermediate-size 15", 2,
+     r"--moe-shared-expert-intermediate-size \(15\) must be divisible"),
+    ("--num-experts 4 --tensor-model-parallel-size 2 --moe-grouped-gemm --moe-ffn-hidden-size 24", 2,
+     "multiples of 8.*got --moe-ffn-hidden-size / TP 2 12"),
+    ("--num-experts 4 --tensor-model-parallel-size 2 --sequence-parallel --moe-expert-capacity-factor 1", 2,
+     "drop --sequence-parallel or the capacity factor"),
 ])
 def test_parse_time_errors(flags, world, message):
     with pytest.raises(ValueError, match=message):

@@ -81,6 +81,12 @@ def check_moe_config(config) -> None:
     ep = config.expert_model_parallel_size
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"expert_model_parallel_size must be a positive integer, got {ep!r}.")
+    tp, etp = getattr(config, "tensor_model_parallel_size", 1), getattr(config, "expert_tensor_parallel_size", None)
+    if etp is not None and etp != tp:
+        raise ValueError(
+            f"--expert-tensor-parallel-size {etp} is not supported with --tensor-model-parallel-size {tp}: only "
+            f"experts split like the dense layers are implemented; drop the flag or set it to {tp}."
+        )
     experts = config.num_moe_experts
     if experts is None:
         if ep > 1:
@@ -140,14 +146,18 @@ def check_moe_config(config) -> None:
                 f"--moe-grouped-gemm needs torch.nn.functional.grouped_mm (torch >= 2.9; this is torch "
                 f"{torch.__version__}); drop the flag to run the experts in a loop."
             )
-        # grouped_mm wants 16-byte aligned rows: 8 elements covers bf16/fp16 and fp32.
-        widths = {"--hidden-size": config.hidden_size, "--moe-ffn-hidden-size": config.moe_ffn_hidden_size}
+        # grouped_mm wants 16-byte aligned rows: 8 elements covers bf16/fp16 and fp32. Under
+        # TP a rank's expert is moe_ffn_hidden_size / TP wide.
+        tp = getattr(config, "tensor_model_parallel_size", 1)
+        widths = {"--hidden-size": config.hidden_size,
+                  "--moe-ffn-hidden-size" + (f" / TP {tp}" if tp > 1 else ""): config.moe_ffn_hidden_size // tp}
         odd = [f"{flag} {width}" for flag, width in widths.items() if width % 8]
         if odd:
             raise ValueError(
                 f"--moe-grouped-gemm needs widths that are multiples of 8 (16-byte rows), got {', '.join(odd)}; "
                 "change them or drop --moe-grouped-gemm."
             )
+    _check_moe_tensor_parallel(config)
     freq = config.moe_layer_freq
     if isinstance(freq, int):
         if freq < 1:
@@ -159,3 +169,21 @@ def check_moe_config(config) -> None:
             )
         if not any(freq):
             raise ValueError("--moe-layer-freq makes no layer a MoE layer; put a 1 somewhere or drop --num-experts.")
+
+
+def _check_moe_tensor_parallel(config) -> None:
+    """Experts under TP: each expert split over the TP group, as Megatron does by default."""
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    if tp == 1:
+        return
+    sizes = {"--moe-ffn-hidden-size": config.moe_ffn_hidden_size,
+             "--moe-shared-expert-intermediate-size": config.moe_shared_expert_intermediate_size}
+    for flag, size in sizes.items():
+        if size is not None and size % tp:
+            raise ValueError(f"{flag} ({size}) must be divisible by --tensor-model-parallel-size ({tp}); "
+                             "each TP rank holds an equal piece of every expert.")
+    if getattr(config, "sequence_parallel", False) and config.moe_expert_capacity_factor is not None:
+        raise ValueError(
+            "--moe-expert-capacity-factor with --sequence-parallel is not supported: each TP rank routes its own "
+            "sequence chunk, so capacity would be per chunk; drop --sequence-parallel or the capacity factor."
+        )

@@ -13,7 +13,17 @@ expert's gradient on rank r already sums the contributions of the tokens of all 
 its EP group (the all-to-all's backward brings them back). Averaging over the W / P ranks
 that hold the expert then divides by W / P only; the remaining factor P is ``grad_divisor``.
 
-This module is self-contained so that it can later move into a ``parallel_state``.
+With tensor parallelism of size T (the world is ``(dp, tp)``, TP innermost,
+``megatron/core/parallel_state.py``) the same holds per TP coordinate, as in Megatron with
+the expert tensor-parallel size equal to T: the mesh is ``("expert_dp", "ep", "tp")`` of
+shape ``(W / P, P, T)`` over the same ranks (W the data-parallel size, so data-parallel
+rank ``d = e * P + r`` of TP rank ``t`` is world rank ``d * T + t``). The ranks that
+exchange tokens have the same TP rank and form one EP group; every expert is split over
+the TP group (``experts.py``); the expert-data-parallel ranks hold the same experts and
+the same TP piece of them. The divisor stays P.
+
+This module is the one place that builds the expert layout; it needs nothing from
+``parallel_state`` but the TP size (both put TP innermost, so their TP groups agree).
 """
 
 from __future__ import annotations
@@ -38,6 +48,13 @@ class ExpertParallel:
     mesh: Any = None
 
     @property
+    def tp_size(self) -> int:
+        """The TP size the mesh was built for (its innermost ``tp`` dimension, else 1)."""
+        if self.mesh is None or "tp" not in self.mesh.mesh_dim_names:
+            return 1
+        return self.mesh.size(self.mesh.mesh_dim_names.index("tp"))
+
+    @property
     def expert_dp_mesh(self):
         """The 1-D mesh of the ranks that hold the same experts (MFSDP shards experts over it)."""
         if self.mesh is None:
@@ -50,26 +67,36 @@ class ExpertParallel:
         return range(self.rank * local, (self.rank + 1) * local)
 
 
-def check_expert_parallel_size(ep_size: int, world_size: int) -> None:
-    if ep_size < 1 or world_size % ep_size:
+def check_expert_parallel_size(ep_size: int, dp_size: int, tp_size: int = 1) -> None:
+    """EP groups lie inside the ``dp_size`` data-parallel ranks (of one TP coordinate)."""
+    if ep_size < 1 or dp_size % ep_size:
+        size = f"{dp_size} = world size {dp_size * tp_size} / tensor-parallel size {tp_size}" if tp_size > 1 else dp_size
         raise ValueError(
-            f"--expert-model-parallel-size ({ep_size}) must divide the data-parallel size ({world_size}); "
-            f"use a divisor of {world_size}."
+            f"--expert-model-parallel-size ({ep_size}) must divide the data-parallel size ({size}); "
+            f"use a divisor of {dp_size}" + (" or a smaller --tensor-model-parallel-size." if tp_size > 1 else ".")
         )
 
 
-def build_expert_parallel(ep_size: int, device_type: str) -> ExpertParallel:
-    """The layout for EP size ``ep_size`` over the default process group (every rank calls it).
-    Without an initialized process group only size 1 exists (a single process)."""
+def build_expert_parallel(ep_size: int, device_type: str, tp_size: int = 1) -> ExpertParallel:
+    """The layout for EP size ``ep_size`` over the default process group, with TP size
+    ``tp_size`` innermost (every rank calls it). Without an initialized process group only
+    sizes 1 exist (a single process)."""
     if not dist.is_initialized():
-        if ep_size != 1:
-            raise ValueError(f"expert parallelism of size {ep_size} needs torch.distributed (launch with torchrun).")
+        if ep_size != 1 or tp_size != 1:
+            raise ValueError(f"expert parallelism of size {ep_size} with TP size {tp_size} needs torch.distributed "
+                             "(launch with torchrun).")
         return ExpertParallel()
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    check_expert_parallel_size(ep_size, world)
-    mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("expert_dp", "ep"))
+    if tp_size < 1 or world % tp_size:
+        raise ValueError(f"the TP size ({tp_size}) must divide the world size ({world}).")
+    dp = world // tp_size
+    check_expert_parallel_size(ep_size, dp, tp_size)
+    shape, names = (dp // ep_size, ep_size), ("expert_dp", "ep")
+    if tp_size > 1:
+        shape, names = shape + (tp_size,), names + ("tp",)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     group = mesh.get_group("ep") if ep_size > 1 else None
     return ExpertParallel(size=ep_size, rank=mesh.get_local_rank("ep"), group=group, mesh=mesh)
 
@@ -111,10 +138,11 @@ def _sum_over_ep(value: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
 
 def norm_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor], ep: ExpertParallel,
                       norm_of) -> torch.Tensor:
-    """The global 2-norm ``norm_of`` (e.g. ``get_grad_norm``, ``get_params_norm``) gives for
-    a list of tensors, when some of them (``experts``, a subset of ``params``) differ across
-    the EP group: their squared norm (already reduced over the expert-DP mesh) is summed
-    over the EP group as well."""
+    """The global 2-norm ``norm_of`` (e.g. ``get_grad_norm``, ``get_params_norm``, with
+    their tensor-parallel arguments bound) gives for a list of tensors, when some of them
+    (``experts``, a subset of ``params``) differ across the EP group: their squared norm
+    (already reduced over the expert-DP mesh, and over TP for TP pieces) is summed over
+    the EP group as well."""
     _, dense, expert = _split(params, experts)
     dense_sq = norm_of(dense).double().cpu() ** 2
     expert_sq = _sum_over_ep(norm_of(expert) ** 2, ep)
@@ -122,13 +150,14 @@ def norm_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Te
 
 
 def clip_grad_norm_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor],
-                                ep: ExpertParallel, max_norm: float) -> torch.Tensor:
+                                ep: ExpertParallel, max_norm: float, **tensor_parallel) -> torch.Tensor:
     """Global gradient 2-norm (``norm_with_experts``), and clipping to ``max_norm`` (> 0),
-    with the coefficient of ``torch.nn.utils.clip_grad_norm_``."""
+    with the coefficient of ``torch.nn.utils.clip_grad_norm_``. ``tensor_parallel``:
+    ``get_grad_norm``'s ``tensor_parallel_params`` and ``tp_group``, under TP."""
     from megatron.core.optimizer.clip_grads import get_grad_norm
 
     params = list(params)
-    total = norm_with_experts(params, experts, ep, get_grad_norm)
+    total = norm_with_experts(params, experts, ep, lambda ps: get_grad_norm(ps, **tensor_parallel))
     if max_norm > 0 and math.isfinite(float(total)):
         coef = min(max_norm / (float(total) + 1e-6), 1.0)
         for p in params:
@@ -139,12 +168,14 @@ def clip_grad_norm_with_experts(params: Iterable[torch.Tensor], experts: Iterabl
 
 
 def count_zeros_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor],
-                             ep: ExpertParallel) -> int:
-    """Zero gradient entries over the whole model, the experts' counted over the EP group too."""
+                             ep: ExpertParallel, **tensor_parallel) -> int:
+    """Zero gradient entries over the whole model, the experts' counted over the EP group too
+    (``tensor_parallel`` as for ``clip_grad_norm_with_experts``)."""
     from megatron.core.optimizer import count_zeros
 
     _, dense, expert = _split(params, experts)
-    return count_zeros(dense) + int(_sum_over_ep(torch.tensor(float(count_zeros(expert))), ep))
+    expert_zeros = float(count_zeros(expert, **tensor_parallel))
+    return count_zeros(dense, **tensor_parallel) + int(_sum_over_ep(torch.tensor(expert_zeros), ep))
 
 
 def _comm_device(ep: ExpertParallel) -> torch.device:

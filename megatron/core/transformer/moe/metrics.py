@@ -3,7 +3,7 @@
 Each ``MoELayer`` records, for every training forward pass, the tokens this rank routed
 to each expert (after dropping), the dropped assignments, and the router losses divided
 by their coefficients (Megatron's logged values). ``collect_moe_metrics`` sums the
-records over the data-parallel ranks, turns them into means per forward pass and resets
+records over the data-parallel ranks (of one TP coordinate), turns them into means per forward pass and resets
 them. A recomputed forward (activation recompute) records again; the means are unchanged.
 
 Per layer (1-based ``n``): ``moe/layer{n}/max_tokens_per_expert`` and
@@ -48,9 +48,13 @@ class MoELayerMetrics:
                 + [self.losses[n] for n in LOSS_NAMES] + [float(self.loss_records[n]) for n in LOSS_NAMES])
 
 
-def collect_moe_metrics(model: torch.nn.Module, device: torch.device = torch.device("cpu")) -> Dict[str, float]:
-    """The metrics above, reduced over the default process group (every rank calls it; a
-    collective), then reset. ``{}`` for a model without MoE layers or without records."""
+def collect_moe_metrics(model: torch.nn.Module, device: torch.device = torch.device("cpu"),
+                        group=None) -> Dict[str, float]:
+    """The metrics above, reduced over ``group`` (the data-parallel ranks of this TP
+    coordinate; None: the default process group), then reset; every rank of the group
+    calls it (a collective). Under TP every rank of a TP group records the same whole
+    micro-batch, so the data-parallel group counts each token once. ``{}`` for a model
+    without MoE layers or without records."""
     from .expert_parallel import moe_layers
 
     layers = moe_layers(model)
@@ -59,10 +63,10 @@ def collect_moe_metrics(model: torch.nn.Module, device: torch.device = torch.dev
     rows = torch.tensor([layer.metrics.as_row() for layer in layers], dtype=torch.float64, device=device)
     for layer in layers:
         layer.metrics.reset()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(rows)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world > 1:
+        dist.all_reduce(rows, group=group)
     rows = rows.cpu()
-    world = dist.get_world_size() if dist.is_initialized() else 1
     experts = layers[0].metrics.num_experts
     out: Dict[str, float] = {}
     ratios, dropped, loss_sums = [], [], {n: [] for n in LOSS_NAMES}

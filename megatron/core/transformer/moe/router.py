@@ -17,6 +17,13 @@ Megatron-LM's ``TopKRouter`` semantics (``megatron/core/transformer/moe/router.p
   experts and tokens_e the top-k choices before dropping; the z-loss
   ``coeff * mean_t(logsumexp(logits_t)^2)``.
 
+With sequence parallelism each TP rank routes its own chunk of the sequence, and its
+losses are its chunk's share of the micro-batch's losses: the load-balancing loss with
+the token counts and the number of tokens of the whole sequence (counts summed over TP),
+the z-loss over the whole sequence's token count. The shares add up over TP to the
+losses of the unsplit micro-batch, so no token is counted twice; ``last_stats`` holds
+the whole values.
+
 Neither loss is returned: as in Megatron, each is attached to the graph with
 ``MoEAuxLossAutoScaler`` so that backward adds its gradient with the scale the trainer
 sets (``set_aux_loss_backward_scale``: 1/num_microbatches times the fp16 loss scale, the
@@ -30,6 +37,7 @@ import math
 from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -176,15 +184,32 @@ class TopKRouter(nn.Module):
         bias = self.bias.to(dtype) if self.bias is not None else None
         return F.linear(x.to(dtype), self.weight.to(dtype), bias)
 
+    @property
+    def sequence_group(self):
+        """The TP group the sequence is split over (sequence parallelism), else None."""
+        config = self.config
+        if config.sequence_parallel and config.tensor_model_parallel_size > 1:
+            return config.tp_group
+        return None
+
+    def _whole(self, share: torch.Tensor) -> torch.Tensor:
+        """A loss of this rank's chunk summed over the sequence group (for logging)."""
+        share = share.detach().clone()
+        if self.sequence_group is not None:
+            dist.all_reduce(share, group=self.sequence_group)
+        return share
+
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         config = self.config
         logits = self.gating(x)
         with_losses = self.training and torch.is_grad_enabled()
         self.last_stats = {}
+        group = self.sequence_group
+        chunks = 1 if group is None else dist.get_world_size(group)
         if with_losses and config.moe_z_loss_coeff:
-            z_loss = z_loss_func(logits, config.moe_z_loss_coeff)
+            z_loss = z_loss_func(logits, config.moe_z_loss_coeff) / chunks
             logits = MoEAuxLossAutoScaler.apply(logits, z_loss, self.aux_loss_backward_scale)
-            self.last_stats["z_loss"] = z_loss.detach() / config.moe_z_loss_coeff
+            self.last_stats["z_loss"] = self._whole(z_loss) / config.moe_z_loss_coeff
         probs, routing_map = topk_routing_with_score_function(
             logits, self.topk, use_pre_softmax=config.moe_router_pre_softmax,
             score_function=config.moe_router_score_function,
@@ -200,10 +225,13 @@ class TopKRouter(nn.Module):
         coeff = config.moe_aux_loss_coeff
         if with_losses and coeff > 0 and config.moe_router_load_balancing_type == "aux_loss":
             aux_map, scores = scores_for_aux_loss(logits, self.topk, config.moe_router_score_function)
-            aux_loss = switch_load_balancing_loss_func(scores, aux_map.sum(dim=0), logits.shape[0], self.topk,
-                                                       self.num_experts, coeff)
+            tokens_per_expert = aux_map.sum(dim=0)
+            if group is not None:  # the whole sequence's counts
+                dist.all_reduce(tokens_per_expert, group=group)
+            aux_loss = switch_load_balancing_loss_func(scores, tokens_per_expert, logits.shape[0] * chunks,
+                                                       self.topk, self.num_experts, coeff)
             probs = MoEAuxLossAutoScaler.apply(probs, aux_loss, self.aux_loss_backward_scale)
-            self.last_stats["load_balancing_loss"] = aux_loss.detach() / coeff
+            self.last_stats["load_balancing_loss"] = self._whole(aux_loss) / coeff
         return probs, routing_map
 
 

@@ -325,6 +325,9 @@ def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
     with pytest.raises(SystemExit, match="HSDP/HFSDP"):
         main(["--world-size", "4", *small, "--use-mfsdp", "--num-experts", "4", "--num-distributed-optimizer-instances",
               "2"])
+    # The TP collectives of a MoE layer are not modelled: refused, not planned wrong.
+    with pytest.raises(SystemExit, match="mixture of experts with --tensor-model-parallel-size > 1"):
+        main(["--world-size", "4", *small, "--num-experts", "4", "--tensor-model-parallel-size", "2"])
     # TP/EP plans need a fake world of their own (tool_units runs them in a fresh process).
     with pytest.raises(SystemExit, match="not under torchrun"):
         main(["--world-size", "4", *small, "--tensor-model-parallel-size", "2"])

@@ -72,21 +72,28 @@ def train(args, built, reference, aux: float):
         losses.append(float(loss) / WORLD)
 
         ref_optimizer.zero_grad(set_to_none=True)
-        if aux:
-            ref_loss = 0.0
-            for r in range(WORLD):  # each rank's rows are one micro-batch of the reference
-                rows = slice(r * ROWS, (r + 1) * ROWS)
-                part = reference(tokens[rows], labels=labels[rows]).mean() / WORLD
-                part.backward()
-                ref_loss += float(part.detach())
-        else:
-            ref_loss = reference(tokens, labels=labels).mean()
-            ref_loss.backward()
-            ref_loss = float(ref_loss.detach())
+        ref_loss = reference_backward(reference, tokens, labels, WORLD, per_rank=bool(aux))
         ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))))
         ref_optimizer.step()
         ref_losses.append(ref_loss)
     return losses, ref_losses, norms, ref_norms
+
+
+def reference_backward(reference, tokens, labels, ranks: int, per_rank: bool) -> float:
+    """The reference's loss and backward on the global batch of ``ranks`` data-parallel
+    ranks; with ``per_rank`` each rank's rows are one micro-batch of a gradient
+    accumulation (the router losses are per micro-batch)."""
+    if not per_rank:
+        loss = reference(tokens, labels=labels).mean()
+        loss.backward()
+        return float(loss.detach())
+    total, rows = 0.0, tokens.shape[0] // ranks
+    for r in range(ranks):
+        mine = slice(r * rows, (r + 1) * rows)
+        part = reference(tokens[mine], labels=labels[mine]).mean() / ranks
+        part.backward()
+        total += float(part.detach())
+    return total
 
 
 def compare_weights(built, reference, rtol=2e-5, atol=2e-6):

@@ -12,7 +12,8 @@ save (DCP reads them) and a load (DCP writes into them).
 
 ``pieces`` (optional, ``{fqn: piece}``) names the parameters that are a rank's piece of a
 larger global tensor (tensor or expert parallelism): ``piece.global_shape`` and the
-``(start, stop)`` ``piece.ranges`` along ``piece.dim`` that the local tensor concatenates
+``(start, stop)`` ``piece.ranges`` along ``piece.dim`` that the local tensor concatenates,
+or, when ``piece.inner`` is set, that the inner piece is cut from
 (``megatron.core.global_slices.GlobalSlice`` has this shape). Their entries, and those of
 optimizer state laid out like them, are the global tensors with the local data at its
 true offsets, so a checkpoint does not depend on the tensor-parallel layout either.
@@ -103,9 +104,12 @@ def _sharded(rows: ShardedRows, tensor, what: str, piece=None) -> ChunkedTensor:
 
 
 def _in_global(entry: ChunkedTensor, piece) -> ChunkedTensor:
-    """``entry`` (in the coordinates of this rank's piece) in the global tensor's coordinates."""
+    """``entry`` (in the coordinates of this rank's piece) in the global tensor's coordinates.
+    A piece with an ``inner`` piece (cut along two dims) maps through the inner one first."""
     if piece is None:
         return entry
+    if getattr(piece, "inner", None) is not None:
+        entry = _in_global(entry, piece.inner)
     dim, chunks = piece.dim, []
     for offsets, local in entry._chunks:
         start, end = offsets[dim], offsets[dim] + local.shape[dim]
