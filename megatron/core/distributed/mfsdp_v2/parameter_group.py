@@ -3,7 +3,8 @@ drives (unshard, reshard, reduce_grads, sync after the optimizer step).
 
 The buffers and their placements are in ``group_buffers.py``; every collective is a
 ``FlatBuffer.redistribute`` between those placements (``flat_buffer.py``); where each
-parameter's rows live is ``shard_views.py``; the gradient path is ``grad_reduction.py``.
+parameter's rows live is ``shard_views.py``; the gradient path is ``grad_reduction.py``;
+the refresh of the compute weights after the optimizer step is ``weight_sync.py``.
 All sharded buffers follow one ``FlatLayout`` over the inner (sharding) axis, so a rank's
 slice of every tensor is whole rows.
 """
@@ -18,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import work as comm
-from .flat_buffer import CommResources, FlatBuffer, alloc_storage, free_storage, single_axis_steps
+from .flat_buffer import CommResources, FlatBuffer, alloc_storage, free_storage
 from .fsdp_parameter import FsdpParameter
 from .grad_reduction import GradientReduction
 from .group_buffers import allocate_buffers, persistent_bytes
@@ -26,11 +27,12 @@ from .layout import FlatLayout
 from .mixed_precision import ResolvedPrecision
 from .placements import Strategy
 from .shard_views import ShardViews
+from .weight_sync import WeightSync
 
 __all__ = ["CommResources", "FsdpParameter", "ParameterGroup"]
 
 
-class ParameterGroup(ShardViews, GradientReduction):
+class ParameterGroup(ShardViews, GradientReduction, WeightSync):
     """Buffers and collectives for the parameters of one unit that share (dtype, requires_grad)."""
 
     def __init__(self, unit_name_hint: str, params: Sequence[FsdpParameter], originals: Sequence[nn.Parameter],
@@ -176,42 +178,3 @@ class ParameterGroup(ShardViews, GradientReduction):
     def _release_unsharded(self) -> None:
         for t in (self.unsharded, *self._own_unsharded.values()):
             free_storage(t)
-
-    # After the optimizer step: optimizer placement -> parameter placement ---------------
-    def sync_model_weight_from_main_weight(self) -> None:
-        """Refresh the compute weights from main_weight now (upstream's name; waits)."""
-        for work in self.sync_model_weight():
-            work.wait()
-
-    def sync_model_weight(self) -> List[comm.CollectiveWork]:
-        """After the optimizer updated main_weight: refresh the compute weights (an
-        all-gather where the optimizer placement is Shard and the parameter's Replicate)."""
-        source, target = self.strategy.optimizer, self.strategy.parameter
-        with torch.no_grad():
-            if source == target:  # same rows: a local copy where the buffers differ
-                if self.model_weight is not None and self.model_weight is not self.main_weight:
-                    self.model_weight.copy_(self.main_weight)
-                elif self.model_weight is None and self.unsharded is not self.main_weight:
-                    for p in self.fsdp_parameters:
-                        self._unsharded_tensor(p).copy_(self._main_view(p))
-                return []
-            (axis, _, _), = single_axis_steps(source, target)  # decode_strategy allows no more
-            stream = self.resources.allgather_stream
-            wire = self.flat(self.main_weight.to(self.dtype), source)
-            outer = axis == 0 and self.outer_group is not None
-            layout = self.outer_layout if outer else self.layout
-            with self.device.stream(stream):
-                gathered = torch.empty(layout.gathered_numel, dtype=self.dtype, device=wire.data.device)
-            if outer:  # HFSDP: gather the outer pieces of this rank's inner shard
-                pieces = self.layout.pieces_by_shard[self.shard_index]
-
-                def copy_out() -> None:
-                    for j, piece in enumerate(pieces):
-                        self.outer_layout.copy_out(gathered, j, self.model_weight.narrow(0, piece.offset, piece.numel))
-            else:  # ZeRO-1/2: gather the updated shards into the replicated compute weights
-
-                def copy_out() -> None:
-                    for p in self.fsdp_parameters:
-                        self.layout.copy_out(gathered, p.index, self._unsharded_tensor(p))
-
-            return [wire.redistribute(wire.like(gathered, target), self.resources, stream, post_ops=[copy_out])]

@@ -1,0 +1,64 @@
+"""After the optimizer step: the compute weights follow the updated main weights.
+
+``WeightSync`` is a mixin of ``ParameterGroup``. The optimizer updates ``main_weight``
+(optimizer placement); the compute weights (parameter placement) are then refreshed:
+
+    same placement            a local copy where the buffers differ (dtype), else nothing
+    inner Shard -> Replicate  ZeRO-1/2: all-gather the updated shards into the replicated
+                              compute weights
+    outer Shard -> Replicate  HFSDP: all-gather the outer pieces of this rank's inner shard
+
+The mixin reads the group's strategy, precision, layouts, buffers and views
+(``shard_views.py``) and issues its collective through ``FlatBuffer.redistribute``.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from . import work as comm
+from .flat_buffer import single_axis_steps
+
+
+class WeightSync:
+    """Refresh the compute weights from ``main_weight`` after the optimizer step."""
+
+    def sync_model_weight_from_main_weight(self) -> None:
+        """Refresh the compute weights from main_weight now (upstream's name; waits)."""
+        for work in self.sync_model_weight():
+            work.wait()
+
+    def sync_model_weight(self) -> List[comm.CollectiveWork]:
+        """After the optimizer updated main_weight: refresh the compute weights (an
+        all-gather where the optimizer placement is Shard and the parameter's Replicate)."""
+        source, target = self.strategy.optimizer, self.strategy.parameter
+        with torch.no_grad():
+            if source == target:  # same rows: a local copy where the buffers differ
+                if self.model_weight is not None and self.model_weight is not self.main_weight:
+                    self.model_weight.copy_(self.main_weight)
+                elif self.model_weight is None and self.unsharded is not self.main_weight:
+                    for p in self.fsdp_parameters:
+                        self._unsharded_tensor(p).copy_(self._main_view(p))
+                return []
+            (axis, _, _), = single_axis_steps(source, target)  # decode_strategy allows no more
+            stream = self.resources.allgather_stream
+            wire = self.flat(self.main_weight.to(self.dtype), source)
+            outer = axis == 0 and self.outer_group is not None
+            layout = self.outer_layout if outer else self.layout
+            with self.device.stream(stream):
+                gathered = torch.empty(layout.gathered_numel, dtype=self.dtype, device=wire.data.device)
+            if outer:  # HFSDP: gather the outer pieces of this rank's inner shard
+                pieces = self.layout.pieces_by_shard[self.shard_index]
+
+                def copy_out() -> None:
+                    for j, piece in enumerate(pieces):
+                        self.outer_layout.copy_out(gathered, j, self.model_weight.narrow(0, piece.offset, piece.numel))
+            else:  # ZeRO-1/2: gather the updated shards into the replicated compute weights
+
+                def copy_out() -> None:
+                    for p in self.fsdp_parameters:
+                        self.layout.copy_out(gathered, p.index, self._unsharded_tensor(p))
+
+            return [wire.redistribute(wire.like(gathered, target), self.resources, stream, post_ops=[copy_out])]
