@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist_helpers import full_tensors
 from _trainer_models import gpt_provider, trainer_args
 from megatron.core import parallel_state
 from megatron.core.distributed.mfsdp_v2 import fully_shard_optimizer, microbatch
@@ -31,7 +30,7 @@ from megatron.core.transformer.moe import moe_layer, router
 from megatron.core.transformer.moe.metrics import collect_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
 from megatron.training.model_builder import build_model, finalize_model_grads, get_grad_norm_and_clip
-from test_moe_expert_parallel import compare_weights, reference_backward
+from test_moe_expert_parallel import compare_grads, compare_weights, reference_backward
 
 WORLD = dist.get_world_size()
 SEQ, VOCAB, STEPS, ROWS = 16, 96, 3, 2  # ROWS per data-parallel rank
@@ -78,25 +77,6 @@ def global_batch(dp: int):
     generator = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, VOCAB, (ROWS * dp, SEQ + 1), generator=generator)
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def full_grads(model):
-    """name -> the whole gradient of every parameter on this rank (sharded ones gathered)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
-    sharded = [(n, p.grad) for n, p in named if hasattr(p.grad, "to_local")]
-    fulls = dict(zip([n for n, _ in sharded], full_tensors([g for _, g in sharded]))) if sharded else {}
-    return {n: fulls[n] if n in fulls else p.grad.detach().clone() for n, p in named}
-
-
-def compare_grads(model, reference, rtol=1e-4, atol=1e-6):
-    """Every gradient is this rank's piece of the reference's gradient (experts by global index)."""
-    pieces = global_slices_by_name(model)
-    expected = {n: p.grad for n, p in reference.named_parameters()}
-    for name, grad in full_grads(model).items():
-        ref = expected[name]
-        if name in pieces:
-            ref = pieces[name].take(ref)
-        torch.testing.assert_close(grad, ref, rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
 
 
 def train(args, built, reference, state, losses: bool, check_grads: bool = True):
