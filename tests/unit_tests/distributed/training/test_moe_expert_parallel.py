@@ -229,6 +229,22 @@ def test_wrong_expert_grad_divisor_breaks_parity(divisor, monkeypatch):
         compare_weights(built, reference)
 
 
+def test_experts_without_the_outer_reduction_break_parity(monkeypatch):
+    """The HSDP parity test can fail: experts sharded over one instance's expert_inner only
+    (no average over the instances) train differently from the reference."""
+    from megatron.core.distributed.mfsdp_v2 import Placements
+
+    def shard_within_one_instance(layer, args, policy):
+        moe = layer.mlp
+        return [fully_shard(moe.experts, moe.expert_parallel.mesh["expert_inner"], Placements.zero3("expert_inner"),
+                            mixed_precision_policy=policy, grad_divisor=moe.expert_parallel.size)]
+
+    monkeypatch.setattr(model_builder, "shard_experts", shard_within_one_instance)
+    built, reference, _ = run_case(HYBRID_EP, "optim_grads_params", 0.0, *HYBRIDS["hsdp"])
+    with pytest.raises(AssertionError, match="not close"):
+        compare_weights(built, reference)
+
+
 def test_expert_weights_are_pieces_of_the_ep1_weights():
     """Same seed, any EP size: this rank's experts are its rows of the EP=1 initial weights."""
     ep = EP_SIZES[-1]
