@@ -165,7 +165,8 @@ def main(argv=None):
     if args.num_experts and args.dp_outer_size > 1:
         # The trainer runs it (2-D expert mesh); the planner does not model expert units over two levels.
         raise SystemExit("estimate_memory.py: error: plans of a mixture of experts with HSDP/HFSDP "
-                         "(--num-distributed-optimizer-instances > 1) are not supported yet; plan it with one instance.")
+                         "(--num-distributed-optimizer-instances > 1) are not supported yet; "
+                         "plan it with one instance.")
     if needs_process_groups(args) and dist.is_initialized():
         # The planning world is a process group of its own; this process already has one.
         raise SystemExit("estimate_memory.py: error: plans with TP or EP > 1 build the model in a fake world; "

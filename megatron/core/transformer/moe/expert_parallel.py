@@ -129,7 +129,8 @@ def build_expert_parallel(ep_size: int, device_type: str, tp_size: int = 1, dp_o
 
     world = dist.get_world_size()
     if tp_size < 1 or dp_outer_size < 1 or world % (tp_size * dp_outer_size):
-        raise ValueError(f"the TP size ({tp_size}) x the instances ({dp_outer_size}) must divide the world size ({world}).")
+        raise ValueError(f"the TP size ({tp_size}) x the instances ({dp_outer_size}) must divide the world size "
+                         f"({world}).")
     dp = world // tp_size
     check_expert_parallel_size(ep_size, dp, tp_size, dp_outer_size)
     if dp_outer_size > 1:
