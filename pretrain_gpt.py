@@ -89,7 +89,9 @@ def model_provider(args):
             # local. Checkpoints store experts globally, so any saved EP size loads.
             config = dataclasses.replace(config, expert_model_parallel_size=1)
         expert_parallel = build_expert_parallel(config.expert_model_parallel_size, getattr(args, "device_type", "cpu"),
-                                                tp_size=config.tensor_model_parallel_size)
+                                                tp_size=config.tensor_model_parallel_size,
+                                                dp_outer_size=getattr(args, "dp_outer_size", 1)
+                                                if torch.distributed.is_initialized() else 1)
     return GPTModel(
         config,
         expert_parallel=expert_parallel,

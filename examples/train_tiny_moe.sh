@@ -9,6 +9,8 @@
 #   TRAIN_ITERS=50 OUT=runs/moe_short bash examples/train_tiny_moe.sh
 #   SKIP_SETUP=1 bash examples/train_tiny_moe.sh        # the environment is installed already
 #   TP=2 bash examples/train_tiny_moe.sh                # TP=2 x EP=2: every expert split over a TP pair too
+#   INSTANCES=2 bash examples/train_tiny_moe.sh         # HSDP: 2 instances of 2 ranks (EP=2 inside each);
+#                                                       # experts over the mesh (expert_outer 2, expert_inner 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -n "${SKIP_SETUP:-}" ] || source scripts/setup_env.sh
@@ -19,6 +21,7 @@ VOCAB="${VOCAB:-4096}"
 NPROC="${NPROC:-4}"
 EP="${EP:-2}"
 TP="${TP:-1}"
+INSTANCES="${INSTANCES:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export WANDB_MODE="${WANDB_MODE:-offline}"
 rm -rf "$OUT"
@@ -41,6 +44,7 @@ python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$tokenizer" \
     --data-path "${tokenizer}_text_document" --split 95,5,0 --num-workers 0 \
     --use-mfsdp --data-parallel-sharding-strategy optim_grads_params \
+    --num-distributed-optimizer-instances "$INSTANCES" \
     --log-dir "$OUT/logs" --save "$OUT/checkpoints"
 
 python tools/generate.py --load "$OUT/checkpoints" --prompt "ROMEO:" --max-new-tokens 80 --top-k 20 --temperature 0.8

@@ -114,7 +114,7 @@ def shapes_of(args, model):
 
 def estimate(args, world_size: int, outer_size: int):
     """Plans of every strategy that fits ``world_size`` ranks, each over the data-parallel
-    size world / TP (hybrids need outer_size | that; MoE excludes them, as the trainer does)."""
+    size world / TP (hybrids need outer_size | that; the planner does not model them with MoE)."""
     from megatron.core.distributed.mfsdp_v2.estimate import STRATEGIES, plan
 
     units, shape, moe = model_units(args, world_size)
@@ -162,6 +162,11 @@ def main(argv=None):
         # The TP collectives of a MoE layer (its token and router-weight regions) are not modelled.
         raise SystemExit("estimate_memory.py: error: plans of a mixture of experts with "
                          "--tensor-model-parallel-size > 1 are not supported yet; plan it at TP 1.")
+    if args.num_experts and args.dp_outer_size > 1:
+        # The trainer runs it (2-D expert mesh); the planner does not model expert units over two levels.
+        raise SystemExit("estimate_memory.py: error: plans of a mixture of experts with HSDP/HFSDP "
+                         "(--num-distributed-optimizer-instances > 1) are not supported yet; "
+                         "plan it with one instance.")
     if needs_process_groups(args) and dist.is_initialized():
         # The planning world is a process group of its own; this process already has one.
         raise SystemExit("estimate_memory.py: error: plans with TP or EP > 1 build the model in a fake world; "

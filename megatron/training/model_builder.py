@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -64,10 +64,11 @@ def build_device_mesh(args, device_type: str):
     return parallel_state_for(args, device_type).dp_mesh
 
 
-def build_placements(args, axis: str = "dp"):
-    """ZeRO-0..3 -> no_shard/zero1/zero2/zero3 over the mesh dim ``axis``; with K>1 instances,
-    outer no_shard -> HSDP (inner strategy from --data-parallel-sharding-strategy), outer
-    optim -> HFSDP."""
+def build_placements(args, dims: Optional[Tuple[str, ...]] = None):
+    """ZeRO-0..3 -> no_shard/zero1/zero2/zero3 over the mesh dim ``dims[0]``; with K>1 instances,
+    outer no_shard -> HSDP over ``dims = (outer, inner)`` (inner strategy from
+    --data-parallel-sharding-strategy), outer optim -> HFSDP. ``dims``: the names of the
+    mesh's dimensions, by default the dense mesh's (``("dp",)`` or ``("outer", "inner")``)."""
     from torch.distributed.tensor import Partial, Replicate
 
     from megatron.core.distributed.mfsdp_v2 import Placements
@@ -79,16 +80,20 @@ def build_placements(args, axis: str = "dp"):
         "optim_grads_params": Placements.zero3,
     }
     strategy = args.data_parallel_sharding_strategy
+    dims = dims or (("outer", "inner") if args.dp_outer_size > 1 else ("dp",))
+    if len(dims) != (2 if args.dp_outer_size > 1 else 1):
+        raise ValueError(f"mesh dims {dims} do not fit {args.dp_outer_size} distributed-optimizer instance(s); "
+                         "pass (outer, inner) with instances, else one dim.")
     if args.dp_outer_size == 1:
-        return presets[strategy](axis)
+        return presets[strategy](dims[0])
     if strategy == "optim_grads_params":
         if args.outer_dp_sharding_strategy == "optim":
-            return Placements.hfsdp("outer", "inner")
-        return Placements.hsdp("outer", "inner")
+            return Placements.hfsdp(*dims)
+        return Placements.hsdp(*dims)
     # HSDP with a no_shard/ZeRO-1/2 inner axis (HFSDP needs ZeRO-3 inside; see arguments.py).
-    inner = presets[strategy]("inner")
+    inner = presets[strategy](dims[1])
     return Placements(
-        ("outer", "inner"),
+        dims,
         (Replicate(), inner.parameter[0]),
         (Partial("avg"), inner.gradient[0]),
         (Replicate(), inner.optimizer[0]),
@@ -162,8 +167,9 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
 
 def shard_experts(layer: torch.nn.Module, args, policy) -> list:
     """A MoE layer's experts as their own unit: sharded over the expert-data-parallel mesh
-    (the ranks holding the same experts) with ``grad_divisor`` = the EP size
-    (``megatron/core/transformer/moe/expert_parallel.py`` says why). [] for a dense layer."""
+    (the ranks holding the same experts; 2-D under HSDP/HFSDP) with the run's strategy and
+    ``grad_divisor`` = the EP size (``megatron/core/transformer/moe/expert_parallel.py``
+    says why). [] for a dense layer."""
     from megatron.core.distributed.mfsdp_v2 import fully_shard
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -171,7 +177,13 @@ def shard_experts(layer: torch.nn.Module, args, policy) -> list:
     if not isinstance(moe, MoELayer):
         return []
     ep = moe.expert_parallel
-    return [fully_shard(moe.experts, ep.expert_dp_mesh, build_placements(args, axis="expert_dp"),
+    if ep.outer_size != args.dp_outer_size:
+        # Else the experts would not get the run's HSDP/HFSDP levels.
+        raise ValueError(
+            f"the expert-parallel layout was built for {ep.outer_size} distributed-optimizer instance(s), the run has "
+            f"{args.dp_outer_size}; build it with build_expert_parallel(..., dp_outer_size={args.dp_outer_size})."
+        )
+    return [fully_shard(moe.experts, ep.expert_dp_mesh, build_placements(args, ep.expert_dp_dims),
                         mixed_precision_policy=policy, grad_divisor=ep.size)]
 
 

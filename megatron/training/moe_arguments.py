@@ -87,14 +87,10 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     if args.num_experts is None:
         return
     ep = args.expert_model_parallel_size
-    check_expert_parallel_size(ep, args.data_parallel_size, getattr(args, "tensor_model_parallel_size", 1))
+    check_expert_parallel_size(ep, args.data_parallel_size, getattr(args, "tensor_model_parallel_size", 1),
+                               args.dp_outer_size)
     if ep > 1 and not args.use_mfsdp:
         raise ValueError(
             f"--expert-model-parallel-size {ep} needs --use-mfsdp: DDP would average the gradients of "
             "different experts across the expert-parallel ranks."
-        )
-    if args.use_mfsdp and args.dp_outer_size > 1:
-        raise ValueError(
-            "MoE with --num-distributed-optimizer-instances > 1 (HSDP/HFSDP) is not supported yet; use one "
-            "instance (ZeRO-1/2/3 or no_shard)."
         )

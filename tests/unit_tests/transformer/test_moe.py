@@ -186,7 +186,14 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
     ("--num-experts 4 --moe-router-load-balancing-type sinkhorn", 1, "is not supported; use aux_loss"),
     ("--num-experts 4 --moe-layer-freq [1,0,1]", 1, "one 0/1 per layer"),
     ("--num-experts 4 --moe-pad-expert-input-to-capacity", 1, "needs --moe-expert-capacity-factor"),
-    ("--num-experts 4 --use-mfsdp --num-distributed-optimizer-instances 2", 2, "HSDP/HFSDP"),
+    # HSDP/HFSDP: every EP group inside one instance (EP | DP / instances).
+    ("--num-experts 4 --expert-model-parallel-size 4 --use-mfsdp --num-distributed-optimizer-instances 2", 4,
+     r"must divide the ranks of one HSDP/HFSDP instance \(2 = data-parallel size 4 / "
+     r"--num-distributed-optimizer-instances 2\).*use a divisor of 2 or fewer instances"),
+    ("--num-experts 4 --expert-model-parallel-size 2 --use-mfsdp --num-distributed-optimizer-instances 2 "
+     "--outer-dp-sharding-strategy optim", 2, "must divide the ranks of one HSDP/HFSDP instance"),
+    ("--num-experts 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 4 --use-mfsdp "
+     "--num-distributed-optimizer-instances 2", 8, r"instance \(2 = data-parallel size 4 /"),
     ("--num-experts 4 --moe-token-dispatcher-type flex", 1, "flex"),
     # Experts under tensor parallelism.
     ("--num-experts 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --use-mfsdp", 2,

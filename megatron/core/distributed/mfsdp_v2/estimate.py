@@ -252,7 +252,8 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
     ep = moe.ep_size if moe is not None else 1
     if any(u.expert for u in units) and (hybrid or world_size % ep):
         raise ValueError(f"expert units need a non-hybrid strategy and an EP size ({ep}) that divides the "
-                         f"data-parallel size ({world_size}); the trainer refuses MoE with HSDP/HFSDP.")
+                         f"data-parallel size ({world_size}); the planner refuses MoE with HSDP/HFSDP "
+                         "(not modelled yet).")
     grad_bytes = compute_bytes if grad_bytes is None else grad_bytes
     comm_bytes = grad_bytes if comm_bytes is None else comm_bytes
     inner = world_size // outer_size

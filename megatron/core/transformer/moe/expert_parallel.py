@@ -22,15 +22,29 @@ exchange tokens have the same TP rank and form one EP group; every expert is spl
 the TP group (``experts.py``); the expert-data-parallel ranks hold the same experts and
 the same TP piece of them. The divisor stays P.
 
+Under HSDP/HFSDP (``--num-distributed-optimizer-instances`` O > 1) the dense units are
+sharded over the 2-D mesh ``("outer", "inner")`` of shape ``(O, I)``, ``I = W / O`` (one
+instance = I consecutive data-parallel ranks). The expert-data-parallel ranks get the same
+two levels: the mesh is ``("expert_outer", "expert_inner", "ep"[, "tp"])`` of shape
+``(O, I / P, P[, T])``. Data-parallel rank ``d = o * I + i`` is then ``expert_outer`` o
+(the same instance, so the outer replica groups are the dense ones restricted to the
+ranks holding the same experts), ``expert_inner`` ``i // P`` and EP rank ``i % P``: every
+EP group lies inside one instance. That needs P to divide I, which is the same as O
+dividing the expert-data-parallel size W / P; other sizes are refused. The experts are
+sharded over ``("expert_outer", "expert_inner")`` with the run's HSDP/HFSDP placements
+and ``grad_divisor = P``: the two levels average over O * I / P = W / P ranks, as the
+1-D mesh does.
+
 This module is the one place that builds the expert layout; it needs nothing from
-``parallel_state`` but the TP size (both put TP innermost, so their TP groups agree).
+``parallel_state`` but the TP size and the number of instances (both put TP innermost and
+the instances outermost, so their TP groups and instances agree).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, List, Optional
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,12 +54,29 @@ import torch.nn as nn
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
     """``size`` and ``rank`` of this rank in its expert-parallel group; ``group`` (None when
-    size is 1); ``mesh``: the ``("expert_dp", "ep")`` device mesh (None without a process group)."""
+    size is 1); ``mesh``: the ``("expert_dp", "ep"[, "tp"])`` device mesh, or
+    ``("expert_outer", "expert_inner", "ep"[, "tp"])`` under HSDP/HFSDP (None without a process group)."""
 
     size: int = 1
     rank: int = 0
     group: Any = None
     mesh: Any = None
+
+    @property
+    def expert_dp_dims(self) -> Tuple[str, ...]:
+        """The mesh dimensions of the expert-data-parallel ranks: ``("expert_dp",)``, or
+        ``("expert_outer", "expert_inner")`` under HSDP/HFSDP (those before ``ep``)."""
+        if self.mesh is None:
+            raise RuntimeError("this ExpertParallel has no device mesh; build it with build_expert_parallel().")
+        names = self.mesh.mesh_dim_names
+        return tuple(names[:names.index("ep")])
+
+    @property
+    def outer_size(self) -> int:
+        """The number of distributed-optimizer instances the mesh was built for (1 without one)."""
+        if self.mesh is None or "expert_outer" not in self.mesh.mesh_dim_names:
+            return 1
+        return self.mesh.size(0)
 
     @property
     def tp_size(self) -> int:
@@ -56,10 +87,10 @@ class ExpertParallel:
 
     @property
     def expert_dp_mesh(self):
-        """The 1-D mesh of the ranks that hold the same experts (MFSDP shards experts over it)."""
-        if self.mesh is None:
-            raise RuntimeError("this ExpertParallel has no device mesh; build it with build_expert_parallel().")
-        return self.mesh["expert_dp"]
+        """The mesh of the ranks that hold the same experts (MFSDP shards experts over it):
+        1-D, or 2-D under HSDP/HFSDP."""
+        dims = self.expert_dp_dims
+        return self.mesh[dims[0]] if len(dims) == 1 else self.mesh[dims]
 
     def local_experts(self, num_experts: int) -> range:
         """Global indices of the experts this rank holds."""
@@ -67,33 +98,46 @@ class ExpertParallel:
         return range(self.rank * local, (self.rank + 1) * local)
 
 
-def check_expert_parallel_size(ep_size: int, dp_size: int, tp_size: int = 1) -> None:
-    """EP groups lie inside the ``dp_size`` data-parallel ranks (of one TP coordinate)."""
+def check_expert_parallel_size(ep_size: int, dp_size: int, tp_size: int = 1, dp_outer_size: int = 1) -> None:
+    """EP groups lie inside the ``dp_size`` data-parallel ranks (of one TP coordinate), and
+    under HSDP/HFSDP inside one of the ``dp_outer_size`` instances."""
     if ep_size < 1 or dp_size % ep_size:
         size = f"{dp_size} = world size {dp_size * tp_size} / tensor-parallel size {tp_size}" if tp_size > 1 else dp_size
         raise ValueError(
             f"--expert-model-parallel-size ({ep_size}) must divide the data-parallel size ({size}); "
             f"use a divisor of {dp_size}" + (" or a smaller --tensor-model-parallel-size." if tp_size > 1 else ".")
         )
+    inner = dp_size // dp_outer_size
+    if dp_outer_size > 1 and inner % ep_size:
+        raise ValueError(
+            f"--expert-model-parallel-size ({ep_size}) must divide the ranks of one HSDP/HFSDP instance "
+            f"({inner} = data-parallel size {dp_size} / --num-distributed-optimizer-instances {dp_outer_size}), "
+            f"so that the experts get a 2-D expert-data-parallel mesh; use a divisor of {inner} or fewer instances."
+        )
 
 
-def build_expert_parallel(ep_size: int, device_type: str, tp_size: int = 1) -> ExpertParallel:
+def build_expert_parallel(ep_size: int, device_type: str, tp_size: int = 1, dp_outer_size: int = 1) -> ExpertParallel:
     """The layout for EP size ``ep_size`` over the default process group, with TP size
-    ``tp_size`` innermost (every rank calls it). Without an initialized process group only
-    sizes 1 exist (a single process)."""
+    ``tp_size`` innermost and ``dp_outer_size`` HSDP/HFSDP instances outermost (every rank
+    calls it). Without an initialized process group only sizes 1 exist (a single process)."""
     if not dist.is_initialized():
-        if ep_size != 1 or tp_size != 1:
-            raise ValueError(f"expert parallelism of size {ep_size} with TP size {tp_size} needs torch.distributed "
-                             "(launch with torchrun).")
+        if ep_size != 1 or tp_size != 1 or dp_outer_size != 1:
+            raise ValueError(f"expert parallelism of size {ep_size} with TP size {tp_size} and {dp_outer_size} "
+                             "instances needs torch.distributed (launch with torchrun).")
         return ExpertParallel()
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    if tp_size < 1 or world % tp_size:
-        raise ValueError(f"the TP size ({tp_size}) must divide the world size ({world}).")
+    if tp_size < 1 or dp_outer_size < 1 or world % (tp_size * dp_outer_size):
+        raise ValueError(f"the TP size ({tp_size}) x the instances ({dp_outer_size}) must divide the world size "
+                         f"({world}).")
     dp = world // tp_size
-    check_expert_parallel_size(ep_size, dp, tp_size)
-    shape, names = (dp // ep_size, ep_size), ("expert_dp", "ep")
+    check_expert_parallel_size(ep_size, dp, tp_size, dp_outer_size)
+    if dp_outer_size > 1:
+        inner = dp // dp_outer_size
+        shape, names = (dp_outer_size, inner // ep_size, ep_size), ("expert_outer", "expert_inner", "ep")
+    else:
+        shape, names = (dp // ep_size, ep_size), ("expert_dp", "ep")
     if tp_size > 1:
         shape, names = shape + (tp_size,), names + ("tp",)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)

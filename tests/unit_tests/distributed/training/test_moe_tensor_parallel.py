@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist_helpers import full_tensors
 from _trainer_models import gpt_provider, trainer_args
 from megatron.core import parallel_state
 from megatron.core.distributed.mfsdp_v2 import fully_shard_optimizer, microbatch
@@ -31,7 +30,7 @@ from megatron.core.transformer.moe import moe_layer, router
 from megatron.core.transformer.moe.metrics import collect_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
 from megatron.training.model_builder import build_model, finalize_model_grads, get_grad_norm_and_clip
-from test_moe_expert_parallel import compare_weights, reference_backward
+from test_moe_expert_parallel import compare_grads, compare_weights, reference_backward
 
 WORLD = dist.get_world_size()
 SEQ, VOCAB, STEPS, ROWS = 16, 96, 3, 2  # ROWS per data-parallel rank
@@ -49,19 +48,20 @@ CASES = [(layout, arch, losses) for layout in LAYOUTS for arch, losses in (("lla
 
 
 @contextlib.contextmanager
-def tensor_parallel(tp: int):
-    """The trainer's parallel state for TP size ``tp`` (model providers read it)."""
+def tensor_parallel(tp: int, instances: int = 1):
+    """The trainer's parallel state for TP size ``tp`` and ``instances`` HSDP instances (model providers read it)."""
     parallel_state.destroy_model_parallel()
-    state = parallel_state.initialize_model_parallel(tp, 1, "cpu")
+    state = parallel_state.initialize_model_parallel(tp, instances, "cpu")
     try:
         yield state
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def moe_args(arch: str, tp: int, ep: int, sp: bool, losses: bool, world_size=WORLD):
+def moe_args(arch: str, tp: int, ep: int, sp: bool, losses: bool, world_size=WORLD, instances=1):
     flags = MOE + (ROUTER_LOSSES if losses else NO_ROUTER_LOSSES) + ["--expert-model-parallel-size", str(ep),
                                                                      "--use-mfsdp"]
+    flags += ["--num-distributed-optimizer-instances", str(instances)] if instances > 1 else []
     if tp > 1:
         flags += ["--tensor-model-parallel-size", str(tp)] + (["--sequence-parallel"] if sp else [])
     return trainer_args(arch, *flags, world_size=world_size)
@@ -78,25 +78,6 @@ def global_batch(dp: int):
     generator = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, VOCAB, (ROWS * dp, SEQ + 1), generator=generator)
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def full_grads(model):
-    """name -> the whole gradient of every parameter on this rank (sharded ones gathered)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
-    sharded = [(n, p.grad) for n, p in named if hasattr(p.grad, "to_local")]
-    fulls = dict(zip([n for n, _ in sharded], full_tensors([g for _, g in sharded]))) if sharded else {}
-    return {n: fulls[n] if n in fulls else p.grad.detach().clone() for n, p in named}
-
-
-def compare_grads(model, reference, rtol=1e-4, atol=1e-6):
-    """Every gradient is this rank's piece of the reference's gradient (experts by global index)."""
-    pieces = global_slices_by_name(model)
-    expected = {n: p.grad for n, p in reference.named_parameters()}
-    for name, grad in full_grads(model).items():
-        ref = expected[name]
-        if name in pieces:
-            ref = pieces[name].take(ref)
-        torch.testing.assert_close(grad, ref, rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
 
 
 def train(args, built, reference, state, losses: bool, check_grads: bool = True):
@@ -132,11 +113,11 @@ def train(args, built, reference, state, losses: bool, check_grads: bool = True)
     return out
 
 
-def run_case(arch, tp, ep, sp, losses, check_grads=True):
-    """Build at (TP, EP, SP), check the initial weights bitwise, train;
-    (built, reference, result, logged MoE metrics)."""
-    with tensor_parallel(tp) as state:
-        args = moe_args(arch, tp, ep, sp, losses)
+def run_case(arch, tp, ep, sp, losses, check_grads=True, instances=1):
+    """Build at (TP, EP, SP) with ``instances`` HSDP instances, check the initial weights
+    bitwise, train; (built, reference, result, logged MoE metrics)."""
+    with tensor_parallel(tp, instances) as state:
+        args = moe_args(arch, tp, ep, sp, losses, instances=instances)
         built = build_model(gpt_provider, args, torch.device("cpu"))
         reference = reference_model(arch, losses)
         compare_weights(built, reference, rtol=0, atol=0)  # the same global weights at every layout
@@ -168,6 +149,24 @@ def test_moe_with_tensor_parallelism_matches_the_reference(layout, arch, losses)
                 assert metrics[key + name] == pytest.approx(ref_metrics[key + name], rel=1e-5)
         else:  # the reference ran the same micro-batch of the whole world
             assert metrics[key + "max_tokens_per_expert"] == ref_metrics[key + "max_tokens_per_expert"]
+
+
+# TP=2 under HSDP over 2 instances: (TP, EP) with EP | the ranks of one instance (TP=1 at 2 ranks).
+HSDP_LAYOUT = (2, WORLD // 4) if WORLD >= 4 else (1, 1)
+
+
+def test_moe_with_tensor_parallelism_under_hsdp_matches_the_reference():
+    """Dense units over ("outer", "inner") x TP, experts over ("expert_outer",
+    "expert_inner") x TP (mesh (expert_outer, expert_inner, ep, tp)), router losses on."""
+    tp, ep = HSDP_LAYOUT
+    built, reference, (mine, ref, norms, ref_norms), _ = run_case("gpt2", tp, ep, False, True, instances=2)
+    if dist.get_rank() == 0:
+        print(f"\nTP={tp} EP={ep} HSDP: losses {mine} reference {ref}")
+    assert built.unwrapped.decoder.layers[0].mlp.experts.linear_fc1.weight.device_mesh.mesh_dim_names == (
+        "expert_outer", "expert_inner")
+    assert mine == pytest.approx(ref, rel=2e-5)
+    assert norms == pytest.approx(ref_norms, rel=2e-5)
+    compare_weights(built, reference)
 
 
 _ALONE = []
