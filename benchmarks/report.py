@@ -237,6 +237,40 @@ def hooks_table(*sources: Dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
+def time_split_table(compare: Dict[int, dict]) -> str:
+    """Where each MFSDP contender's step goes next to DDP's, from the engine's profiler
+    ranges (``hook_overhead`` in measurement.py) on the profiled steps."""
+    lines = [
+        "| run | contender | step ms (DDP) | gap to DDP ms | fwd / bwd / opt ms vs DDP's | exposed all-gather | "
+        "exposed reduce-scatter | gradient copies into reduce buffers | post-ops (sums, divisions, copy-out) | "
+        "other engine work (Python, launches, allocation) | **engine's own ms / unit** | profiled step ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, data in sorted(compare.items()):
+        for dtype, run in data["runs"].items():
+            res = run["results"]
+            ddp = res.get("ddp", {}).get("timing")
+            for name, r in res.items():
+                h = r.get("hooks")
+                # An engine snapshot from before the wait ranges cannot be split.
+                if not h or not h.get("wait_in_hooks_s_per_step") or not ddp:
+                    continue
+                t = r["timing"]
+                phases = " / ".join(f"{t[k]['median'] * 1e3:.0f} ({ddp[k]['median'] * 1e3:.0f})"
+                                    for k in ("forward", "backward", "optimizer"))
+                ms = lambda x: f"{x * 1e3:.0f}"
+                waits_in, waits_out = h["wait_in_hooks_s_per_step"], h["wait_outside_hooks_s_per_step"]
+                other = h["own_s_per_step"] - h["stash_s_per_step"] - h["post_ops_s_per_step"]
+                lines.append(
+                    f"| N={n} {dtype} | {LABELS.get(name, name)} | {ms(t['step']['median'])} ({ms(ddp['step']['median'])}) "
+                    f"| {ms(t['step']['median'] - ddp['step']['median'])} | {phases} "
+                    f"| {ms(waits_in.get('all_gather', 0.0))} (+{ms(waits_out.get('all_gather', 0.0))} after the step) "
+                    f"| {ms(waits_in.get('reduce_scatter', 0.0) + waits_out.get('reduce_scatter', 0.0))} "
+                    f"| {ms(h['stash_s_per_step'])} | {ms(h['post_ops_s_per_step'])} | {ms(other)} "
+                    f"| **{h['own_s_per_unit_per_step'] * 1e3:.1f}** | {ms(h['step_wall_s'])} |")
+    return "\n".join(lines)
+
+
 def sweep_table(sweep: dict) -> str:
     names = sweep["contenders"]
     head = "| layers | hidden | params | " + " | ".join(
@@ -518,6 +552,14 @@ def write_report(out: str, meta: Optional[dict] = None) -> List[str]:
                "reduce buffer and the optimizer's post-step sync run outside the ranges. A snapshot engine from "
                "before the ranges shows no row. The cProfile column is the self time of Python frames in the "
                "engine's source files during one profiled step (inflated by cProfile; comparable between engines).",
+               "", "## Where the time goes (ms per step, MFSDP vs DDP)", "", time_split_table(compare), "",
+               "Step, phases and gap: medians of the timed rounds (DDP's in parentheses). The other columns come "
+               "from the engine's profiler ranges on 3 profiled steps (`MFSDP wait <kind>`: the host blocked on a "
+               "collective inside a hook, i.e. communication not hidden behind compute; `MFSDP stash_grad`: each "
+               "gradient copied into its unit's reduce buffer; `MFSDP post_ops <kind>`; the rest of the hooks' time "
+               "is the engine's other work). The engine's own work is the last three together. What the columns do "
+               "not explain of the gap is compute slowed by the communication sharing the same cores (gloo's "
+               "transport runs on the CPU) and the optimizer's share.",
                ""]
     if optim:
         commands = sorted({d.get("driver", {}).get("command", "") for d in optim.values()} - {""})
