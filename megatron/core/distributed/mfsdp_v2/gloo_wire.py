@@ -51,6 +51,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group) -> WorkList:
     only copies)."""
     rank, size, n = dist.get_rank(group), dist.get_world_size(group), input.numel()
     output.narrow(0, rank * n, n).copy_(input)
+    if n == 0:  # every rank's shard is empty alike: nothing to send
+        return WorkList([])
     works = []
     for k in range(1, size):
         dst, src = (rank + k) % size, (rank - k) % size
@@ -64,8 +66,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group):
     ``combine`` writes the rank-order sum of the N chunks for this rank into ``output``.
     A group of one communicates nothing (``combine`` copies)."""
     rank, size, n = dist.get_rank(group), dist.get_world_size(group), output.numel()
-    if size == 1:
-        return WorkList([]), lambda: output.copy_(input)
+    if size == 1 or n == 0:
+        return WorkList([]), lambda: output.copy_(input.narrow(0, rank * n, n))
     received = torch.empty((size - 1, n), dtype=input.dtype, device=input.device)  # row k-1: from rank - k
     works = []
     for k in range(1, size):

@@ -199,7 +199,7 @@ def all_gather(
         )
     if counter is not None:
         counter.record("all_gather", input.numel() * input.element_size(), size)
-    if _on_gloo(group):  # see gloo_wire.py: a point-to-point shard exchange is faster there
+    if _on_gloo(group, input):  # see gloo_wire.py: a point-to-point shard exchange is faster there
         work = _launch(device, stream, "all_gather", lambda: gloo_wire.all_gather(output, input, group))
     else:
         work = _launch(
@@ -228,7 +228,7 @@ def reduce_scatter(
         )
     if counter is not None:
         counter.record("reduce_scatter", input.numel() * input.element_size(), size)
-    if _on_gloo(group):  # see gloo_wire.py: chunks exchanged point to point, summed here
+    if _on_gloo(group, input):  # see gloo_wire.py: chunks exchanged point to point, summed here
         work, combine = _launch(device, stream, "reduce_scatter",
                                 lambda: gloo_wire.reduce_scatter(output, input, group))
         # gloo's AVG is SUM then a division by the group size: the same here, bitwise.
@@ -267,8 +267,9 @@ def all_reduce(
 AVG_BACKENDS = ("nccl", "gloo")
 
 
-def _on_gloo(group) -> bool:
-    return dist.get_backend(group) == "gloo"
+def _on_gloo(group, tensor: torch.Tensor) -> bool:
+    """CPU tensors on a gloo group travel by gloo_wire.py."""
+    return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
 def _reduction(result: torch.Tensor, group, size: int, divisor: float):
