@@ -35,15 +35,28 @@ class RowShard(Shard):
         self.rows: Tuple[int, ...] = tuple(int(r) for r in rows)
         self.starts: Tuple[int, ...] = tuple(sum(self.rows[:i]) for i in range(len(self.rows)))
 
-    # A RowShard is a kind of Shard(0): torch's spec checks compare placements with
-    # Shard(dim), and equal objects must hash equally.
+    # ``==`` is exact: every cache torch keeps (sharding propagation, in C++ and Python,
+    # and the redistribution plans) is keyed on it, so a RowShard must never find an entry
+    # made for a plain Shard(0) or for other row counts. ``!=`` answers torch's *kind*
+    # check instead (``placement != Shard(dim)`` when it validates a spec's shard order),
+    # which a RowShard passes as the Shard(0) it is. Operators see a plain Shard(0) and
+    # their results get the rows back in row_shard_ops.py.
+    def _key(self):
+        return (type(self), self.rows, getattr(self, "offset", 0))
+
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, (RowShard, NestedRowShard)):
-            return type(other) is type(self) and (other.rows, getattr(other, 'offset', 0)) == (self.rows, getattr(self, 'offset', 0))
-        return isinstance(other, Shard) and other.dim == 0
+        return isinstance(other, (RowShard, NestedRowShard)) and other._key() == self._key()
+
+    def __ne__(self, other: object) -> bool:
+        return not (isinstance(other, Shard) and other.dim == 0)
 
     def __hash__(self) -> int:
-        return hash(Shard(0))
+        return hash(self._key())
+
+    def is_even(self) -> bool:
+        """True when the rows are torch's own ``Shard(0)`` split (then both mean the same)."""
+        n, total = len(self.rows), sum(self.rows)
+        return all(Shard(0).local_shard_size_and_offset(total, n, r)[0] == rows for r, rows in enumerate(self.rows))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rows={self.rows})"
@@ -114,6 +127,8 @@ class RowShard(Shard):
         return out.narrow(0, 0, self.rows[mesh.get_local_rank(mesh_dim)])
 
     def _to_new_shard_dim(self, local_tensor, mesh, mesh_dim, current_logical_shape, new_shard_dim):
+        if self.is_even():
+            return super()._to_new_shard_dim(local_tensor, mesh, mesh_dim, current_logical_shape, new_shard_dim)
         raise NotImplementedError(
             f"{self!r}: moving an MFSDP v2 row shard to another dimension is not supported; "
             "redistribute to Replicate() first (or call full_tensor())."
@@ -138,8 +153,7 @@ class NestedRowShard(Shard):
         super().__init__(0)
         self.rows, self.offset = rows, offset  # rows=None: the inner axis (passes through)
 
-    __eq__ = RowShard.__eq__
-    __hash__ = RowShard.__hash__
+    _key, __eq__, __ne__, __hash__ = RowShard._key, RowShard.__eq__, RowShard.__ne__, RowShard.__hash__
 
     def __repr__(self) -> str:
         return f"NestedRowShard(rows={self.rows}, offset={self.offset})"

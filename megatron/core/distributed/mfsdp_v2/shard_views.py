@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from . import row_shard_ops  # noqa: F401  (operators on these DTensors: honest results or errors)
 from .row_shard import NestedRowShard, RowShard
 
 
