@@ -217,20 +217,26 @@ class _Rewrite:
 
 
 def _propagate_with_rows(schema: OpSchema, propagate) -> OutputSharding:
-    if not any(_has_rows(s) for s in _specs(schema.args_schema) + _specs(list(schema.kwargs_schema.values()))):
+    inputs = _specs(schema.args_schema) + _specs(list(schema.kwargs_schema.values()))
+    if not any(_has_rows(s) for s in inputs):
         return propagate(schema)
+    uneven = [p for s in inputs for p in s.placements
+              if isinstance(p, _ROW_TYPES) and not (isinstance(p, RowShard) and p.is_even())]
     plain = OpSchema(schema.op, _map_specs(schema.args_schema, _plain),
                      {k: _map_specs(v, _plain) for k, v in schema.kwargs_schema.items()},
                      schema_info=schema.schema_info)
-    sharding = propagate(plain)
+    try:
+        sharding = propagate(plain)
+    except Exception as error:  # torch refuses even a plain Shard(0) here
+        if not uneven:
+            raise
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        _refuse(schema.op, uneven[0], f"is not supported ({reason})")
+    if sharding.use_val_from_redistribute_schema and uneven:  # shape arguments made local for an even split
+        _refuse(schema.op, uneven[0], "would rewrite its shape arguments for torch's even split")
     rewrite = _Rewrite(schema, sharding)
-    if sharding.use_val_from_redistribute_schema:  # shape arguments made local for an even split
-        for spec in rewrite.given:
-            for p in spec.placements:
-                if isinstance(p, _ROW_TYPES) and not (isinstance(p, RowShard) and p.is_even()):
-                    _refuse(schema.op, p, "rewrites shape arguments for torch's even split")
-    for inputs, outputs in rewrite.groups(schema):
-        rewrite.apply(inputs, outputs)
+    for group_inputs, group_outputs in rewrite.groups(schema):
+        rewrite.apply(group_inputs, group_outputs)
     return rewrite.result(schema, sharding)
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megatron.core.distributed.mfsdp_v2 import clip_grad_norm_
-from megatron.core.distributed.mfsdp_v2.row_shard import NestedRowShard
+from megatron.core.distributed.mfsdp_v2.row_shard import NestedRowShard, RowShard
 
-from _dist_helpers import H, check, train_pair, world
+from _dist_helpers import H, check, compare_params, train_pair, world
 from _strategy_common import Net, case_id, sharding, strategy_cases
 
 CASES = strategy_cases()
@@ -97,3 +97,134 @@ def test_torch_clip_grad_norm_equals_ours_and_the_reference(case):
     theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
     theirs = theirs.full_tensor() if isinstance(theirs, DTensor) else theirs
     torch.testing.assert_close(theirs, expected, rtol=1e-4, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# Operators on row-sharded DTensors (row_shard_ops.py): honest results or a clear error
+# --------------------------------------------------------------------------------------
+
+ROW_PRESERVING = {
+    "p*2": (lambda t: t * 2, 0.0),
+    "p+p.detach()*0.5": (lambda t: t + t.detach() * 0.5, 0.0),
+    "sqrt(|p|)": (lambda t: torch.sqrt(t.abs()), 5e-3),  # sqrt magnifies the reference's last digits near 0
+}
+LAYOUT_CHANGING = {"p.t()": lambda t: t.t(), "p.view(-1)": lambda t: t.view(-1)}
+
+
+def _nested_dt(x) -> bool:
+    return any(isinstance(pl, NestedRowShard) for pl in x.placements) and x.device_mesh.size() > 1
+
+
+def _uneven(x) -> bool:
+    """Rows other than torch's ``torch.chunk`` split, which a plain Shard(0) means."""
+    def even(rows):
+        chunks = [len(c) for c in torch.arange(sum(rows)).chunk(len(rows))]
+        return list(rows) == chunks + [0] * (len(rows) - len(chunks))
+    return any(isinstance(pl, RowShard) and not even(pl.rows) for pl in x.placements)
+
+
+def _engine_tensors(model, reference, opt):
+    """(label, DTensor, expected full value) for every parameter, gradient and AdamW state.
+    The expected value is the reference's; optimizer state has no reference of its own, so
+    its expected value is its own full tensor (exact: the tests above)."""
+    ref = dict(reference.named_parameters())
+    out = []
+    for name, p in model.named_parameters():
+        out += [(name, p, ref[name].detach()), (f"{name}.grad", p.grad, ref[name].grad)]
+        for key in ("exp_avg", "exp_avg_sq"):
+            state = opt.state[p][key]
+            out.append((f"{name}.{key}", state, None if _nested_dt(state) else state.full_tensor()))
+    return out
+
+
+def _close(actual, expected, atol, label):
+    torch.testing.assert_close(actual, expected.to(actual.dtype), rtol=1e-4, atol=max(atol, 2e-5),
+                               msg=lambda m: f"{label}: {m}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("model_cls", [None, Narrow], ids=["net", "narrow"])
+def test_out_of_place_operators_equal_the_reference(case, model_cls):
+    model, reference, _, opt = _trained(case, model_cls)
+    tensors = _engine_tensors(model, reference, opt)
+    for label, x, expected in tensors:
+        for name, (fn, atol) in ROW_PRESERVING.items():
+            result = fn(x)
+            if _nested_dt(x):  # HFSDP optimizer shards: same layout, same local values
+                check(result.placements == x.placements, f"{label} {name}: placements {result.placements}")
+                _close(result.to_local(), fn(x.to_local()), atol, f"{label} {name}")
+                continue
+            check(result.placements == x.placements, f"{label} {name}: placements {result.placements} != {x.placements}")
+            _close(result.full_tensor(), fn(expected), atol, f"{label} {name}")
+        if x.dim() == 2:
+            if _nested_dt(x):
+                with pytest.raises(NotImplementedError, match="HFSDP"):
+                    x.sum(1)
+            else:
+                _close(x.sum(1).full_tensor(), expected.sum(1), 1e-4, f"{label} sum(1)")
+    # One foreach call over tensors with different row splits, as torch.optim makes them.
+    plain = [(label, x, expected) for label, x, expected in tensors if not _nested_dt(x)]
+    for (label, _, expected), result in zip(plain, torch._foreach_mul([x for _, x, _ in plain], 3.0) if plain else []):
+        _close(result.full_tensor(), expected * 3.0, 0.0, f"{label} _foreach_mul")
+    nested = [x for _, x, _ in tensors if _nested_dt(x)]
+    for x, result in zip(nested, torch._foreach_mul(nested, 3.0) if nested else []):
+        check(result.placements == x.placements, f"nested _foreach_mul: placements {result.placements}")
+        torch.testing.assert_close(result.to_local(), x.to_local() * 3.0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("model_cls", [None, Narrow], ids=["net", "narrow"])
+def test_layout_changing_operators_are_right_or_raise(case, model_cls):
+    """``p.t()`` / ``p.view(-1)``: where the rows are torch's even split, exactly what torch
+    does with a plain ``Shard(0)`` (the reference's values, or torch's own error); where they
+    are not, a one-line NotImplementedError naming full_tensor()."""
+    model, reference, _, opt = _trained(case, model_cls)
+    for label, x, expected in _engine_tensors(model, reference, opt):
+        if x.dim() != 2:
+            continue
+        for name, fn in LAYOUT_CHANGING.items():
+            if _nested_dt(x) or _uneven(x):
+                with pytest.raises(NotImplementedError, match=r"MFSDP v2 row-sharded DTensor|HFSDP") as error:
+                    fn(x)
+                check("\n" not in str(error.value), f"{label} {name}: the error is not one line")
+            else:  # torch's even split: exactly what torch does with a plain Shard(0)
+                plain = distribute_tensor(expected.clone(), x.device_mesh, [Shard(0) if isinstance(pl, RowShard) else
+                                                                             Replicate() for pl in x.placements])
+                try:
+                    want = fn(plain).full_tensor()
+                except RuntimeError:
+                    with pytest.raises(RuntimeError):
+                        fn(x)
+                    continue
+                _close(fn(x).full_tensor(), fn(expected), 0.0, f"{label} {name}")
+                _close(want, fn(expected), 0.0, f"{label} {name} (plain Shard(0))")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not _nested(c)], ids=[case_id(c) for c in CASES if not _nested(c)])
+def test_row_shards_and_plain_shards_never_share_a_cached_answer(case):
+    """Torch caches sharding propagation and redistribution plans by placement; a plain
+    ``Shard(0)`` DTensor of the same shape, used before and after, must not leak into the
+    row-sharded one's results, nor the other way round."""
+    model, reference, _, _ = _trained(case, Narrow)
+    ref = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        for x, expected in ((param, ref[name].detach()), (param.grad, ref[name].grad)):
+            if not any(isinstance(pl, RowShard) for pl in x.placements):
+                continue
+            even = distribute_tensor(expected.clone(), x.device_mesh,
+                                     [Shard(0) if isinstance(pl, RowShard) else Replicate() for pl in x.placements])
+            for first, second in ((even, x), (x, even)):
+                for y in (first, second):
+                    _close(y.full_tensor(), expected, 0.0 if y is even else 1e-4, f"{name}: full_tensor")
+                    _close((y * 2).full_tensor(), expected * 2, 0.0 if y is even else 1e-4, f"{name}: *2")
+                    check(((y * 2).placements == y.placements), f"{name}: *2 placements {(y * 2).placements}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "for-loop"])
+def test_torch_adamw_on_the_dtensors_matches_the_reference(case, foreach):
+    """torch.optim.AdamW stepping the row-sharded DTensors directly, both implementations."""
+    kind = "adamw_foreach" if foreach else "adamw_loop"
+    model, reference, _, _, losses, ref_losses = train_pair(Narrow, kind, microbatches=2, steps=3, **sharding(case))
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=1e-6)
+    compare_params(model, reference, grads=True)
