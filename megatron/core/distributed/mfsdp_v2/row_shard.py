@@ -34,29 +34,33 @@ class RowShard(Shard):
         super().__init__(0)
         self.rows: Tuple[int, ...] = tuple(int(r) for r in rows)
         self.starts: Tuple[int, ...] = tuple(sum(self.rows[:i]) for i in range(len(self.rows)))
+        total, n = sum(self.rows), len(self.rows)
+        self._even = all(Shard(0).local_shard_size_and_offset(total, n, r)[0] == rows for r, rows in enumerate(self.rows))
 
-    # ``==`` is exact: every cache torch keeps (sharding propagation, in C++ and Python,
-    # and the redistribution plans) is keyed on it, so a RowShard must never find an entry
-    # made for a plain Shard(0) or for other row counts. ``!=`` answers torch's *kind*
-    # check instead (``placement != Shard(dim)`` when it validates a spec's shard order),
-    # which a RowShard passes as the Shard(0) it is. Operators see a plain Shard(0) and
-    # their results get the rows back in row_shard_ops.py.
+    # ``==`` tells layouts apart: every cache torch keeps (sharding propagation, in C++
+    # and Python, and the redistribution plans) is keyed on it, so a RowShard must never
+    # find an entry made for other rows. It equals a plain Shard(0) only where its rows are
+    # torch's even split (then both mean the same). ``!=`` answers torch's *kind* check
+    # instead (``placement != Shard(dim)`` when it validates a spec's shard order), which
+    # a RowShard passes as the dim-0 shard it is. Operators see a plain Shard(0) and their
+    # results get the rows back (row_shard_ops.py).
     def _key(self):
         return (type(self), self.rows, getattr(self, "offset", 0))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, (RowShard, NestedRowShard)) and other._key() == self._key()
+        if isinstance(other, (RowShard, NestedRowShard)):
+            return other._key() == self._key()
+        return self._even and isinstance(other, Shard) and other.dim == 0
 
     def __ne__(self, other: object) -> bool:
         return not (isinstance(other, Shard) and other.dim == 0)
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return hash(Shard(0)) if self._even else hash(self._key())
 
     def is_even(self) -> bool:
-        """True when the rows are torch's own ``Shard(0)`` split (then both mean the same)."""
-        n, total = len(self.rows), sum(self.rows)
-        return all(Shard(0).local_shard_size_and_offset(total, n, r)[0] == rows for r, rows in enumerate(self.rows))
+        """True when the rows are torch's own ``Shard(0)`` split (``torch.chunk``'s)."""
+        return self._even
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rows={self.rows})"
@@ -152,6 +156,7 @@ class NestedRowShard(Shard):
     def __init__(self, rows: Optional[int] = None, offset: int = 0):
         super().__init__(0)
         self.rows, self.offset = rows, offset  # rows=None: the inner axis (passes through)
+        self._even = False  # a nested split is never torch's
 
     _key, __eq__, __ne__, __hash__ = RowShard._key, RowShard.__eq__, RowShard.__ne__, RowShard.__hash__
 

@@ -341,4 +341,6 @@ def is_view_of(local: torch.Tensor, flat: torch.Tensor, element_offset: int) -> 
 
 
 def is_sharded_dtensor(param) -> bool:
-    return isinstance(param, DTensor) and tuple(param.placements) == (Shard(0),)
+    # A dim-0 shard of any row split: MFSDP v2's RowShard equals Shard(0) only for torch's even one.
+    return isinstance(param, DTensor) and len(param.placements) == 1 and isinstance(param.placements[0], Shard) \
+        and param.placements[0].dim == 0
