@@ -179,6 +179,9 @@ class NestedRowShard(Shard):
     def local_shard_size_and_offset(self, curr_local_size, num_chunks, rank):
         return self._local_shard_size_and_offset(curr_local_size, num_chunks, rank)
 
+    def is_even(self) -> bool:
+        return False  # a nested split is never torch's
+
     def _refuse(self, *args, **kwargs):
         raise NotImplementedError(self.MESSAGE)
 

@@ -63,7 +63,7 @@ def _map_specs(tree, fn):
 
 def _with_placements(spec: DTensorSpec, placements) -> DTensorSpec:
     placements = tuple(placements)
-    if placements == spec.placements:
+    if all(a is b for a, b in zip(placements, spec.placements)):  # (an even RowShard == Shard(0))
         return spec
     return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta,
                        use_strided_shard_as_shard_order=spec.use_strided_shard_as_shard_order)
@@ -72,6 +72,10 @@ def _with_placements(spec: DTensorSpec, placements) -> DTensorSpec:
 def _plain(spec: DTensorSpec) -> DTensorSpec:
     """The spec torch's strategies see: every row shard as a plain Shard(0)."""
     return _with_placements(spec, (Shard(0) if isinstance(p, _ROW_TYPES) else p for p in spec.placements))
+
+
+def _uneven(p) -> bool:
+    return isinstance(p, _ROW_TYPES) and not p.is_even()
 
 
 def _is_dim0(p) -> bool:
@@ -140,16 +144,16 @@ class _Rewrite:
                 if _is_dim0(wanted):
                     kept.append(given)
                     self._set(self.wanted, i, d, given)  # it stays where it is
-                elif _sharded(wanted) and not given.is_even():
+                elif _sharded(wanted) and _uneven(given):
                     _refuse(self.op, given, f"would be re-sharded as {wanted}")
         if not kept:
             return  # the rows are gathered first: torch's result is right
         rows = kept[0]
         if not all(r == rows for r in kept):  # never ``!=`` on placements (a kind check)
-            if all(r.is_even() for r in kept):
+            if not any(_uneven(r) for r in kept):
                 return
             _refuse(self.op, rows, "meets another row split")
-        if rows.is_even():
+        if not _uneven(rows):
             for o in outputs:
                 spec = self.outputs[o]
                 if spec is not None and _is_dim0(spec.placements[d]) and spec.shape[0] == sum(rows.rows):
@@ -220,8 +224,7 @@ def _propagate_with_rows(schema: OpSchema, propagate) -> OutputSharding:
     inputs = _specs(schema.args_schema) + _specs(list(schema.kwargs_schema.values()))
     if not any(_has_rows(s) for s in inputs):
         return propagate(schema)
-    uneven = [p for s in inputs for p in s.placements
-              if isinstance(p, _ROW_TYPES) and not (isinstance(p, RowShard) and p.is_even())]
+    uneven = [p for s in inputs for p in s.placements if _uneven(p)]
     plain = OpSchema(schema.op, _map_specs(schema.args_schema, _plain),
                      {k: _map_specs(v, _plain) for k, v in schema.kwargs_schema.items()},
                      schema_info=schema.schema_info)
@@ -258,7 +261,7 @@ def _through_replicate(src: DTensorSpec, dst: DTensorSpec) -> Optional[list]:
     """Transforms for a row split -> another dim-0 split (which torch would only relabel)."""
     for d, (a, b) in enumerate(zip(src.placements, dst.placements)):
         # (never ``!=``: on placements it is torch's kind check, see RowShard.__eq__)
-        if (isinstance(a, _ROW_TYPES) or isinstance(b, _ROW_TYPES)) and _sharded(a) and _sharded(b) and not a == b:
+        if (_uneven(a) or _uneven(b)) and _sharded(a) and _sharded(b) and not a == b:
             if src.mesh.ndim != 1:
                 raise NotImplementedError(
                     f"redistributing an MFSDP v2 row-sharded DTensor from {a} to {b} on a "
