@@ -162,6 +162,9 @@ def test_out_of_place_operators_equal_the_reference(case, model_cls):
                     x.sum(1)
             else:
                 _close(x.sum(1).full_tensor(), expected.sum(1), 1e-4, f"{label} sum(1)")
+                w = torch.linspace(-1.0, 1.0, x.shape[1] * 3).reshape(x.shape[1], 3)
+                product = torch.matmul(x, DTensor.from_local(w, x.device_mesh, [Replicate()] * x.device_mesh.ndim))
+                _close(product.full_tensor(), expected @ w, 1e-4, f"{label} matmul")
     # One foreach call over tensors with different row splits, as torch.optim makes them.
     plain = [(label, x, expected) for label, x, expected in tensors if not _nested_dt(x)]
     for (label, _, expected), result in zip(plain, torch._foreach_mul([x for _, x, _ in plain], 3.0) if plain else []):
