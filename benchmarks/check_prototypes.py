@@ -32,20 +32,7 @@ import contenders as cd  # noqa: E402
 PROTOS = ["inflight0", "inflight2", "no_fwd_prefetch"]  # prototypes.py
 
 
-def fresh_dtensor_caches() -> None:
-    """Two engine copies in one process have two RowShard classes, and torch keys its DTensor
-    caches (sharding propagation, redistribution plans) on placement equality, which an
-    older copy defines loosely (equal to any dim-0 shard): each copy is built and trains on
-    fresh caches, so neither finds the other's cached answers."""
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    _redistribute._gen_transform_infos.cache_clear()
-
-
 def train(c, batches, micro: int, set_to_none: bool):
-    fresh_dtensor_caches()
     losses = []
     for inputs, labels in batches:
         total = 0.0
@@ -86,9 +73,7 @@ def main() -> None:
         dtype = cd.DTYPES[dtype_name]
         ref = cd.build_reference(spec, 7, dtype)
         batches = cd.make_batches(spec, 3, 8)
-        fresh_dtensor_caches()
         stock = cd.build(name, ref, dtype, meshes, cd.Options())
-        fresh_dtensor_caches()
         patched = cd.build(name + variant, ref, dtype, meshes, cd.Options())
         a = train(stock, batches, micro, set_to_none)
         b = train(patched, batches, micro, set_to_none)

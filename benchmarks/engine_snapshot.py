@@ -53,4 +53,23 @@ def load(rev: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+    _keep_row_shards_apart(sys.modules.get(f"{name}.row_shard"))
     return module
+
+
+def _keep_row_shards_apart(row_shard: ModuleType) -> None:
+    """An engine from before ``row_shard_ops.py`` defines ``RowShard == `` any dim-0 shard.
+    Torch keys its process-wide DTensor caches on placement equality, so such a snapshot
+    would find the working tree's cached answers (other row counts, other classes) and the
+    tree's its. Its placements keep their own semantics but never equal another copy's."""
+    if row_shard is None or hasattr(row_shard.RowShard, "is_even"):
+        return  # exact equality already
+    for cls in (row_shard.RowShard, row_shard.NestedRowShard):
+        own_eq = cls.__eq__
+
+        def __eq__(self, other, own_eq=own_eq, kinds=(row_shard.RowShard, row_shard.NestedRowShard)):
+            if hasattr(other, "rows") and not isinstance(other, kinds):
+                return False  # a row shard of another engine copy
+            return own_eq(self, other)
+
+        cls.__eq__ = __eq__  # (its own __hash__ stays: assigning __eq__ later keeps it)

@@ -39,8 +39,8 @@ class RowShard(Shard):
 
     # ``==`` tells layouts apart: every cache torch keeps (sharding propagation, in C++
     # and Python, and the redistribution plans) is keyed on it, so a RowShard must never
-    # find an entry made for other rows. It equals a plain Shard(0) only where its rows are
-    # torch's even split (then both mean the same). ``!=`` answers torch's *kind* check
+    # find an entry made for other rows. It equals a plain Shard(0) (not a subclass) only
+    # where its rows are torch's even split (then both mean the same). ``!=`` answers torch's *kind* check
     # instead (``placement != Shard(dim)`` when it validates a spec's shard order), which
     # a RowShard passes as the dim-0 shard it is. Operators see a plain Shard(0) and their
     # results get the rows back (row_shard_ops.py).
@@ -50,7 +50,7 @@ class RowShard(Shard):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (RowShard, NestedRowShard)):
             return other._key() == self._key()
-        return self._even and isinstance(other, Shard) and other.dim == 0
+        return self._even and type(other) is Shard and other.dim == 0
 
     def __ne__(self, other: object) -> bool:
         return not (isinstance(other, Shard) and other.dim == 0)
