@@ -5,13 +5,11 @@ The engine cuts a parameter group into per-rank regions at whole dim-0 rows (see
 ``sum(rows[:r])``. Those counts are usually not torch's even ``torch.chunk`` split that a
 plain ``Shard(0)`` implies, and DTensor would gather, scatter and offset them wrongly.
 
-``RowShard(rows)`` is a ``Shard(0)`` (so every DTensor operator that works on a dim-0
-sharded tensor works on it, and it compares equal to ``Shard(0)`` where torch checks the
-kind of a placement) whose collectives use the true row counts: ``full_tensor()``,
-``redistribute()`` to and from ``Replicate``/``Partial``, and the local shape and global
-offset that ``torch.distributed.checkpoint`` reads. Operators that keep a tensor's spec
-(in-place updates, ``zeros_like``, ``detach``) keep the row counts, so optimizer state is
-honest too.
+``RowShard(rows)`` is a ``Shard(0)`` whose collectives use the true row counts:
+``full_tensor()``, ``redistribute()`` to and from ``Replicate``/``Partial``, and the local
+shape and global offset that ``torch.distributed.checkpoint`` reads. DTensor operators on
+it (row_shard_ops.py) see a plain ``Shard(0)``; their results keep the row counts or
+raise, so optimizer state is honest too.
 
 ``NestedRowShard`` marks the outer axis of HFSDP's optimizer shards, which split an inner
 row shard once more: DTensor's left-to-right shard order cannot describe that nesting, so

@@ -12,12 +12,14 @@ objects (cached answers are shared, never mutated):
 * a result sharded along dim 0 with the rows' dim-0 size (pointwise ops, reductions over
   other dims, ``matmul`` with the sharded operand first, ``_foreach_*``) gets the same
   ``RowShard``; a ``Replicate`` input combined with it is cut at the same rows;
-* a result sharded any other way (``p.t()``, ``p.view(-1)``, slicing) or averaged over the
-  rows (``Partial("avg")``) raises ``NotImplementedError``, unless the rows are torch's even
-  split, where torch's own semantics are true;
+* a result sharded any other way (``p.t()``, ``p.view(-1)``, ``p.unsqueeze(0)``) or averaged
+  over the rows (``Partial("avg")``) raises ``NotImplementedError``, and so does meeting another
+  row split or a plain ``Shard(0)`` operand, unless the rows are torch's even split, where
+  torch's own semantics are true;
 * ``NestedRowShard`` (HFSDP optimizer shards) survives same-shape operators only.
 
-Replicated and summed results are left as torch makes them: their values are right.
+Replicated and summed results are left as torch makes them: their values are right (where
+torch gathers an input first, e.g. to slice dim 0, the gather uses the true rows).
 Propagation runs once per distinct input layout (torch caches the answer, keyed on the
 exact placements: see ``RowShard.__eq__``); DTensors without row shards pass through.
 The redistribution planner is wrapped too: one row split to another (or to a plain
@@ -26,7 +28,7 @@ The redistribution planner is wrapped too: one row split to another (or to a pla
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor import _redistribute
