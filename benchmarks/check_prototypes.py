@@ -88,9 +88,17 @@ def main() -> None:
         ok &= a[0] == b[0] if exact else all(abs(u - v) <= 1e-6 * abs(u) for u, v in zip(a[0], b[0]))
         flag = torch.tensor([0 if ok else 1])
         dist.all_reduce(flag)
+        # How far apart they are when they differ: the largest relative loss difference,
+        # and the largest difference of any weight or gradient (max over ranks).
+        spread = torch.tensor([
+            max((abs(u - v) / max(abs(u), 1e-30) for u, v in zip(a[0], b[0])), default=0.0),
+            max(((x - y).abs().max().item() for x, y in zip(a[1] + a[2], b[1] + b[2])
+                 if x is not None and y is not None and x.numel()), default=0.0)], dtype=torch.float64)
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
         if dist.get_rank() == 0:
+            detail = "" if flag.item() == 0 else f"  (loss rel. diff {spread[0]:.1e}, max tensor diff {spread[1]:.1e})"
             print(f"{'ok  ' if flag.item() == 0 else 'FAIL'} {name}{variant} {dtype_name} micro={micro} "
-                  f"set_to_none={set_to_none}", flush=True)
+                  f"set_to_none={set_to_none}{detail}", flush=True)
         failures += int(flag.item() != 0)
         del stock, patched, ref
     dist.destroy_process_group()
