@@ -107,14 +107,18 @@ def shapes_of(args, model):
                             recomputed_dense_chunk_ends=is_moe.count(False), hidden_dropout=args.hidden_dropout)
     moe = None
     if args.num_experts:
+        router_bytes = {None: None, "fp32": 4, "fp64": 8}[args.moe_router_dtype]
+        losses = args.moe_router_load_balancing_type == "aux_loss"
         moe = MoEShape(len(routed), args.num_experts, args.moe_router_topk, args.expert_model_parallel_size,
-                       recomputed_moe_layers=sum(id(layer.mlp) in routed for layer in recomputed))
+                       recomputed_moe_layers=sum(id(layer.mlp) in routed for layer in recomputed),
+                       router_bytes=router_bytes, shared_expert=args.moe_shared_expert_intermediate_size is not None,
+                       aux_loss=losses and args.moe_aux_loss_coeff > 0, z_loss=bool(args.moe_z_loss_coeff))
     return shape, moe
 
 
 def estimate(args, world_size: int, outer_size: int):
     """Plans of every strategy that fits ``world_size`` ranks, each over the data-parallel
-    size world / TP (hybrids need outer_size | that; the planner does not model them with MoE)."""
+    size world / TP (hybrids need outer_size | that, and with experts EP | the instance's size)."""
     from megatron.core.distributed.mfsdp_v2.estimate import STRATEGIES, plan
 
     units, shape, moe = model_units(args, world_size)
@@ -125,7 +129,7 @@ def estimate(args, world_size: int, outer_size: int):
     plans = []
     for strategy in STRATEGIES:
         hybrid = strategy in ("hsdp", "hfsdp")
-        if hybrid and (outer_size < 2 or dp % outer_size or moe is not None):
+        if hybrid and (outer_size < 2 or dp % outer_size or (moe is not None and (dp // outer_size) % moe.ep_size)):
             continue
         if strategy == "ddp" and moe is not None and moe.ep_size > 1:
             continue  # DDP would average different experts (the trainer refuses it)
@@ -158,15 +162,11 @@ def main(argv=None):
         raise SystemExit(f"estimate_memory.py: error: {error}")
     import torch.distributed as dist
 
-    if args.num_experts and args.tensor_model_parallel_size > 1:
-        # The TP collectives of a MoE layer (its token and router-weight regions) are not modelled.
+    if args.num_experts and args.tensor_model_parallel_size > 1 and args.recompute_granularity == "full":
+        # Which of a recomputed MoE layer's TP collectives run again is not modelled.
         raise SystemExit("estimate_memory.py: error: plans of a mixture of experts with "
-                         "--tensor-model-parallel-size > 1 are not supported yet; plan it at TP 1.")
-    if args.num_experts and args.dp_outer_size > 1:
-        # The trainer runs it (2-D expert mesh); the planner does not model expert units over two levels.
-        raise SystemExit("estimate_memory.py: error: plans of a mixture of experts with HSDP/HFSDP "
-                         "(--num-distributed-optimizer-instances > 1) are not supported yet; "
-                         "plan it with one instance.")
+                         "--tensor-model-parallel-size > 1 and full recompute are not supported yet; "
+                         "plan it without --recompute-granularity full.")
     if needs_process_groups(args) and dist.is_initialized():
         # The planning world is a process group of its own; this process already has one.
         raise SystemExit("estimate_memory.py: error: plans with TP or EP > 1 build the model in a fake world; "
@@ -178,7 +178,7 @@ def main(argv=None):
     print(f"model: {n:,} parameters per TP/EP rank in {len(units)} units; world size {known.world_size} = "
           f"TP {tp} x DP {known.world_size // tp}{f' (EP {ep})' if args.num_experts else ''}; "
           f"{args.num_microbatches} microbatch(es) of {args.micro_batch_size} x {args.seq_length} per rank per step; "
-          + ("no HSDP/HFSDP with experts" if args.num_experts else f"HSDP/HFSDP with {outer} replicas"))
+          + f"HSDP/HFSDP with {outer} replicas")
     print("MiB per rank; act = saved activations of one microbatch, _rc = with full recompute")
     if args.num_experts:
         print("act: as for a dense MLP of --ffn-hidden-size (the experts' activations are not modelled)")

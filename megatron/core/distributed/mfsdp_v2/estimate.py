@@ -17,7 +17,11 @@ Under tensor parallelism the units hold one TP rank's (TP-local) shapes and
 ``world_size`` is the data-parallel size (world / TP): the engine shards those plain
 tensors over the DP sub-mesh only. Expert units (``UnitShapes.expert``, a MoE layer's
 ``mlp.experts``: E/EP experts' stacked weights) are laid out over the expert-data-parallel
-mesh of ``world_size / ep_size`` ranks, every other unit over all ``world_size``.
+mesh of ``world_size / ep_size`` ranks, every other unit over all ``world_size``; under
+HSDP/HFSDP the experts' mesh is two-level like the dense one: the same ``outer_size``
+replicas, each sharding over ``world_size / outer_size / ep_size`` ranks. Under TP the
+expert units hold TP-local shapes too (fc1 column-split, fc2 row-split), and the MoE
+layers' TP regions are counted with the dense layers' collectives.
 
 Shard sizes come from the engine's ``FlatLayout``, so the persistent bytes and the FSDP
 collective bytes are exact, and so are the TP bytes (they depend on shapes only; full
@@ -93,6 +97,14 @@ class MoEShape:
     topk: int
     ep_size: int = 1
     recomputed_moe_layers: int = 0  # of them, under full recompute
+    # What the layer's TP regions carry besides the tokens (moe_layer.py, router.py): the
+    # router's probabilities ``[b*s, E]`` (in the router's dtype; None: the activations'),
+    # a shared expert (a dense TP MLP), and under sequence parallelism the router losses'
+    # all-reduces over TP.
+    router_bytes: Optional[int] = None
+    shared_expert: bool = False
+    aux_loss: bool = False
+    z_loss: bool = False
 
 
 @dataclasses.dataclass
@@ -170,7 +182,7 @@ def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None) ->
 
 
 def tensor_parallel_bytes(shape: ActivationShape, microbatches: int = 1,
-                          replicated_grad_numel: int = 0) -> Dict[str, int]:
+                          replicated_grad_numel: int = 0, moe: Optional[MoEShape] = None) -> Dict[str, int]:
     """Bytes a rank contributes per step to the TP layers' collectives (all inputs, as the
     counter counts them), for ``microbatches`` forwards and backwards.
 
@@ -187,10 +199,17 @@ def tensor_parallel_bytes(shape: ActivationShape, microbatches: int = 1,
     A layer that full recompute runs again issues its forward collectives again, except
     that torch's non-reentrant checkpoint stops once backward has all it saved: without
     hidden dropout (whose mask needs it) nothing needs the output of a chunk's last
-    reduction (fc2's), so the chunk's dense last layer skips it."""
+    reduction (fc2's), so the chunk's dense last layer skips it.
+
+    A MoE layer (``moe``) enters and leaves its TP region where the dense MLP does, with
+    the same ``[b, s, h]`` reductions, and adds (``moe_tensor_parallel_bytes``) the
+    router's probabilities and, under sequence parallelism, its routing map and losses."""
     t = shape.tp_size
     if t == 1:
         return {}
+    if moe is not None and moe.recomputed_moe_layers:
+        raise ValueError("the TP collectives of MoE layers under full recompute are not modelled; "
+                         "plan MoE with TP without --recompute-granularity full.")
     tokens = shape.micro_batch_size * shape.seq_length
     act = tokens * shape.hidden_size * shape.element_bytes
     loss = 3 * tokens * 4
@@ -199,11 +218,40 @@ def tensor_parallel_bytes(shape: ActivationShape, microbatches: int = 1,
     skipped = 0 if shape.hidden_dropout else shape.recomputed_dense_chunk_ends
     again = 2 * shape.recomputed_layers - skipped  # reductions; the gathers all run again
     if not shape.sequence_parallel:
-        return {"tp_all_reduce": microbatches * ((per_microbatch + again) * act + loss)}
+        out = {"tp_all_reduce": microbatches * ((per_microbatch + again) * act + loss)}
+    else:
+        out = {
+            "tp_all_gather": microbatches * (per_microbatch + 2 * shape.recomputed_layers) * act // t,
+            "tp_reduce_scatter": microbatches * (per_microbatch + again) * act,
+            "tp_all_reduce": microbatches * loss + replicated_grad_numel * 4,
+        }
+    if moe is not None:
+        for kind, nbytes in moe_tensor_parallel_bytes(shape, moe).items():
+            out[kind] += microbatches * nbytes
+    return out
+
+
+def moe_tensor_parallel_bytes(shape: ActivationShape, moe: MoEShape) -> Dict[str, int]:
+    """What one microbatch's MoE layers send over TP beyond a dense MLP's two reductions.
+
+    Without sequence parallelism the probabilities enter through a copy, whose backward
+    all-reduces their ``[b*s, E]`` gradient. With it, each rank's chunk of the
+    probabilities and of the routing map (uint8, no gradient) is gathered, the
+    probabilities' gradient reduce-scattered back, and the router's losses all-reduce
+    over TP what they log (the load-balancing loss: the E int64 token counts and the fp32
+    loss; the z-loss: its fp32 value). A shared expert is a dense TP MLP: two more."""
+    t, tokens = shape.tp_size, shape.micro_batch_size * shape.seq_length
+    act = tokens * shape.hidden_size * shape.element_bytes
+    probs = tokens * moe.num_experts * (moe.router_bytes or shape.element_bytes)
+    shared = 2 * act if moe.shared_expert else 0
+    n = moe.num_moe_layers
+    if not shape.sequence_parallel:
+        return {"tp_all_reduce": n * (probs + shared)}
+    losses = (8 * moe.num_experts + 4 if moe.aux_loss else 0) + (4 if moe.z_loss else 0)
     return {
-        "tp_all_gather": microbatches * (per_microbatch + 2 * shape.recomputed_layers) * act // t,
-        "tp_reduce_scatter": microbatches * (per_microbatch + again) * act,
-        "tp_all_reduce": microbatches * loss + replicated_grad_numel * 4,
+        "tp_all_gather": n * (probs + tokens * moe.num_experts + shared) // t,
+        "tp_reduce_scatter": n * (probs + shared),
+        "tp_all_reduce": n * losses,
     }
 
 
@@ -250,13 +298,12 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
     if not hybrid and outer_size != 1:
         raise ValueError(f"outer_size applies to hsdp/hfsdp only; {strategy} shards over all {world_size} ranks.")
     ep = moe.ep_size if moe is not None else 1
-    if any(u.expert for u in units) and (hybrid or world_size % ep):
-        raise ValueError(f"expert units need a non-hybrid strategy and an EP size ({ep}) that divides the "
-                         f"data-parallel size ({world_size}); the planner refuses MoE with HSDP/HFSDP "
-                         "(not modelled yet).")
+    inner = world_size // outer_size
+    if any(u.expert for u in units) and inner % ep:
+        raise ValueError(f"expert units need an EP size ({ep}) that divides the data-parallel size of one "
+                         f"instance ({inner} = {world_size} / {outer_size} replicas); choose such an EP size.")
     grad_bytes = compute_bytes if grad_bytes is None else grad_bytes
     comm_bytes = grad_bytes if comm_bytes is None else comm_bytes
-    inner = world_size // outer_size
     inner_rank, outer_rank = rank % inner, rank // inner
     mb = microbatches
     alias = compute_bytes == main_bytes
@@ -278,7 +325,8 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
             send("all_reduce", T * comm_bytes)
             tp_replicated_grads += sum(math.prod(s) for s, r in zip(unit.shapes, unit.tp_replicated) if r)
             continue
-        # Experts: EP ranks r, r + ep, ... hold the same experts (expert_parallel.py).
+        # Experts: EP ranks r, r + ep, ... of an instance hold the same experts; under
+        # HSDP/HFSDP their outer axis is the dense one (expert_parallel.py's expert mesh).
         shards, shard = (inner // ep, inner_rank // ep) if unit.expert else (inner, inner_rank)
         layout = FlatLayout(unit.shapes, shards)
         S, G = layout.shard_numel, layout.gathered_numel
@@ -307,7 +355,7 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
             if strategy == "hsdp":
                 send("all_reduce", S * comm_bytes)
             elif strategy == "hfsdp":
-                outer_layout = _outer_layout(layout, inner_rank, outer_size)
+                outer_layout = _outer_layout(layout, shard, outer_size)
                 So = outer_layout.shard_numel
                 optim, optim_used, grads = So, outer_layout.used_numel(outer_rank), S + So
                 optim_layout, optim_shard = outer_layout, outer_rank
@@ -320,7 +368,7 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
                 persistent["model_weight"] += S * compute_bytes
             persistent["main_grad"] += grads * grad_bytes
         persistent["optimizer_state"] += ADAM_STATES * optim_used * main_bytes
-        tp_replicated_grads += _replicated_grad_numel(unit, layout, inner_rank, optim_layout, optim_shard)
+        tp_replicated_grads += _replicated_grad_numel(unit, layout, shard, optim_layout, optim_shard)
 
     transient = {}
     if strategy == "ddp":
@@ -337,7 +385,7 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
     if activations is not None:
         transient["activations"] = activation_bytes(activations)
         transient["activations_full_recompute"] = activation_bytes(activations, "full")
-        for kind, nbytes in tensor_parallel_bytes(activations, mb, tp_replicated_grads).items():
+        for kind, nbytes in tensor_parallel_bytes(activations, mb, tp_replicated_grads, moe).items():
             send(kind, nbytes)
         if moe is not None:
             for kind, nbytes in all_to_all_bytes(activations, moe, mb).items():
