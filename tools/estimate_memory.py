@@ -11,7 +11,11 @@ world size; builds the model on the meta device (no memory) and prints, per stra
 and the bytes sent per step by collective kind (megatron/core/distributed/mfsdp_v2/estimate.py).
 
 With ``--tensor-model-parallel-size`` or ``--expert-model-parallel-size`` above 1 the
-model is one rank's: its TP-local shapes and its E/EP experts. The model provider takes
+model is one rank's: its TP-local shapes (the experts' too) and its E/EP experts, laid
+out over the expert-data-parallel ranks (two levels with HSDP/HFSDP: the dense replicas,
+each of world / TP / replicas / EP ranks). With TP the bytes per step include a MoE
+layer's TP regions (tokens, router probabilities, under SP the routing map and the router
+losses); MoE with TP and full recompute is refused. The model provider takes
 real process groups of those sizes (and the trainer's checks on them); here they come
 from torch's in-process "fake" backend (a world of --world-size ranks whose collectives
 do nothing), so no other process is started.
