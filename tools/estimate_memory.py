@@ -116,7 +116,9 @@ def shapes_of(args, model):
         moe = MoEShape(len(routed), args.num_experts, args.moe_router_topk, args.expert_model_parallel_size,
                        recomputed_moe_layers=sum(id(layer.mlp) in routed for layer in recomputed),
                        router_bytes=router_bytes, shared_expert=args.moe_shared_expert_intermediate_size is not None,
-                       aux_loss=losses and args.moe_aux_loss_coeff > 0, z_loss=bool(args.moe_z_loss_coeff))
+                       aux_loss=losses and args.moe_aux_loss_coeff > 0, z_loss=bool(args.moe_z_loss_coeff),
+                       ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size, gated=args.swiglu,
+                       shared_expert_ffn=args.moe_shared_expert_intermediate_size or 0)
     return shape, moe
 
 
@@ -185,7 +187,7 @@ def main(argv=None):
           + f"HSDP/HFSDP with {outer} replicas")
     print("MiB per rank; act = saved activations of one microbatch, _rc = with full recompute")
     if args.num_experts:
-        print("act: as for a dense MLP of --ffn-hidden-size (the experts' activations are not modelled)")
+        print("act: MoE layers as k rows of --moe-ffn-hidden-size per token under uniform routing (an estimate)")
     if args.num_experts and ep > 1:
         if args.moe_expert_capacity_factor is not None:
             print("all_to_all: planned as dropless; with --moe-expert-capacity-factor it differs (dropping "

@@ -103,6 +103,11 @@ class MoEShape:
     # all-reduces over TP.
     router_bytes: Optional[int] = None
     shared_expert: bool = False
+    # For the activation estimate: the experts' width (0: not modelled, a dense MLP is
+    # assumed), SwiGLU experts, the shared expert's width (0: none).
+    ffn_hidden_size: int = 0
+    gated: bool = False
+    shared_expert_ffn: int = 0
     aux_loss: bool = False
     z_loss: bool = False
 
@@ -154,7 +159,8 @@ def units_of(model: nn.Module, unit_modules: Sequence[nn.Module], expert_modules
     return out
 
 
-def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None) -> int:
+def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None,
+                     moe: Optional[MoEShape] = None) -> int:
     """Saved activations of one microbatch's forward, per rank.
 
     Per layer, 34*s*b*h + 5*a*s^2*b elements in 16-bit units (attention scores, softmax and
@@ -163,22 +169,42 @@ def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None) ->
     one layer's activations rebuilt during backward. The output logits (and their softmax)
     are kept in fp32 either way. Under T-way TP the attention and MLP internals (8 + 16 of
     the 34 at ffn = 4h), the core and the logits are 1/T; the layer inputs, norms and
-    dropout masks too with sequence parallelism, else they are whole on every rank."""
+    dropout masks too with sequence parallelism, else they are whole on every rank.
+
+    A MoE layer (``moe`` with ``moe.ffn_hidden_size``) has, instead of the MLP's share, per
+    token in the same 16-bit units: the router's input and the dropout mask (3h, split
+    with SP), its logits' softmax and routing map (3E), the k dispatched rows and the k
+    expert outputs kept for the router weights' gradient (4kh; whole on every TP rank: the
+    tokens are gathered before the dispatch), and per row the experts' fc1 output and
+    activation (4 ffn_e, 6 ffn_e gated, split by TP). Uniform routing; a shared expert
+    adds a dense MLP of its width. An estimate like the rest, not a count."""
     s, b, h, a = shape.seq_length, shape.micro_batch_size, shape.hidden_size, shape.num_attention_heads
     t, sp = shape.tp_size, shape.sequence_parallel
     scale = shape.element_bytes / 2
-    # 34 s b h assumes ffn = 4h; the MLP's share (19 of the 34) scales with ffn / 4h.
-    ratio = shape.ffn_hidden_size / (4 * h)
-    split, whole = 8 + 16 * ratio, 7 + 3 * ratio
-    dense = int((split / t + whole / (t if sp else 1)) * s * b * h * scale)
+    seq_split = t if sp else 1
+
+    def mlp_units(ffn: int) -> float:  # 34 s b h assumes ffn = 4h; the MLP's 19 scale with ffn / 4h
+        ratio = ffn / (4 * h)
+        return 16 * ratio / t + 3 * ratio / seq_split
+
+    attention = 8 / t + 7 / seq_split
+    dense = int((attention + mlp_units(shape.ffn_hidden_size)) * s * b * h * scale)
+    routed, n_moe = dense, 0
+    if moe is not None and moe.ffn_hidden_size:
+        k, e = moe.topk, moe.num_experts
+        experts = (3 * h / seq_split + 3 * e + 4 * k * h + k * moe.ffn_hidden_size * (6 if moe.gated else 4) / t) / h
+        shared = mlp_units(moe.shared_expert_ffn) if moe.shared_expert_ffn else 0
+        routed, n_moe = int((attention + experts + shared) * s * b * h * scale), moe.num_moe_layers
+    layers = (shape.num_layers - n_moe) * dense + n_moe * routed
     core = int(5 * a * s * s * b * scale / t)
     logits = 2 * b * s * shape.vocab_size * 4 // t
-    layer_input = s * b * h * shape.element_bytes // (t if sp else 1)
+    layer_input = s * b * h * shape.element_bytes // seq_split
+    rebuilt = max(dense if n_moe < shape.num_layers else 0, routed if n_moe else 0)  # one layer, in backward
     if recompute == "full":
-        return shape.num_layers * layer_input + dense + core + logits
+        return shape.num_layers * layer_input + rebuilt + core + logits
     if recompute == "selective":
-        return shape.num_layers * dense + core + logits
-    return shape.num_layers * (dense + core) + logits
+        return layers + core + logits
+    return layers + shape.num_layers * core + logits
 
 
 def tensor_parallel_bytes(shape: ActivationShape, microbatches: int = 1,
@@ -383,8 +409,8 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
         # One reduction in flight plus the unit whose reduction is being filled.
         transient["reduce_buffers"] = sum(sorted(reduce_inputs, reverse=True)[:2])
     if activations is not None:
-        transient["activations"] = activation_bytes(activations)
-        transient["activations_full_recompute"] = activation_bytes(activations, "full")
+        transient["activations"] = activation_bytes(activations, moe=moe)
+        transient["activations_full_recompute"] = activation_bytes(activations, "full", moe)
         for kind, nbytes in tensor_parallel_bytes(activations, mb, tp_replicated_grads, moe).items():
             send(kind, nbytes)
         if moe is not None:

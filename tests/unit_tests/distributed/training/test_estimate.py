@@ -272,7 +272,8 @@ def test_planner_matches_engine_with_expert_parallelism(strategy, recompute):
     with collective_tap(ep_groups) as records:
         optimizer, microbatches = one_step(built, args, dist.get_rank(), world)
     shape, moe = shapes_of(args, model)
-    assert moe == MoEShape(args.num_layers, 4, 2, ep, recomputed_moe_layers=int(recompute))
+    assert moe == MoEShape(args.num_layers, 4, 2, ep, recomputed_moe_layers=int(recompute), ffn_hidden_size=24,
+                           gated=True)  # llama: SwiGLU experts
     predicted = plan(units, strategy, world, outer_size=args.dp_outer_size if hybrid else 1,
                      microbatches=microbatches, rank=dist.get_rank(), activations=shape, moe=moe)
     check_persistent(predicted, built, optimizer)
@@ -319,6 +320,27 @@ def test_tensor_parallelism_splits_the_activation_estimate():
         assert whole // 2 < activation_bytes(tp, recompute) < whole
     s, b, h, L = 512, 2, 256, 8
     assert activation_bytes(tp) - activation_bytes(sp) == L * 10 * s * b * h * 2 // 2
+
+
+def test_moe_layers_replace_the_mlp_share_of_the_activation_estimate():
+    s, b, h, E, k, ffn = 512, 2, 256, 8, 2, 384
+    shape = ActivationShape(micro_batch_size=b, seq_length=s, hidden_size=h, num_attention_heads=8,
+                            ffn_hidden_size=1024, num_layers=4, vocab_size=1000)
+    moe = MoEShape(num_moe_layers=2, num_experts=E, topk=k, ffn_hidden_size=ffn)
+    dense = activation_bytes(shape)
+    # Two of the four layers: the dense MLP's 19 s b h (16-bit units, fp32 here) out, the
+    # experts' 3h + 3E + 4kh + 4k ffn per token in.
+    per_layer = (3 * h + 3 * E + 4 * k * h + 4 * k * ffn - 19 * h) * s * b * 2
+    assert activation_bytes(shape, moe=moe) - dense == 2 * per_layer
+    gated = dataclasses.replace(moe, gated=True)
+    assert activation_bytes(shape, moe=gated) - activation_bytes(shape, moe=moe) == 2 * 2 * k * ffn * s * b * 2
+    # Under TP the expert rows stay whole (gathered before the dispatch), their fc1 is split.
+    tp = dataclasses.replace(shape, tp_size=2, sequence_parallel=True)
+    assert (activation_bytes(tp, moe=moe) - activation_bytes(tp)
+            == 2 * (3 * h / 2 + 3 * E + 4 * k * h + 4 * k * ffn / 2 - 19 * h / 2) * s * b * 2)
+    # Full recompute rebuilds one layer in backward: the larger of the two kinds.
+    assert activation_bytes(shape, "full", moe) - activation_bytes(shape, "full") == max(per_layer, 0)
+    assert plan([], "zero3", 2, activations=shape, moe=moe).transient["activations"] == activation_bytes(shape, moe=moe)
 
 
 def test_bad_strategy_and_outer_size_are_refused():
