@@ -117,7 +117,7 @@ def shapes_of(args, model):
                        recomputed_moe_layers=sum(id(layer.mlp) in routed for layer in recomputed),
                        router_bytes=router_bytes, shared_expert=args.moe_shared_expert_intermediate_size is not None,
                        aux_loss=losses and args.moe_aux_loss_coeff > 0, z_loss=bool(args.moe_z_loss_coeff),
-                       ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size, gated=args.swiglu,
+                       ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size, gated=args.swiglu, biased=args.add_bias_linear,
                        shared_expert_ffn=args.moe_shared_expert_intermediate_size or 0)
     return shape, moe
 

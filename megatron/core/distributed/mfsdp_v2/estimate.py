@@ -107,6 +107,7 @@ class MoEShape:
     # assumed), SwiGLU experts, the shared expert's width (0: none).
     ffn_hidden_size: int = 0
     gated: bool = False
+    biased: bool = False
     shared_expert_ffn: int = 0
     aux_loss: bool = False
     z_loss: bool = False
@@ -174,10 +175,11 @@ def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None,
     A MoE layer (``moe`` with ``moe.ffn_hidden_size``) has, instead of the MLP's share, per
     token in the same 16-bit units: the router's input and the dropout mask (3h, split
     with SP), its logits' softmax and routing map (3E), the k dispatched rows and the k
-    expert outputs kept for the router weights' gradient (4kh; whole on every TP rank: the
-    tokens are gathered before the dispatch), and per row the experts' fc1 output and
-    activation (4 ffn_e, 6 ffn_e gated, split by TP). Uniform routing; a shared expert
-    adds a dense MLP of its width. An estimate like the rest, not a count."""
+    expert outputs kept for the router weights' gradient (4kh, 6kh with biases; whole on
+    every TP rank: the tokens are gathered before the dispatch), and per row what the
+    experts' fc1 and activation keep (6 ffn_e, 10 ffn_e SwiGLU, split by TP).
+    Uniform routing; a shared expert adds a dense MLP of its width. An estimate like the
+    rest (within 10% of the saved tensors of a MoE layer's forward), not a count."""
     s, b, h, a = shape.seq_length, shape.micro_batch_size, shape.hidden_size, shape.num_attention_heads
     t, sp = shape.tp_size, shape.sequence_parallel
     scale = shape.element_bytes / 2
@@ -192,7 +194,8 @@ def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None,
     routed, n_moe = dense, 0
     if moe is not None and moe.ffn_hidden_size:
         k, e = moe.topk, moe.num_experts
-        experts = (3 * h / seq_split + 3 * e + 4 * k * h + k * moe.ffn_hidden_size * (6 if moe.gated else 4) / t) / h
+        rows = 6 if moe.biased else 4  # the dispatched rows, the outputs (and the biased fc2's sum)
+        experts = (3 * h / seq_split + 3 * e + rows * k * h + k * moe.ffn_hidden_size * (10 if moe.gated else 6) / t) / h
         shared = mlp_units(moe.shared_expert_ffn) if moe.shared_expert_ffn else 0
         routed, n_moe = int((attention + experts + shared) * s * b * h * scale), moe.num_moe_layers
     layers = (shape.num_layers - n_moe) * dense + n_moe * routed

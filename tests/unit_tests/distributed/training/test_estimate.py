@@ -273,7 +273,7 @@ def test_planner_matches_engine_with_expert_parallelism(strategy, recompute):
         optimizer, microbatches = one_step(built, args, dist.get_rank(), world)
     shape, moe = shapes_of(args, model)
     assert moe == MoEShape(args.num_layers, 4, 2, ep, recomputed_moe_layers=int(recompute), ffn_hidden_size=24,
-                           gated=True)  # llama: SwiGLU experts
+                           gated=True)  # llama: SwiGLU experts without biases
     predicted = plan(units, strategy, world, outer_size=args.dp_outer_size if hybrid else 1,
                      microbatches=microbatches, rank=dist.get_rank(), activations=shape, moe=moe)
     check_persistent(predicted, built, optimizer)
@@ -329,18 +329,46 @@ def test_moe_layers_replace_the_mlp_share_of_the_activation_estimate():
     moe = MoEShape(num_moe_layers=2, num_experts=E, topk=k, ffn_hidden_size=ffn)
     dense = activation_bytes(shape)
     # Two of the four layers: the dense MLP's 19 s b h (16-bit units, fp32 here) out, the
-    # experts' 3h + 3E + 4kh + 4k ffn per token in.
-    per_layer = (3 * h + 3 * E + 4 * k * h + 4 * k * ffn - 19 * h) * s * b * 2
+    # experts' 3h + 3E + 4kh + 6k ffn per token in.
+    per_layer = (3 * h + 3 * E + 4 * k * h + 6 * k * ffn - 19 * h) * s * b * 2
     assert activation_bytes(shape, moe=moe) - dense == 2 * per_layer
     gated = dataclasses.replace(moe, gated=True)
-    assert activation_bytes(shape, moe=gated) - activation_bytes(shape, moe=moe) == 2 * 2 * k * ffn * s * b * 2
+    assert activation_bytes(shape, moe=gated) - activation_bytes(shape, moe=moe) == 2 * 4 * k * ffn * s * b * 2
+    biased = dataclasses.replace(moe, biased=True)
+    assert activation_bytes(shape, moe=biased) - activation_bytes(shape, moe=moe) == 2 * 2 * k * h * s * b * 2
     # Under TP the expert rows stay whole (gathered before the dispatch), their fc1 is split.
     tp = dataclasses.replace(shape, tp_size=2, sequence_parallel=True)
     assert (activation_bytes(tp, moe=moe) - activation_bytes(tp)
-            == 2 * (3 * h / 2 + 3 * E + 4 * k * h + 4 * k * ffn / 2 - 19 * h / 2) * s * b * 2)
+            == 2 * (3 * h / 2 + 3 * E + 4 * k * h + 6 * k * ffn / 2 - 19 * h / 2) * s * b * 2)
     # Full recompute rebuilds one layer in backward: the larger of the two kinds.
     assert activation_bytes(shape, "full", moe) - activation_bytes(shape, "full") == max(per_layer, 0)
     assert plan([], "zero3", 2, activations=shape, moe=moe).transient["activations"] == activation_bytes(shape, moe=moe)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_moe_activation_estimate_is_near_the_saved_tensors(arch):
+    """The MoE layer's share of the estimate against the bytes its forward saves for
+    backward (each storage once, parameters excluded), one process."""
+    flags = ["--seq-length", "256", "--hidden-size", "128", "--ffn-hidden-size", "256", *MOE]
+    args = trainer_args(arch, *flags, world_size=1)
+    model = gpt_provider(args).train()
+    layer = model.decoder.layers[0].mlp
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = torch.randn(args.micro_batch_size, args.seq_length, args.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        layer(x)
+    shape, moe = shapes_of(args, model)
+    one = dataclasses.replace(shape, num_layers=1, ffn_hidden_size=0)  # the attention's share alone
+    predicted = activation_bytes(one, moe=dataclasses.replace(moe, num_moe_layers=1)) - activation_bytes(one)
+    assert abs(predicted - sum(saved.values())) < 0.1 * sum(saved.values()), (predicted, sum(saved.values()))
 
 
 def test_bad_strategy_and_outer_size_are_refused():
