@@ -115,10 +115,10 @@ def shapes_of(args, model):
         losses = args.moe_router_load_balancing_type == "aux_loss"
         moe = MoEShape(len(routed), args.num_experts, args.moe_router_topk, args.expert_model_parallel_size,
                        recomputed_moe_layers=sum(id(layer.mlp) in routed for layer in recomputed),
-                       router_bytes=router_bytes, shared_expert=args.moe_shared_expert_intermediate_size is not None,
+                       router_bytes=router_bytes, shared_expert_ffn=args.moe_shared_expert_intermediate_size or 0,
                        aux_loss=losses and args.moe_aux_loss_coeff > 0, z_loss=bool(args.moe_z_loss_coeff),
-                       ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size, gated=args.swiglu, biased=args.add_bias_linear,
-                       shared_expert_ffn=args.moe_shared_expert_intermediate_size or 0)
+                       ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size, gated=args.swiglu,
+                       biased=args.add_bias_linear)
     return shape, moe
 
 

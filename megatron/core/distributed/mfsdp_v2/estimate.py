@@ -102,13 +102,12 @@ class MoEShape:
     # a shared expert (a dense TP MLP), and under sequence parallelism the router losses'
     # all-reduces over TP.
     router_bytes: Optional[int] = None
-    shared_expert: bool = False
+    shared_expert_ffn: int = 0  # the shared expert's width; 0: none
     # For the activation estimate: the experts' width (0: not modelled, a dense MLP is
-    # assumed), SwiGLU experts, the shared expert's width (0: none).
+    # assumed), SwiGLU experts, experts with biases.
     ffn_hidden_size: int = 0
     gated: bool = False
     biased: bool = False
-    shared_expert_ffn: int = 0
     aux_loss: bool = False
     z_loss: bool = False
 
@@ -195,7 +194,8 @@ def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None,
     if moe is not None and moe.ffn_hidden_size:
         k, e = moe.topk, moe.num_experts
         rows = 6 if moe.biased else 4  # the dispatched rows, the outputs (and the biased fc2's sum)
-        experts = (3 * h / seq_split + 3 * e + rows * k * h + k * moe.ffn_hidden_size * (10 if moe.gated else 6) / t) / h
+        per_row_ffn = k * moe.ffn_hidden_size * (10 if moe.gated else 6) / t
+        experts = (3 * h / seq_split + 3 * e + rows * k * h + per_row_ffn) / h
         shared = mlp_units(moe.shared_expert_ffn) if moe.shared_expert_ffn else 0
         routed, n_moe = int((attention + experts + shared) * s * b * h * scale), moe.num_moe_layers
     layers = (shape.num_layers - n_moe) * dense + n_moe * routed
@@ -272,7 +272,7 @@ def moe_tensor_parallel_bytes(shape: ActivationShape, moe: MoEShape) -> Dict[str
     t, tokens = shape.tp_size, shape.micro_batch_size * shape.seq_length
     act = tokens * shape.hidden_size * shape.element_bytes
     probs = tokens * moe.num_experts * (moe.router_bytes or shape.element_bytes)
-    shared = 2 * act if moe.shared_expert else 0
+    shared = 2 * act if moe.shared_expert_ffn else 0
     n = moe.num_moe_layers
     if not shape.sequence_parallel:
         return {"tp_all_reduce": n * (probs + shared)}
