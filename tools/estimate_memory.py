@@ -11,7 +11,11 @@ world size; builds the model on the meta device (no memory) and prints, per stra
 and the bytes sent per step by collective kind (megatron/core/distributed/mfsdp_v2/estimate.py).
 
 With ``--tensor-model-parallel-size`` or ``--expert-model-parallel-size`` above 1 the
-model is one rank's: its TP-local shapes and its E/EP experts. The model provider takes
+model is one rank's: its TP-local shapes (the experts' too) and its E/EP experts, laid
+out over the expert-data-parallel ranks (two levels with HSDP/HFSDP: the dense replicas,
+each of world / TP / replicas / EP ranks). With TP the bytes per step include a MoE
+layer's TP regions (tokens, router probabilities, under SP the routing map and the router
+losses); MoE with TP and full recompute is refused. The model provider takes
 real process groups of those sizes (and the trainer's checks on them); here they come
 from torch's in-process "fake" backend (a world of --world-size ranks whose collectives
 do nothing), so no other process is started.
@@ -107,14 +111,20 @@ def shapes_of(args, model):
                             recomputed_dense_chunk_ends=is_moe.count(False), hidden_dropout=args.hidden_dropout)
     moe = None
     if args.num_experts:
+        router_bytes = {None: None, "fp32": 4, "fp64": 8}[args.moe_router_dtype]
+        losses = args.moe_router_load_balancing_type == "aux_loss"
         moe = MoEShape(len(routed), args.num_experts, args.moe_router_topk, args.expert_model_parallel_size,
-                       recomputed_moe_layers=sum(id(layer.mlp) in routed for layer in recomputed))
+                       recomputed_moe_layers=sum(id(layer.mlp) in routed for layer in recomputed),
+                       router_bytes=router_bytes, shared_expert_ffn=args.moe_shared_expert_intermediate_size or 0,
+                       aux_loss=losses and args.moe_aux_loss_coeff > 0, z_loss=bool(args.moe_z_loss_coeff),
+                       ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size, gated=args.swiglu,
+                       biased=args.add_bias_linear)
     return shape, moe
 
 
 def estimate(args, world_size: int, outer_size: int):
     """Plans of every strategy that fits ``world_size`` ranks, each over the data-parallel
-    size world / TP (hybrids need outer_size | that; the planner does not model them with MoE)."""
+    size world / TP (hybrids need outer_size | that, and with experts EP | the instance's size)."""
     from megatron.core.distributed.mfsdp_v2.estimate import STRATEGIES, plan
 
     units, shape, moe = model_units(args, world_size)
@@ -125,7 +135,7 @@ def estimate(args, world_size: int, outer_size: int):
     plans = []
     for strategy in STRATEGIES:
         hybrid = strategy in ("hsdp", "hfsdp")
-        if hybrid and (outer_size < 2 or dp % outer_size or moe is not None):
+        if hybrid and (outer_size < 2 or dp % outer_size or (moe is not None and (dp // outer_size) % moe.ep_size)):
             continue
         if strategy == "ddp" and moe is not None and moe.ep_size > 1:
             continue  # DDP would average different experts (the trainer refuses it)
@@ -158,15 +168,11 @@ def main(argv=None):
         raise SystemExit(f"estimate_memory.py: error: {error}")
     import torch.distributed as dist
 
-    if args.num_experts and args.tensor_model_parallel_size > 1:
-        # The TP collectives of a MoE layer (its token and router-weight regions) are not modelled.
+    if args.num_experts and args.tensor_model_parallel_size > 1 and args.recompute_granularity == "full":
+        # Which of a recomputed MoE layer's TP collectives run again is not modelled.
         raise SystemExit("estimate_memory.py: error: plans of a mixture of experts with "
-                         "--tensor-model-parallel-size > 1 are not supported yet; plan it at TP 1.")
-    if args.num_experts and args.dp_outer_size > 1:
-        # The trainer runs it (2-D expert mesh); the planner does not model expert units over two levels.
-        raise SystemExit("estimate_memory.py: error: plans of a mixture of experts with HSDP/HFSDP "
-                         "(--num-distributed-optimizer-instances > 1) are not supported yet; "
-                         "plan it with one instance.")
+                         "--tensor-model-parallel-size > 1 and full recompute are not supported yet; "
+                         "plan it without --recompute-granularity full.")
     if needs_process_groups(args) and dist.is_initialized():
         # The planning world is a process group of its own; this process already has one.
         raise SystemExit("estimate_memory.py: error: plans with TP or EP > 1 build the model in a fake world; "
@@ -178,10 +184,10 @@ def main(argv=None):
     print(f"model: {n:,} parameters per TP/EP rank in {len(units)} units; world size {known.world_size} = "
           f"TP {tp} x DP {known.world_size // tp}{f' (EP {ep})' if args.num_experts else ''}; "
           f"{args.num_microbatches} microbatch(es) of {args.micro_batch_size} x {args.seq_length} per rank per step; "
-          + ("no HSDP/HFSDP with experts" if args.num_experts else f"HSDP/HFSDP with {outer} replicas"))
+          + f"HSDP/HFSDP with {outer} replicas")
     print("MiB per rank; act = saved activations of one microbatch, _rc = with full recompute")
     if args.num_experts:
-        print("act: as for a dense MLP of --ffn-hidden-size (the experts' activations are not modelled)")
+        print("act: MoE layers as k rows of --moe-ffn-hidden-size per token under uniform routing (an estimate)")
     if args.num_experts and ep > 1:
         if args.moe_expert_capacity_factor is not None:
             print("all_to_all: planned as dropless; with --moe-expert-capacity-factor it differs (dropping "

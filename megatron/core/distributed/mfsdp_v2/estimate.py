@@ -17,7 +17,11 @@ Under tensor parallelism the units hold one TP rank's (TP-local) shapes and
 ``world_size`` is the data-parallel size (world / TP): the engine shards those plain
 tensors over the DP sub-mesh only. Expert units (``UnitShapes.expert``, a MoE layer's
 ``mlp.experts``: E/EP experts' stacked weights) are laid out over the expert-data-parallel
-mesh of ``world_size / ep_size`` ranks, every other unit over all ``world_size``.
+mesh of ``world_size / ep_size`` ranks, every other unit over all ``world_size``; under
+HSDP/HFSDP the experts' mesh is two-level like the dense one: the same ``outer_size``
+replicas, each sharding over ``world_size / outer_size / ep_size`` ranks. Under TP the
+expert units hold TP-local shapes too (fc1 column-split, fc2 row-split), and the MoE
+layers' TP regions are counted with the dense layers' collectives.
 
 Shard sizes come from the engine's ``FlatLayout``, so the persistent bytes and the FSDP
 collective bytes are exact, and so are the TP bytes (they depend on shapes only; full
@@ -93,6 +97,19 @@ class MoEShape:
     topk: int
     ep_size: int = 1
     recomputed_moe_layers: int = 0  # of them, under full recompute
+    # What the layer's TP regions carry besides the tokens (moe_layer.py, router.py): the
+    # router's probabilities ``[b*s, E]`` (in the router's dtype; None: the activations'),
+    # a shared expert (a dense TP MLP), and under sequence parallelism the router losses'
+    # all-reduces over TP.
+    router_bytes: Optional[int] = None
+    shared_expert_ffn: int = 0  # the shared expert's width; 0: none
+    # For the activation estimate: the experts' width (0: not modelled, a dense MLP is
+    # assumed), SwiGLU experts, experts with biases.
+    ffn_hidden_size: int = 0
+    gated: bool = False
+    biased: bool = False
+    aux_loss: bool = False
+    z_loss: bool = False
 
 
 @dataclasses.dataclass
@@ -142,7 +159,8 @@ def units_of(model: nn.Module, unit_modules: Sequence[nn.Module], expert_modules
     return out
 
 
-def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None) -> int:
+def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None,
+                     moe: Optional[MoEShape] = None) -> int:
     """Saved activations of one microbatch's forward, per rank.
 
     Per layer, 34*s*b*h + 5*a*s^2*b elements in 16-bit units (attention scores, softmax and
@@ -151,26 +169,49 @@ def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None) ->
     one layer's activations rebuilt during backward. The output logits (and their softmax)
     are kept in fp32 either way. Under T-way TP the attention and MLP internals (8 + 16 of
     the 34 at ffn = 4h), the core and the logits are 1/T; the layer inputs, norms and
-    dropout masks too with sequence parallelism, else they are whole on every rank."""
+    dropout masks too with sequence parallelism, else they are whole on every rank.
+
+    A MoE layer (``moe`` with ``moe.ffn_hidden_size``) has, instead of the MLP's share, per
+    token in the same 16-bit units: the router's input and the dropout mask (3h, split
+    with SP), its logits' softmax and routing map (3E), the k dispatched rows and the k
+    expert outputs kept for the router weights' gradient (4kh, 6kh with biases; whole on
+    every TP rank: the tokens are gathered before the dispatch), and per row what the
+    experts' fc1 and activation keep (6 ffn_e, 10 ffn_e SwiGLU, split by TP).
+    Uniform routing; a shared expert adds a dense MLP of its width. An estimate like the
+    rest (within 10% of the saved tensors of a MoE layer's forward), not a count."""
     s, b, h, a = shape.seq_length, shape.micro_batch_size, shape.hidden_size, shape.num_attention_heads
     t, sp = shape.tp_size, shape.sequence_parallel
     scale = shape.element_bytes / 2
-    # 34 s b h assumes ffn = 4h; the MLP's share (19 of the 34) scales with ffn / 4h.
-    ratio = shape.ffn_hidden_size / (4 * h)
-    split, whole = 8 + 16 * ratio, 7 + 3 * ratio
-    dense = int((split / t + whole / (t if sp else 1)) * s * b * h * scale)
+    seq_split = t if sp else 1
+
+    def mlp_units(ffn: int) -> float:  # 34 s b h assumes ffn = 4h; the MLP's 19 scale with ffn / 4h
+        ratio = ffn / (4 * h)
+        return 16 * ratio / t + 3 * ratio / seq_split
+
+    attention = 8 / t + 7 / seq_split
+    dense = int((attention + mlp_units(shape.ffn_hidden_size)) * s * b * h * scale)
+    routed, n_moe = dense, 0
+    if moe is not None and moe.ffn_hidden_size:
+        k, e = moe.topk, moe.num_experts
+        rows = 6 if moe.biased else 4  # the dispatched rows, the outputs (and the biased fc2's sum)
+        per_row_ffn = k * moe.ffn_hidden_size * (10 if moe.gated else 6) / t
+        experts = (3 * h / seq_split + 3 * e + rows * k * h + per_row_ffn) / h
+        shared = mlp_units(moe.shared_expert_ffn) if moe.shared_expert_ffn else 0
+        routed, n_moe = int((attention + experts + shared) * s * b * h * scale), moe.num_moe_layers
+    layers = (shape.num_layers - n_moe) * dense + n_moe * routed
     core = int(5 * a * s * s * b * scale / t)
     logits = 2 * b * s * shape.vocab_size * 4 // t
-    layer_input = s * b * h * shape.element_bytes // (t if sp else 1)
+    layer_input = s * b * h * shape.element_bytes // seq_split
+    rebuilt = max(dense if n_moe < shape.num_layers else 0, routed if n_moe else 0)  # one layer, in backward
     if recompute == "full":
-        return shape.num_layers * layer_input + dense + core + logits
+        return shape.num_layers * layer_input + rebuilt + core + logits
     if recompute == "selective":
-        return shape.num_layers * dense + core + logits
-    return shape.num_layers * (dense + core) + logits
+        return layers + core + logits
+    return layers + shape.num_layers * core + logits
 
 
 def tensor_parallel_bytes(shape: ActivationShape, microbatches: int = 1,
-                          replicated_grad_numel: int = 0) -> Dict[str, int]:
+                          replicated_grad_numel: int = 0, moe: Optional[MoEShape] = None) -> Dict[str, int]:
     """Bytes a rank contributes per step to the TP layers' collectives (all inputs, as the
     counter counts them), for ``microbatches`` forwards and backwards.
 
@@ -187,10 +228,17 @@ def tensor_parallel_bytes(shape: ActivationShape, microbatches: int = 1,
     A layer that full recompute runs again issues its forward collectives again, except
     that torch's non-reentrant checkpoint stops once backward has all it saved: without
     hidden dropout (whose mask needs it) nothing needs the output of a chunk's last
-    reduction (fc2's), so the chunk's dense last layer skips it."""
+    reduction (fc2's), so the chunk's dense last layer skips it.
+
+    A MoE layer (``moe``) enters and leaves its TP region where the dense MLP does, with
+    the same ``[b, s, h]`` reductions, and adds (``moe_tensor_parallel_bytes``) the
+    router's probabilities and, under sequence parallelism, its routing map and losses."""
     t = shape.tp_size
     if t == 1:
         return {}
+    if moe is not None and moe.recomputed_moe_layers:
+        raise ValueError("the TP collectives of MoE layers under full recompute are not modelled; "
+                         "plan MoE with TP without --recompute-granularity full.")
     tokens = shape.micro_batch_size * shape.seq_length
     act = tokens * shape.hidden_size * shape.element_bytes
     loss = 3 * tokens * 4
@@ -199,11 +247,40 @@ def tensor_parallel_bytes(shape: ActivationShape, microbatches: int = 1,
     skipped = 0 if shape.hidden_dropout else shape.recomputed_dense_chunk_ends
     again = 2 * shape.recomputed_layers - skipped  # reductions; the gathers all run again
     if not shape.sequence_parallel:
-        return {"tp_all_reduce": microbatches * ((per_microbatch + again) * act + loss)}
+        out = {"tp_all_reduce": microbatches * ((per_microbatch + again) * act + loss)}
+    else:
+        out = {
+            "tp_all_gather": microbatches * (per_microbatch + 2 * shape.recomputed_layers) * act // t,
+            "tp_reduce_scatter": microbatches * (per_microbatch + again) * act,
+            "tp_all_reduce": microbatches * loss + replicated_grad_numel * 4,
+        }
+    if moe is not None:
+        for kind, nbytes in moe_tensor_parallel_bytes(shape, moe).items():
+            out[kind] += microbatches * nbytes
+    return out
+
+
+def moe_tensor_parallel_bytes(shape: ActivationShape, moe: MoEShape) -> Dict[str, int]:
+    """What one microbatch's MoE layers send over TP beyond a dense MLP's two reductions.
+
+    Without sequence parallelism the probabilities enter through a copy, whose backward
+    all-reduces their ``[b*s, E]`` gradient. With it, each rank's chunk of the
+    probabilities and of the routing map (uint8, no gradient) is gathered, the
+    probabilities' gradient reduce-scattered back, and the router's losses all-reduce
+    over TP what they log (the load-balancing loss: the E int64 token counts and the fp32
+    loss; the z-loss: its fp32 value). A shared expert is a dense TP MLP: two more."""
+    t, tokens = shape.tp_size, shape.micro_batch_size * shape.seq_length
+    act = tokens * shape.hidden_size * shape.element_bytes
+    probs = tokens * moe.num_experts * (moe.router_bytes or shape.element_bytes)
+    shared = 2 * act if moe.shared_expert_ffn else 0
+    n = moe.num_moe_layers
+    if not shape.sequence_parallel:
+        return {"tp_all_reduce": n * (probs + shared)}
+    losses = (8 * moe.num_experts + 4 if moe.aux_loss else 0) + (4 if moe.z_loss else 0)
     return {
-        "tp_all_gather": microbatches * (per_microbatch + 2 * shape.recomputed_layers) * act // t,
-        "tp_reduce_scatter": microbatches * (per_microbatch + again) * act,
-        "tp_all_reduce": microbatches * loss + replicated_grad_numel * 4,
+        "tp_all_gather": n * (probs + tokens * moe.num_experts + shared) // t,
+        "tp_reduce_scatter": n * (probs + shared),
+        "tp_all_reduce": n * losses,
     }
 
 
@@ -250,13 +327,12 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
     if not hybrid and outer_size != 1:
         raise ValueError(f"outer_size applies to hsdp/hfsdp only; {strategy} shards over all {world_size} ranks.")
     ep = moe.ep_size if moe is not None else 1
-    if any(u.expert for u in units) and (hybrid or world_size % ep):
-        raise ValueError(f"expert units need a non-hybrid strategy and an EP size ({ep}) that divides the "
-                         f"data-parallel size ({world_size}); the planner refuses MoE with HSDP/HFSDP "
-                         "(not modelled yet).")
+    inner = world_size // outer_size
+    if any(u.expert for u in units) and inner % ep:
+        raise ValueError(f"expert units need an EP size ({ep}) that divides the data-parallel size of one "
+                         f"instance ({inner} = {world_size} / {outer_size} replicas); choose such an EP size.")
     grad_bytes = compute_bytes if grad_bytes is None else grad_bytes
     comm_bytes = grad_bytes if comm_bytes is None else comm_bytes
-    inner = world_size // outer_size
     inner_rank, outer_rank = rank % inner, rank // inner
     mb = microbatches
     alias = compute_bytes == main_bytes
@@ -278,7 +354,8 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
             send("all_reduce", T * comm_bytes)
             tp_replicated_grads += sum(math.prod(s) for s, r in zip(unit.shapes, unit.tp_replicated) if r)
             continue
-        # Experts: EP ranks r, r + ep, ... hold the same experts (expert_parallel.py).
+        # Experts: EP ranks r, r + ep, ... of an instance hold the same experts; under
+        # HSDP/HFSDP their outer axis is the dense one (expert_parallel.py's expert mesh).
         shards, shard = (inner // ep, inner_rank // ep) if unit.expert else (inner, inner_rank)
         layout = FlatLayout(unit.shapes, shards)
         S, G = layout.shard_numel, layout.gathered_numel
@@ -307,7 +384,7 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
             if strategy == "hsdp":
                 send("all_reduce", S * comm_bytes)
             elif strategy == "hfsdp":
-                outer_layout = _outer_layout(layout, inner_rank, outer_size)
+                outer_layout = _outer_layout(layout, shard, outer_size)
                 So = outer_layout.shard_numel
                 optim, optim_used, grads = So, outer_layout.used_numel(outer_rank), S + So
                 optim_layout, optim_shard = outer_layout, outer_rank
@@ -320,7 +397,7 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
                 persistent["model_weight"] += S * compute_bytes
             persistent["main_grad"] += grads * grad_bytes
         persistent["optimizer_state"] += ADAM_STATES * optim_used * main_bytes
-        tp_replicated_grads += _replicated_grad_numel(unit, layout, inner_rank, optim_layout, optim_shard)
+        tp_replicated_grads += _replicated_grad_numel(unit, layout, shard, optim_layout, optim_shard)
 
     transient = {}
     if strategy == "ddp":
@@ -335,9 +412,9 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
         # One reduction in flight plus the unit whose reduction is being filled.
         transient["reduce_buffers"] = sum(sorted(reduce_inputs, reverse=True)[:2])
     if activations is not None:
-        transient["activations"] = activation_bytes(activations)
-        transient["activations_full_recompute"] = activation_bytes(activations, "full")
-        for kind, nbytes in tensor_parallel_bytes(activations, mb, tp_replicated_grads).items():
+        transient["activations"] = activation_bytes(activations, moe=moe)
+        transient["activations_full_recompute"] = activation_bytes(activations, "full", moe)
+        for kind, nbytes in tensor_parallel_bytes(activations, mb, tp_replicated_grads, moe).items():
             send(kind, nbytes)
         if moe is not None:
             for kind, nbytes in all_to_all_bytes(activations, moe, mb).items():

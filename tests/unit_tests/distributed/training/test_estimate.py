@@ -5,6 +5,7 @@ models at 2 and 4 ranks; its output also reaches tools/estimate_memory.py."""
 import collections
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import os
@@ -95,12 +96,13 @@ TAPPED = {"all_reduce": "tensor", "all_gather_single": "input_tensor", "reduce_s
 def collective_tap(groups):
     """(function name, bytes of the input this rank contributes) of every call of the
     TAPPED torch.distributed functions on one of ``groups`` (all groups if None); the real
-    collective still runs."""
+    collective still runs. Taps nest."""
     records, saved = [], {name: getattr(dist, name) for name in TAPPED}
 
     def wrap(name, real):
-        signature = inspect.signature(real)
+        signature = inspect.signature(real)  # through an outer tap's wrapper (functools.wraps)
 
+        @functools.wraps(real)
         def tapped(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             if groups is None or bound.arguments.get("group") in groups:
@@ -186,18 +188,30 @@ TP_NAMES = {"all_reduce": "tp_all_reduce", "all_gather_single": "tp_all_gather",
 RECOMPUTE = "--recompute-granularity full --recompute-method block --recompute-num-layers 1".split()
 
 
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24"]
+# A MoE layer's extra TP traffic: a shared expert, the router losses (all-reduced under SP).
+MOE_EXTRAS = ["--moe-shared-expert-intermediate-size", "16", "--moe-aux-loss-coeff", "0.01",
+              "--moe-z-loss-coeff", "0.001"]
+
+
 # recompute: None, "full", or "full+dropout" (hidden dropout makes a recomputed chunk's
-# last reduction run again).
-@pytest.mark.parametrize("strategy,sequence_parallel,recompute", [
-    ("zero1", False, None), ("zero1", True, None), ("zero3", False, None), ("zero3", True, "full"),
-    ("zero1", False, "full+dropout")])
-def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_parallel, recompute):
+# last reduction run again). moe: None, "experts" (EP 2 where the data-parallel size
+# allows), or "experts+extras" (also MOE_EXTRAS).
+@pytest.mark.parametrize("strategy,sequence_parallel,recompute,moe", [
+    ("zero1", False, None, None), ("zero1", True, None, None), ("zero3", False, None, None),
+    ("zero3", True, "full", None), ("zero1", False, "full+dropout", None),
+    ("zero3", False, None, "experts"), ("zero2", True, None, "experts+extras")])
+def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_parallel, recompute, moe):
+    from megatron.core.transformer.moe.expert_parallel import expert_parallel_of
     from megatron.training.model_builder import finalize_model_grads
 
     tp = 2
     world = dist.get_world_size()
+    ep = 2 if moe and world // tp >= 2 else 1
     extra = (["--sequence-parallel"] if sequence_parallel else []) + (RECOMPUTE if recompute else [])
     extra += ["--hidden-dropout", "0.1"] if recompute == "full+dropout" else []
+    extra += [*MOE, "--expert-model-parallel-size", str(ep)] if moe else []
+    extra += MOE_EXTRAS if moe == "experts+extras" else []
     flags = ["--use-mfsdp", "--tensor-model-parallel-size", str(tp), "--global-batch-size", str(4 * world // tp),
              *TP_SHAPE, *FLAGS[strategy], *extra]
     args = trainer_args("llama", *flags)
@@ -205,50 +219,69 @@ def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_para
         built = build_model(gpt_provider, args, torch.device("cpu"))
         model = built.unwrapped
         units = planned_units(model)
-        with collective_tap({state.tp_group}) as records:
+        ep_groups = {expert_parallel_of(model).group} if ep > 1 else set()
+        with collective_tap({state.tp_group}) as records, collective_tap(ep_groups) as ep_records:
             optimizer, microbatches = one_step(built, args, state.dp_rank, state.dp_size,
                                                finalize=lambda: finalize_model_grads(args, built))
+        shape, moe_shape = shapes_of(args, model)
         predicted = plan(units, strategy, state.dp_size, microbatches=microbatches, rank=state.dp_rank,
-                         activations=shapes_of(args, model)[0])
+                         activations=shape, moe=moe_shape)
     check_persistent(predicted, built, optimizer)
-    fsdp = {k: v for k, v in predicted.comm_bytes.items() if not k.startswith("tp_")}
+    fsdp = {k: v for k, v in predicted.comm_bytes.items() if not k.startswith("tp_") and k != "all_to_all"}
     assert fsdp == built.context.counter.bytes_by_kind()
     tp_bytes = {k: v for k, v in predicted.comm_bytes.items() if k.startswith("tp_")}
     assert tp_bytes == summed(records, TP_NAMES)
     assert set(tp_bytes) == ({"tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"} if sequence_parallel
                              else {"tp_all_reduce"})
+    if moe:
+        assert any(u.expert for u in units)
+        check_all_to_all(predicted, ep_records, ep)
     if strategy == "zero3":
         assert tool_units(*flags) == describe(units)
 
 
-@pytest.mark.parametrize("strategy,recompute", [("zero2", False), ("zero3", True)])
+def check_all_to_all(predicted, records, ep):
+    """Dropless routing: what a rank receives depends on the routing; summed over an EP
+    group, received equals sent, which the plan counts exactly (every group alike, so the
+    world's sum is the plan times the world)."""
+    if ep == 1:
+        assert "all_to_all" not in predicted.comm_bytes and not records
+        return
+    measured = torch.tensor(sum(n for name, n in records if name == "all_to_all_single"))
+    dist.all_reduce(measured)
+    assert measured.item() == dist.get_world_size() * predicted.comm_bytes["all_to_all"]
+
+
+@pytest.mark.parametrize("strategy,recompute", [("zero2", False), ("zero3", True), ("hsdp", False),
+                                                ("hfsdp", False)])
 def test_planner_matches_engine_with_expert_parallelism(strategy, recompute):
-    ep, world = 2, dist.get_world_size()
-    flags = ["--use-mfsdp", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
-             "--expert-model-parallel-size", str(ep), "--global-batch-size", str(4 * world), *TP_SHAPE,
-             *FLAGS[strategy], *(RECOMPUTE if recompute else [])]
+    from megatron.core.transformer.moe.expert_parallel import expert_parallel_of
+
+    world = dist.get_world_size()
+    hybrid = strategy in ("hsdp", "hfsdp")
+    ep = 1 if hybrid and world < 4 else 2  # EP divides one instance's world / 2 ranks
+    flags = ["--use-mfsdp", *MOE, "--expert-model-parallel-size", str(ep), "--global-batch-size", str(4 * world),
+             *TP_SHAPE, *FLAGS[strategy], *(RECOMPUTE if recompute else [])]
     args = trainer_args("llama", *flags)
     built = build_model(gpt_provider, args, torch.device("cpu"))
     model = built.unwrapped
     units = planned_units(model)
     experts = [u for u in units if u.expert]
     assert len(experts) == args.num_layers  # every layer routes (--moe-layer-freq 1)
-    with collective_tap(None) as records:
+    ep_groups = {expert_parallel_of(model).group} if ep > 1 else set()
+    with collective_tap(ep_groups) as records:
         optimizer, microbatches = one_step(built, args, dist.get_rank(), world)
     shape, moe = shapes_of(args, model)
-    assert moe == MoEShape(args.num_layers, 4, 2, ep, recomputed_moe_layers=int(recompute))
-    predicted = plan(units, strategy, world, microbatches=microbatches, rank=dist.get_rank(),
-                     activations=shape, moe=moe)
+    assert moe == MoEShape(args.num_layers, 4, 2, ep, recomputed_moe_layers=int(recompute), ffn_hidden_size=24,
+                           gated=True)  # llama: SwiGLU experts without biases
+    predicted = plan(units, strategy, world, outer_size=args.dp_outer_size if hybrid else 1,
+                     microbatches=microbatches, rank=dist.get_rank(), activations=shape, moe=moe)
     check_persistent(predicted, built, optimizer)
-    if strategy == "zero3":
+    if strategy in ("zero3", "hsdp"):
         assert tool_units(*flags) == describe(units)
     fsdp = {k: v for k, v in predicted.comm_bytes.items() if k != "all_to_all"}
     assert fsdp == built.context.counter.bytes_by_kind()
-    # Dropless routing: what a rank receives depends on the routing; summed over the EP
-    # group (here: the world), received equals sent, which the plan counts exactly.
-    measured = torch.tensor(summed(records, {n: n for n in TAPPED}).get("all_to_all_single", 0))
-    dist.all_reduce(measured)
-    assert measured.item() == world * predicted.comm_bytes["all_to_all"]
+    check_all_to_all(predicted, records, ep)
 
 
 def test_ddp_plan_is_the_whole_model_on_every_rank():
@@ -289,6 +322,55 @@ def test_tensor_parallelism_splits_the_activation_estimate():
     assert activation_bytes(tp) - activation_bytes(sp) == L * 10 * s * b * h * 2 // 2
 
 
+def test_moe_layers_replace_the_mlp_share_of_the_activation_estimate():
+    s, b, h, E, k, ffn = 512, 2, 256, 8, 2, 384
+    shape = ActivationShape(micro_batch_size=b, seq_length=s, hidden_size=h, num_attention_heads=8,
+                            ffn_hidden_size=1024, num_layers=4, vocab_size=1000)
+    moe = MoEShape(num_moe_layers=2, num_experts=E, topk=k, ffn_hidden_size=ffn)
+    dense = activation_bytes(shape)
+    # Two of the four layers: the dense MLP's 19 s b h (16-bit units, fp32 here) out, the
+    # experts' 3h + 3E + 4kh + 6k ffn per token in.
+    per_layer = (3 * h + 3 * E + 4 * k * h + 6 * k * ffn - 19 * h) * s * b * 2
+    assert activation_bytes(shape, moe=moe) - dense == 2 * per_layer
+    gated = dataclasses.replace(moe, gated=True)
+    assert activation_bytes(shape, moe=gated) - activation_bytes(shape, moe=moe) == 2 * 4 * k * ffn * s * b * 2
+    biased = dataclasses.replace(moe, biased=True)
+    assert activation_bytes(shape, moe=biased) - activation_bytes(shape, moe=moe) == 2 * 2 * k * h * s * b * 2
+    # Under TP the expert rows stay whole (gathered before the dispatch), their fc1 is split.
+    tp = dataclasses.replace(shape, tp_size=2, sequence_parallel=True)
+    assert (activation_bytes(tp, moe=moe) - activation_bytes(tp)
+            == 2 * (3 * h / 2 + 3 * E + 4 * k * h + 6 * k * ffn / 2 - 19 * h / 2) * s * b * 2)
+    # Full recompute rebuilds one layer in backward: the larger of the two kinds.
+    assert activation_bytes(shape, "full", moe) - activation_bytes(shape, "full") == max(per_layer, 0)
+    assert plan([], "zero3", 2, activations=shape, moe=moe).transient["activations"] == activation_bytes(shape, moe=moe)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_moe_activation_estimate_is_near_the_saved_tensors(arch):
+    """The MoE layer's share of the estimate against the bytes its forward saves for
+    backward (each storage once, parameters excluded), one process."""
+    flags = ["--seq-length", "256", "--hidden-size", "128", "--ffn-hidden-size", "256", *MOE]
+    args = trainer_args(arch, *flags, world_size=1)
+    model = gpt_provider(args).train()
+    layer = model.decoder.layers[0].mlp
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = torch.randn(args.micro_batch_size, args.seq_length, args.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        layer(x)
+    shape, moe = shapes_of(args, model)
+    one = dataclasses.replace(shape, num_layers=1, ffn_hidden_size=0)  # the attention's share alone
+    predicted = activation_bytes(one, moe=dataclasses.replace(moe, num_moe_layers=1)) - activation_bytes(one)
+    assert abs(predicted - sum(saved.values())) < 0.1 * sum(saved.values()), (predicted, sum(saved.values()))
+
+
 def test_bad_strategy_and_outer_size_are_refused():
     units = []
     with pytest.raises(ValueError, match="strategy must be one of"):
@@ -297,10 +379,15 @@ def test_bad_strategy_and_outer_size_are_refused():
         plan(units, "hsdp", 3, outer_size=2)
     experts = [UnitShapes("experts", (torch.Size((2, 8, 4)),), expert=True)]
     moe = MoEShape(num_moe_layers=1, num_experts=4, topk=2, ep_size=2)
-    with pytest.raises(ValueError, match="refuses MoE with HSDP/HFSDP"):
-        plan(experts, "hsdp", 4, outer_size=2, moe=moe)
-    with pytest.raises(ValueError, match="divides the data-parallel size"):
+    with pytest.raises(ValueError, match="divides the data-parallel size of one instance"):
+        plan(experts, "hsdp", 2, outer_size=2, moe=moe)  # one rank per instance, EP 2
+    with pytest.raises(ValueError, match="divides the data-parallel size of one instance"):
         plan(experts, "zero3", 3, moe=moe)
+    shape = ActivationShape(micro_batch_size=1, seq_length=8, hidden_size=8, num_attention_heads=2,
+                            ffn_hidden_size=16, num_layers=1, vocab_size=16, tp_size=2)
+    recomputed = dataclasses.replace(moe, recomputed_moe_layers=1)
+    with pytest.raises(ValueError, match="MoE layers under full recompute are not modelled"):
+        plan(experts, "zero3", 4, activations=dataclasses.replace(shape, recomputed_layers=1), moe=recomputed)
 
 
 def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
@@ -321,13 +408,11 @@ def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
              "--train-iters", "1"]
     with pytest.raises(SystemExit, match="--num-attention-heads"):
         main(["--world-size", "2", *small, "--hidden-size", "30"])
-    # What the planner does not model (the trainer runs it), it refuses.
-    with pytest.raises(SystemExit, match="mixture of experts with HSDP/HFSDP"):
-        main(["--world-size", "4", *small, "--use-mfsdp", "--num-experts", "4", "--num-distributed-optimizer-instances",
-              "2"])
-    # The TP collectives of a MoE layer are not modelled: refused, not planned wrong.
-    with pytest.raises(SystemExit, match="mixture of experts with --tensor-model-parallel-size > 1"):
-        main(["--world-size", "4", *small, "--num-experts", "4", "--tensor-model-parallel-size", "2"])
+    # What the planner does not model (the trainer runs it), it refuses: which TP
+    # collectives of a recomputed MoE layer run again.
+    with pytest.raises(SystemExit, match="tensor-model-parallel-size > 1 and full recompute"):
+        main(["--world-size", "4", *small, "--use-mfsdp", "--num-experts", "4", "--tensor-model-parallel-size", "2",
+              *RECOMPUTE])
     # TP/EP plans need a fake world of their own (tool_units runs them in a fresh process).
     with pytest.raises(SystemExit, match="not under torchrun"):
         main(["--world-size", "4", *small, "--tensor-model-parallel-size", "2"])
