@@ -89,6 +89,11 @@ def figures(run: dict, rss: Dict[str, dict]) -> Dict[str, dict]:
             continue
         t = r["timing"]
         coll = r["collectives"]["by_kind"]
+        if "send" in coll and "engine_counter" in r["collectives"]:
+            # MFSDP on gloo sends its all-gathers and reduce-scatters point to point
+            # (gloo_wire.py): the tap sees messages, the engine's counter the collectives
+            # they carry, with the same bytes.
+            coll = r["collectives"]["engine_counter"]["by_kind"]
         f = {
             "step_s": t["step"]["median"], "step_p25_s": t["step"]["p25"], "step_p75_s": t["step"]["p75"],
             "step_min_s": t["step"]["min"], "step_max_s": t["step"]["max"], "n_steps": t["step"]["n"],
