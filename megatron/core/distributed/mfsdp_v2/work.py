@@ -41,6 +41,10 @@ from .profiling import cpu_range
 
 PostOp = Callable[[], None]
 
+# Profiler range names per collective kind, built once (not per call on the hot path).
+_RANGES = {kind: {what: f"MFSDP {what} {kind}" for what in ("launch", "wait", "post_ops")}
+           for kind in ("all_gather", "reduce_scatter", "all_reduce", "none")}
+
 
 @dataclasses.dataclass
 class CollectiveRecord:
@@ -124,10 +128,10 @@ class CollectiveWork:
         try:
             # Profiler ranges: the host blocked on the backend, then the post-ops' tensor work.
             if self._work is not None:
-                with cpu_range(f"MFSDP wait {self.kind}"):
+                with cpu_range(_RANGES[self.kind]["wait"]):
                     self._work.wait()
             if self._post_ops:
-                with cpu_range(f"MFSDP post_ops {self.kind}"):
+                with cpu_range(_RANGES[self.kind]["post_ops"]):
                     self._run_post_ops()
         except BaseException as error:  # remembered so a second wait() fails the same way
             self._error = error
@@ -177,7 +181,7 @@ def _launch(device: DeviceHandle, stream, kind: str, fn):
     (inside a profiler range ``MFSDP launch <kind>``: one per collective, whatever the
     backend's calls)."""
     follow_current_stream(device, stream)
-    with device.stream(stream), cpu_range(f"MFSDP launch {kind}"):
+    with device.stream(stream), cpu_range(_RANGES[kind]["launch"]):
         return fn()
 
 
