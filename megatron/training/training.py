@@ -119,6 +119,13 @@ def _report_user_error(message: str, exit_code: int, error: BaseException) -> No
     _write_torchelastic_error_file(message)
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _env_world_size() > 1:
+        # Not sys.exit: at interpreter teardown a DDP reducer frees its gloo group, which
+        # joins its worker threads holding the GIL while a worker releasing a finished
+        # all-gather waits for the GIL; that rank then hangs forever (seen 1 run in 5).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
     sys.exit(exit_code)
 
 
@@ -129,6 +136,15 @@ def _env_rank() -> int:
         return get_distributed_env().rank
     except ValueError:
         return 0
+
+
+def _env_world_size() -> int:
+    try:
+        from megatron.training.initialize import get_distributed_env
+
+        return get_distributed_env().world_size
+    except ValueError:
+        return 1
 
 
 def _write_torchelastic_error_file(message: str) -> None:

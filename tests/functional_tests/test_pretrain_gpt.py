@@ -69,24 +69,6 @@ def read_metrics(log_dir):
     return train, valid
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    proc = run_torchrun(MODEL_ARGS + ["--log-dir", str(out / "logs")])
-    return out, proc.stdout
-
-
-@pytest.fixture(scope="module")
-def mfsdp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mfsdp")
-    proc = run_torchrun(MODEL_ARGS + [
-        "--use-mfsdp", "--log-dir", str(out / "logs"), "--tensorboard-dir", str(out / "tb"),
-        "--wandb-project", "mfsdp-functional", "--wandb-exp-name", "zero3", "--wandb-save-dir", str(out / "wandb"),
-        "--log-throughput",
-    ])
-    return out, proc.stdout
-
-
 def test_mfsdp_losses_equal_ddp_losses(ddp_run, mfsdp_run):
     ddp_train, ddp_valid = read_metrics(str(ddp_run[0] / "logs"))
     fsdp_train, fsdp_valid = read_metrics(str(mfsdp_run[0] / "logs"))
