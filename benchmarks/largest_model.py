@@ -203,7 +203,10 @@ def run_trial(opts, contender: str, layers: int) -> dict:
 
 
 def largest(opts, contender: str, log) -> dict:
-    """Doubling, then bisection, over the number of layers; the best trial that fit."""
+    """The best trial that fit, searching the number of layers from the contender's start:
+    steps of 1, 2, 4, ... away from it (up while trials fit, down while they do not) until
+    the answer is bracketed, then bisection. A good start (the planner's estimate) settles it
+    in two trials; a start of 1 is plain doubling."""
     best, trials = None, []
 
     def attempt(layers):
@@ -215,16 +218,27 @@ def largest(opts, contender: str, log) -> dict:
                if trial["fits"] else ""))
         return trial
 
-    low, high = 0, None
-    layers = 1
-    while high is None and layers <= opts.max_layers:
+    low, high = 0, opts.max_layers + 1  # low fits (0: none known), high does not
+    start = opts.start_layers[contender]
+    trial = attempt(start)
+    going_up = trial["fits"]
+    if going_up:
+        best, low = trial, start
+    else:
+        high = start
+    step = 1
+    while True:  # gallop away from the start until a trial brackets the answer
+        layers = low + step if going_up else high - step
+        if not low < layers < high:
+            break
         trial = attempt(layers)
         if trial["fits"]:
-            best, low, layers = trial, layers, layers * 2
+            best, low = trial, layers
         else:
             high = layers
-    if high is None:
-        high = opts.max_layers + 1
+        if trial["fits"] != going_up:
+            break
+        step *= 2
     while high - low > 1:
         mid = (low + high) // 2
         trial = attempt(mid)
@@ -233,6 +247,19 @@ def largest(opts, contender: str, log) -> dict:
         else:
             high = mid
     return {"contender": contender, "best": best, "trials": trials}
+
+
+def parse_start_layers(text: str, contenders) -> dict:
+    """``N`` for every contender, or ``contender=N,...`` (the others start at 1)."""
+    if "=" not in text:
+        return {c: int(text) for c in contenders}
+    out = {c: 1 for c in contenders}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in contenders:
+            raise ValueError(f"--start-layers names {name!r}, which is not among the contenders {list(contenders)}")
+        out[name] = int(value)
+    return out
 
 
 def summarize(opts, results) -> str:
@@ -267,6 +294,9 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--max-layers", type=int, default=256)
+    p.add_argument("--start-layers", default="1",
+                   help="first trial's layers, N or contender=N,... (e.g. tools/estimate_memory.py's estimate): "
+                        "saves hours of trials far from the answer")
     p.add_argument("--trial-timeout", type=float, default=1800)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="JSON with every trial; the table goes next to it as .md")
@@ -284,6 +314,12 @@ def main(argv=None):
     unknown = [c for c in contenders if c not in CONTENDERS]
     if unknown:
         p.error(f"unknown contender(s) {unknown}; choose from {list(CONTENDERS)}")
+    try:
+        opts.start_layers = parse_start_layers(opts.start_layers, contenders)
+    except ValueError as e:
+        p.error(str(e))
+    if not all(1 <= n <= opts.max_layers for n in opts.start_layers.values()):
+        p.error(f"--start-layers must be between 1 and --max-layers ({opts.max_layers})")
     if opts.hidden % 128 and opts.hidden > 128:
         p.error("--hidden must be a multiple of 128 (heads of 128), or at most 128")
     if opts.memory_budget_gib * GIB > mem_available() - opts.reserve_gib * GIB:

@@ -647,6 +647,9 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
                    help="the signal --exit-signal-handler catches")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="save (with --save) and exit 0 after an iteration divisible by this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and exit 0 after the first iteration that ends more than "
+                        "this many minutes after the run started")
     g.add_argument("--manual-gc", action="store_true",
                    help="disable Python's automatic garbage collection; collect every --manual-gc-interval")
     g.add_argument("--manual-gc-interval", type=int, default=0, help="0: collect only at the start and around eval")
@@ -678,8 +681,8 @@ def _apply_fidelity_synonyms(args: argparse.Namespace) -> None:
 
 
 def _validate_fidelity(args: argparse.Namespace) -> None:
-    _positive(args, "kv_channels", "exit_interval", "loss_scale", "initial_loss_scale", "min_loss_scale",
-              "loss_scale_window", "hysteresis")
+    _positive(args, "kv_channels", "exit_interval", "exit_duration_in_mins", "loss_scale", "initial_loss_scale",
+              "min_loss_scale", "loss_scale_window", "hysteresis")
     if args.kv_channels is not None and args.position_embedding_type == "rope" and args.kv_channels % 2:
         raise ValueError(f"rope needs an even --kv-channels, got {args.kv_channels}.")
     if not 0.0 < args.rotary_percent <= 1.0:

@@ -123,7 +123,6 @@ REJECTED: Dict[str, str] = {
     "--cuda-graph-impl": "CUDA graphs are not supported; drop it",
     "--check-weight-hash-across-dp-replicas-interval": "not implemented; drop it",
     "--save-retain-interval": "not implemented: every saved iteration is kept; delete old ones yourself",
-    "--exit-duration-in-mins": "not implemented; use --exit-interval, or --exit-signal-handler with the scheduler's signal",
     "--step-batch-size-schedule": "batch-size ramp-up is not supported; use a fixed --global-batch-size",
     "--rampup-batch-size": "batch-size ramp-up is not supported; use a fixed --global-batch-size",
     "--eval-global-batch-size": "evaluation uses --global-batch-size; drop it",

@@ -162,6 +162,15 @@ def _write_torchelastic_error_file(message: str) -> None:
         pass
 
 
+def _earliest(timestamp: float, device) -> float:
+    """The smallest ``timestamp`` over ranks (Megatron times --exit-duration-in-mins from the
+    first rank to start)."""
+    t = torch.tensor([timestamp], dtype=torch.float64, device=_comm_device(device))
+    if _world() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
+
+
 def _world():
     return dist.get_world_size() if dist.is_initialized() else 1
 
@@ -283,7 +292,8 @@ def _pretrain(args, start_time, train_valid_test_datasets_provider, model_provid
             train_ds, valid_ds, test_ds = _build_datasets(args, tokenizer, train_valid_test_datasets_provider)
         print_rank_0(f"> initialization done in {time.time() - start_time:.1f} s")
 
-        trainer = _Trainer(args, built, optimizer, scheduler, forward_step_func, device, writer)
+        trainer = _Trainer(args, built, optimizer, scheduler, forward_step_func, device, writer,
+                           start_time=_earliest(start_time, device))
         train_iter = None
         if train_ds is not None and iteration < args.train_iters:
             # Every TP rank of a data-parallel rank reads the same samples.
@@ -369,8 +379,10 @@ def _build_datasets(args, tokenizer, provider):
 
 
 class _Trainer:
-    def __init__(self, args, built: BuiltModel, optimizer, scheduler, forward_step_func, device, writer):
+    def __init__(self, args, built: BuiltModel, optimizer, scheduler, forward_step_func, device, writer,
+                 start_time: float):
         self.args = args
+        self.start_time = start_time  # the earliest rank's: --exit-duration-in-mins counts from it
         self.built = built
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -526,8 +538,12 @@ class _Trainer:
             if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
                 gc.collect()
             reason = None
+            minutes = self._minutes_run_on_any_rank() if args.exit_duration_in_mins else None
             if args.exit_signal_handler and exit_signal_received():
                 reason = f"on signal after iteration {iteration} ({args.exit_signal})"
+            elif minutes is not None and minutes > args.exit_duration_in_mins:
+                reason = (f"after {minutes:.2f} minutes (--exit-duration-in-mins {args.exit_duration_in_mins}) "
+                          f"at iteration {iteration}")
             elif args.exit_interval and iteration % args.exit_interval == 0:
                 reason = f"at --exit-interval {args.exit_interval} after iteration {iteration}"
             if reason:
@@ -537,6 +553,15 @@ class _Trainer:
                 print_rank_0(f"> exiting {reason}")
                 sys.exit(0)
         return iteration
+
+    def _minutes_run_on_any_rank(self) -> float:
+        """Minutes since the earliest rank's pretrain() started; the maximum over ranks, so
+        every rank takes the same exit decision although each reads its own clock."""
+        minutes = torch.tensor([(time.time() - self.start_time) / 60.0], dtype=torch.float64,
+                               device=_comm_device(self.device))
+        if _world() > 1:
+            dist.all_reduce(minutes, op=dist.ReduceOp.MAX)
+        return float(minutes.item())
 
     def _log_training(self, iteration: int, seconds_per_iteration: float, loss: float, grad_norm: float,
                       interval_iters: int) -> None:

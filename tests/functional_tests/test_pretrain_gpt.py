@@ -147,6 +147,25 @@ def test_srun_style_launch_without_torchrun(tmp_path):
     assert "iteration        3/       3" in outputs[0]
 
 
+def test_exit_duration_saves_and_stops_every_rank_at_the_same_iteration(tmp_path):
+    """--exit-duration-in-mins as Megatron: checked after every iteration, the decision is
+    the maximum over ranks, and the run saves and exits 0 (a 0.0001-minute budget is spent
+    by the end of iteration 1)."""
+    port, save = str(_free_port()), tmp_path / "ckpt"
+    procs = []
+    for rank in range(2):
+        env = _env({"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                    "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port})
+        procs.append(subprocess.Popen([sys.executable, "pretrain_gpt.py", *MODEL_ARGS, "--use-mfsdp",
+                                       "--exit-duration-in-mins", "0.0001", "--save", str(save)], cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "(--exit-duration-in-mins 0.0001) at iteration 1" in outputs[0], outputs[0][-3000:]
+    assert "iteration        2/" not in outputs[0]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
 def test_inconsistent_flags_fail_at_parse_time():
     args = MODEL_ARGS[:]
     args[args.index("--global-batch-size") + 1] = "6"

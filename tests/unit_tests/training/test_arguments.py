@@ -87,6 +87,7 @@ def test_warmup_fraction_and_iters():
         ("--data-path /nonexistent/prefix --mock-data", 1, "either --mock-data or --data-path"),
         ("--split 1,x", 1, "--split"),
         ("--eval-interval 0", 1, "--eval-interval must be positive"),
+        ("--exit-duration-in-mins -5", 1, "--exit-duration-in-mins must be positive"),
         ("--wandb-exp-name x", 1, "needs --wandb-project"),
         ("--hidden-dropout 1.0", 1, "use 0 to disable"),
         ("--position-embedding-type rope --hidden-size 36", 1, "even head dimension"),
