@@ -108,7 +108,8 @@ def shapes_of(args, model):
                             args.ffn_hidden_size, args.num_layers, args.padded_vocab_size,
                             element_bytes=2 if args.bf16 else 4, tp_size=args.tensor_model_parallel_size,
                             sequence_parallel=args.sequence_parallel, recomputed_layers=len(recomputed),
-                            recomputed_dense_chunk_ends=is_moe.count(False), hidden_dropout=args.hidden_dropout)
+                            recomputed_dense_chunk_ends=is_moe.count(False), hidden_dropout=args.hidden_dropout,
+                            gated_mlp=args.swiglu)
     moe = None
     if args.num_experts:
         router_bytes = {None: None, "fp32": 4, "fp64": 8}[args.moe_router_dtype]

@@ -36,6 +36,7 @@ class ActivationShape:
     recomputed_layers: int = 0
     recomputed_dense_chunk_ends: int = 0
     hidden_dropout: float = 0.0
+    gated_mlp: bool = False  # SwiGLU: fc1 is 2 x ffn wide and the gating keeps two more tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,19 +88,23 @@ def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None,
     scale = shape.element_bytes / 2
     seq_split = t if sp else 1
 
-    def mlp_units(ffn: int) -> float:  # 34 s b h assumes ffn = 4h; the MLP's 19 scale with ffn / 4h
-        ratio = ffn / (4 * h)
-        return 16 * ratio / t + 3 * ratio / seq_split
+    def mlp_units(ffn: int, gated: bool = False) -> float:
+        # Korthikanti's 19 of the 34 at ffn = 4h: fc1's input (2) and the dropout mask after
+        # fc2 (1), whatever the width; fc1's output and the activation's (16), in proportion
+        # to ffn / 4h. SwiGLU keeps fc1's 2 x ffn output, silu(gate) and the product: 32.
+        if not ffn:
+            return 0.0
+        return 3 / seq_split + (32 if gated else 16) * (ffn / (4 * h)) / t
 
     attention = 8 / t + 7 / seq_split
-    dense = int((attention + mlp_units(shape.ffn_hidden_size)) * s * b * h * scale)
+    dense = int((attention + mlp_units(shape.ffn_hidden_size, shape.gated_mlp)) * s * b * h * scale)
     routed, n_moe = dense, 0
     if moe is not None and moe.ffn_hidden_size:
         k, e = moe.topk, moe.num_experts
         rows = 6 if moe.biased else 4  # the dispatched rows, the outputs (and the biased fc2's sum)
         per_row_ffn = k * moe.ffn_hidden_size * (10 if moe.gated else 6) / t
         experts = (3 * h / seq_split + 3 * e + rows * k * h + per_row_ffn) / h
-        shared = mlp_units(moe.shared_expert_ffn) if moe.shared_expert_ffn else 0
+        shared = mlp_units(moe.shared_expert_ffn, moe.gated) if moe.shared_expert_ffn else 0
         routed, n_moe = int((attention + experts + shared) * s * b * h * scale), moe.num_moe_layers
     layers = (shape.num_layers - n_moe) * dense + n_moe * routed
     core = int(5 * a * s * s * b * scale / t)

@@ -371,6 +371,33 @@ def test_moe_activation_estimate_is_near_the_saved_tensors(arch):
     assert abs(predicted - sum(saved.values())) < 0.1 * sum(saved.values()), (predicted, sum(saved.values()))
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_dense_mlp_activation_estimate_is_near_the_saved_tensors(arch):
+    """The dense MLP's share of the estimate (GELU, or SwiGLU for llama) against the bytes
+    its forward saves for backward (each storage once, parameters excluded), one process."""
+    args = trainer_args(arch, "--seq-length", "256", "--hidden-size", "128", world_size=1)
+    model = gpt_provider(args).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = torch.randn(args.micro_batch_size, args.seq_length, args.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.decoder.layers[0].mlp(x)
+    shape, _ = shapes_of(args, model)
+    one = dataclasses.replace(shape, num_layers=1)
+    share = activation_bytes(one) - activation_bytes(dataclasses.replace(one, ffn_hidden_size=0))
+    # The share includes the dropout mask after fc2 (one byte per element, 1 of the 19),
+    # which the layer's bias-dropout-add holds, not the MLP module.
+    predicted = share - args.micro_batch_size * args.seq_length * args.hidden_size * shape.element_bytes // 2
+    assert abs(predicted - sum(saved.values())) < 0.1 * sum(saved.values()), (predicted, sum(saved.values()))
+
+
 def test_bad_strategy_and_outer_size_are_refused():
     units = []
     with pytest.raises(ValueError, match="strategy must be one of"):
