@@ -110,7 +110,8 @@ def _report_user_error(message: str, exit_code: int, error: BaseException) -> No
     import traceback
 
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "pretrain_gpt.py"
-    rank = dist.get_rank() if dist.is_initialized() else _env_rank()
+    launch = _launch_env()
+    rank = dist.get_rank() if dist.is_initialized() else (launch.rank if launch else 0)
     debug = os.environ.get("MEGATRON_DEBUG_TRACEBACK", "0") not in ("", "0")
     if debug:
         traceback.print_exception(error, file=sys.stderr)
@@ -119,7 +120,7 @@ def _report_user_error(message: str, exit_code: int, error: BaseException) -> No
     _write_torchelastic_error_file(message)
     if dist.is_initialized():
         dist.destroy_process_group()
-    if _env_world_size() > 1:
+    if launch is not None and launch.world_size > 1:
         # Not sys.exit: at interpreter teardown a DDP reducer frees its gloo group, which
         # joins its worker threads holding the GIL while a worker releasing a finished
         # all-gather waits for the GIL; that rank then hangs forever (seen 1 run in 5).
@@ -129,22 +130,14 @@ def _report_user_error(message: str, exit_code: int, error: BaseException) -> No
     sys.exit(exit_code)
 
 
-def _env_rank() -> int:
+def _launch_env():
+    """torchrun's or SLURM's rank and world size, or None when they are unreadable."""
+    from megatron.training.initialize import get_distributed_env
+
     try:
-        from megatron.training.initialize import get_distributed_env
-
-        return get_distributed_env().rank
+        return get_distributed_env()
     except ValueError:
-        return 0
-
-
-def _env_world_size() -> int:
-    try:
-        from megatron.training.initialize import get_distributed_env
-
-        return get_distributed_env().world_size
-    except ValueError:
-        return 1
+        return None
 
 
 def _write_torchelastic_error_file(message: str) -> None:

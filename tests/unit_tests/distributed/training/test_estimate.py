@@ -345,6 +345,24 @@ def test_moe_layers_replace_the_mlp_share_of_the_activation_estimate():
     assert plan([], "zero3", 2, activations=shape, moe=moe).transient["activations"] == activation_bytes(shape, moe=moe)
 
 
+def _saved_bytes(model, module, args) -> int:
+    """Bytes ``module``'s forward saves for backward on a fresh input: each storage once,
+    the model's parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = torch.randn(args.micro_batch_size, args.seq_length, args.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x)
+    return sum(saved.values())
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_moe_activation_estimate_is_near_the_saved_tensors(arch):
     """The MoE layer's share of the estimate against the bytes its forward saves for
@@ -353,22 +371,11 @@ def test_moe_activation_estimate_is_near_the_saved_tensors(arch):
     args = trainer_args(arch, *flags, world_size=1)
     model = gpt_provider(args).train()
     layer = model.decoder.layers[0].mlp
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    x = torch.randn(args.micro_batch_size, args.seq_length, args.hidden_size, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        layer(x)
+    saved = _saved_bytes(model, layer, args)
     shape, moe = shapes_of(args, model)
     one = dataclasses.replace(shape, num_layers=1, ffn_hidden_size=0)  # the attention's share alone
     predicted = activation_bytes(one, moe=dataclasses.replace(moe, num_moe_layers=1)) - activation_bytes(one)
-    assert abs(predicted - sum(saved.values())) < 0.1 * sum(saved.values()), (predicted, sum(saved.values()))
+    assert abs(predicted - saved) < 0.1 * saved, (predicted, saved)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -377,25 +384,14 @@ def test_dense_mlp_activation_estimate_is_near_the_saved_tensors(arch):
     its forward saves for backward (each storage once, parameters excluded), one process."""
     args = trainer_args(arch, "--seq-length", "256", "--hidden-size", "128", world_size=1)
     model = gpt_provider(args).train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    x = torch.randn(args.micro_batch_size, args.seq_length, args.hidden_size, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model.decoder.layers[0].mlp(x)
+    saved = _saved_bytes(model, model.decoder.layers[0].mlp, args)
     shape, _ = shapes_of(args, model)
     one = dataclasses.replace(shape, num_layers=1)
     share = activation_bytes(one) - activation_bytes(dataclasses.replace(one, ffn_hidden_size=0))
     # The share includes the dropout mask after fc2 (one byte per element, 1 of the 19),
     # which the layer's bias-dropout-add holds, not the MLP module.
     predicted = share - args.micro_batch_size * args.seq_length * args.hidden_size * shape.element_bytes // 2
-    assert abs(predicted - sum(saved.values())) < 0.1 * sum(saved.values()), (predicted, sum(saved.values()))
+    assert abs(predicted - saved) < 0.1 * saved, (predicted, saved)
 
 
 def test_bad_strategy_and_outer_size_are_refused():
