@@ -627,6 +627,9 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="SDPA kernel: flash, fused (memory-efficient/cuDNN), unfused/local (math), auto (torch picks)")
     g.add_argument("--squared-relu", action="store_true", help="squared ReLU activation in the MLP")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
+                   help="linear layers return their weight gradient to autograd, which MFSDP then copies into "
+                        "its reduce buffer (default: computed straight into that buffer; same values)")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="normalize by the loss tokens of the whole global batch; default: average of the "
                         "per-microbatch means (Megatron's default)")

@@ -23,9 +23,6 @@ from typing import Dict, List, Tuple
 # their choices where upstream has them, so a typo in the value is still an error.
 MAPPED: Dict[str, Tuple[dict, str]] = {
     "--use-mcore-models": (dict(action="store_true"), "always: the model is the Megatron-Core GPT"),
-    "--no-gradient-accumulation-fusion": (
-        dict(action="store_false", dest="gradient_accumulation_fusion"),
-        "always unfused: gradients accumulate in fp32 main grads without a fused kernel"),
     "--overlap-grad-reduce": (dict(action="store_true"),
                               "always on: MFSDP reduces each unit's gradients during backward, DDP per bucket"),
     "--overlap-param-gather": (dict(action="store_true"),

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from megatron.core.global_slices import partition
 
+from .grad_accumulation_fusion import linear
 from .mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -71,8 +72,10 @@ class _TensorParallelLayer(nn.Module):
 class ColumnParallelLinear(_TensorParallelLayer):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float,
                  tp_group: Optional[dist.ProcessGroup], sequence_parallel: bool = False, blocks: int = 1,
-                 dtype: Optional[torch.dtype] = None, skip_weight_param_allocation: bool = False):
+                 dtype: Optional[torch.dtype] = None, skip_weight_param_allocation: bool = False,
+                 gradient_accumulation_fusion: bool = True):
         super().__init__(init_std, tp_group, sequence_parallel)
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         rank, size = tp_rank_and_size(tp_group)
         self.input_size, self.output_size = input_size, output_size
         divide(output_size, size * blocks, "the output size of a column-parallel linear")
@@ -98,7 +101,7 @@ class ColumnParallelLinear(_TensorParallelLayer):
         if weight is None:
             raise RuntimeError("this column-parallel layer was built without its own weight; pass weight= "
                                "(the tied word-embedding weight), as GPTModel does.")
-        return F.linear(x, weight, self.bias)
+        return linear(x, weight, self.bias, fusion=self.gradient_accumulation_fusion)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size} (local {self.global_slices['weight'].local_shape[0]}), "
@@ -108,8 +111,9 @@ class ColumnParallelLinear(_TensorParallelLayer):
 class RowParallelLinear(_TensorParallelLayer):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float,
                  tp_group: Optional[dist.ProcessGroup], sequence_parallel: bool = False,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, gradient_accumulation_fusion: bool = True):
         super().__init__(init_std, tp_group, sequence_parallel)
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         rank, size = tp_rank_and_size(tp_group)
         self.input_size, self.output_size = input_size, output_size
         divide(input_size, size, "the input size of a row-parallel linear")
@@ -120,7 +124,7 @@ class RowParallelLinear(_TensorParallelLayer):
         self.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
+        partial = linear(x, self.weight, fusion=self.gradient_accumulation_fusion)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from megatron.core.tensor_parallel.grad_accumulation_fusion import linear as fused_linear
+
 from .backends import import_transformer_engine, te_device
 from .transformer_config import TransformerConfig
 
@@ -34,18 +36,24 @@ def normal_weight_zero_bias_(module: nn.Module) -> None:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` initialized with normal(0, init_std) weights and zero bias."""
+    """``nn.Linear`` initialized with normal(0, init_std) weights and zero bias; with
+    ``gradient_accumulation_fusion`` its weight gradient is computed into the data-parallel
+    reduction buffer where the wrapper offers one."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, init_std: float,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, gradient_accumulation_fusion: bool = True):
         # Set before nn.Linear.__init__, which calls reset_parameters().
         self.init_std = init_std
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         super().__init__(in_features, out_features, bias=bias, dtype=dtype)
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_linear(x, self.weight, self.bias, fusion=self.gradient_accumulation_fusion)
 
 
 class Embedding(nn.Embedding):
@@ -73,7 +81,8 @@ def build_linear(config: TransformerConfig, in_features: int, out_features: int,
             params_dtype=config.params_dtype,
             device=te_device(),
         )
-    return Linear(in_features, out_features, bias=bias, init_std=init_std, dtype=config.params_dtype)
+    return Linear(in_features, out_features, bias=bias, init_std=init_std, dtype=config.params_dtype,
+                  gradient_accumulation_fusion=config.gradient_accumulation_fusion)
 
 
 def build_parallel_linear(config: TransformerConfig, in_features: int, out_features: int, bias: bool,
@@ -85,7 +94,8 @@ def build_parallel_linear(config: TransformerConfig, in_features: int, out_featu
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     kwargs = dict(bias=bias, init_std=init_std, tp_group=config.tp_group,
-                  sequence_parallel=config.sequence_parallel, dtype=config.params_dtype)
+                  sequence_parallel=config.sequence_parallel, dtype=config.params_dtype,
+                  gradient_accumulation_fusion=config.gradient_accumulation_fusion)
     if split == "column":
         return ColumnParallelLinear(in_features, out_features, blocks=blocks, **kwargs)
     return RowParallelLinear(in_features, out_features, **kwargs)

@@ -116,6 +116,9 @@ class TransformerConfig:
     apply_layernorm_1p: bool = False  # LayerNorm weight stored as gamma - 1 (zero-initialized)
     attention_softmax_in_fp32: bool = False  # attention in fp32 when the inputs are bf16/fp16
     attention_backend: str = "auto"  # SDPA kernels: auto, flash, fused, unfused/local (math)
+    # Linear layers compute their weight gradient straight into the data-parallel wrapper's
+    # reduction buffer where it offers one (tensor_parallel/grad_accumulation_fusion.py).
+    gradient_accumulation_fusion: bool = True
     # Tensor parallelism (megatron/core/tensor_parallel): heads, query groups, FFN columns and
     # the vocabulary split over the ranks of ``tp_group``; ``sequence_parallel`` also splits
     # the activations between the TP layers along the sequence.

@@ -158,6 +158,17 @@ def test_parallel_sizes_mapped_and_rejected_flags():
                  "--expert-model-parallel-size 1 --use-mcore-models --ckpt-format torch_dist "
                  "--dist-ckpt-strictness log_all --overlap-grad-reduce --no-gradient-accumulation-fusion")
     assert args.ckpt_format == "torch_dist" and args.gradient_accumulation_fusion is False
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.layers import Linear
+    from pretrain_gpt import core_transformer_config_from_args
+
+    # The flag reaches every linear layer of the model (fused is the default, as upstream).
+    for flags, fused in (("", True), ("--no-gradient-accumulation-fusion", False)):
+        args = parse(flags)
+        config = core_transformer_config_from_args(args)
+        assert config.gradient_accumulation_fusion is fused
+        linears = [m for m in GPTModel(config, 128, 32).modules() if isinstance(m, Linear)]
+        assert linears and all(m.gradient_accumulation_fusion is fused for m in linears)
     for flag in ("--pipeline-model-parallel-size", "--context-parallel-size"):
         with pytest.raises(ValueError, match=f"{flag} 2 is not supported yet"):
             parse(f"{flag} 2")

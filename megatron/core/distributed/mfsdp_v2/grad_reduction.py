@@ -14,6 +14,12 @@ optimizer placement in ``reduced_grad``, inner axis first (``single_axis_steps``
 
 The mixin also stashes each gradient into the reduce-scatter input as it arrives and
 exposes ``.grad``/``.main_grad`` at the end of backward.
+
+Gradient-accumulation fusion: a linear layer's backward may ask for the place of its weight
+gradient in that input (``unsharded_param.fused_wgrad_out()``, see
+``megatron.core.tensor_parallel.grad_accumulation_fusion``), compute the gradient straight
+into it and return that very tensor to autograd; the hook then finds it already in place
+and copies nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ class GradientReduction:
         self._stash_grads = self.requires_grad and self.strategy.grad_sharded
         self._reduce_input: Optional[torch.Tensor] = None
         self._stashed: set = set()
+        # Parameters whose fused gradient slot was handed out and not yet seen by the hook:
+        # index -> the autograd graph task that computed into it.
+        self._slots_out: dict = {}
+        self._deferred: dict = {}  # index -> gradients waiting for that slot's own graph
         self._grad_views = None
 
     def _make_grad_hook(self, p):
@@ -65,24 +75,62 @@ class GradientReduction:
     def all_grads_received(self) -> bool:
         return len(self._received) == self._num_trainable
 
+    def _pending_reduce_input(self) -> torch.Tensor:
+        if self._reduce_input is None:
+            self._reduce_input = torch.empty(
+                self.layout.gathered_numel, dtype=self.precision.grad_comm, device=self.main_grad.device
+            )
+        return self._reduce_input
+
+    def fused_wgrad_out(self, p) -> Optional[torch.Tensor]:
+        """The tensor a fused linear backward may write ``p``'s whole gradient into (its place
+        in the pending reduce-scatter input), or None: the gradient is not sharded, this
+        backward already holds a gradient of ``p``, the shard padding splits ``p`` there, or
+        the dtypes differ. Handing it out counts as ``p``'s first gradient."""
+        index = p.index
+        unsharded = p.unsharded_param
+        if (not self._stash_grads or index in self._stashed or self.layout.replicated[index]
+                or not self.layout.is_contiguous_in_gathered(index)
+                or unsharded.dtype != self.precision.grad_comm or unsharded.grad is not None):
+            return None
+        self._stashed.add(index)
+        self._slots_out[index] = torch._C._current_graph_task_id()
+        return self.layout.gathered_view(self._pending_reduce_input(), index)
+
     def _stash_grad(self, p) -> None:
         """Move ``p``'s fresh unsharded gradient into the pending reduce-scatter input."""
         grad = p.unsharded_param.grad
         if grad is None:
             return
+        index = p.index
         with torch.no_grad():
-            if self._reduce_input is None:
-                self._reduce_input = torch.empty(
-                    self.layout.gathered_numel, dtype=self.precision.grad_comm, device=self.main_grad.device
-                )
-            if p.index in self._stashed:  # a second gradient in this backward (reentrant graphs)
-                for piece, src in zip(self.layout.gathered_slices(self._reduce_input, p.index),
-                                      self.layout.source_chunks(grad, p.index)):
-                    piece.add_(src)
+            flat = self._pending_reduce_input()
+            slot_task = self._slots_out.get(index)
+            if slot_task is not None and slot_task != torch._C._current_graph_task_id():
+                # A nested graph (reentrant recompute) delivers before the graph that holds the
+                # fused slot, which may still be summing the slot's value: add this one after.
+                self._deferred.setdefault(index, []).append(grad)
+            elif slot_task is not None:
+                del self._slots_out[index]
+                if grad.data_ptr() != self.layout.gathered_view(flat, index).data_ptr():
+                    # Autograd summed the slot with other gradients of ``p`` (a tied weight)
+                    # into a new tensor: the sum replaces the slot.
+                    self.layout.copy_in(grad, flat, index)
+                self._add_deferred(flat, index)
+            elif index in self._stashed:  # a second gradient in this backward (reentrant graphs)
+                self._add_into(flat, index, grad)
             else:
-                self.layout.copy_in(grad, self._reduce_input, p.index)
-                self._stashed.add(p.index)
+                self.layout.copy_in(grad, flat, index)
+                self._stashed.add(index)
         p.unsharded_param.grad = None
+
+    def _add_into(self, flat: torch.Tensor, index: int, grad: torch.Tensor) -> None:
+        for piece, src in zip(self.layout.gathered_slices(flat, index), self.layout.source_chunks(grad, index)):
+            piece.add_(src)
+
+    def _add_deferred(self, flat: torch.Tensor, index: int) -> None:
+        for grad in self._deferred.pop(index, ()):
+            self._add_into(flat, index, grad)
 
     def reduce_grads(self, is_last_microbatch: bool) -> List[comm.CollectiveWork]:
         """Reduce this backward's gradients into main_grad (missing gradients count as zero)."""
@@ -131,8 +179,11 @@ class GradientReduction:
         flat, self._reduce_input = self._reduce_input, None
         if flat is None:
             flat = torch.empty(self.layout.gathered_numel, dtype=comm_dtype, device=self.main_grad.device)
+        with torch.no_grad():
+            for index in list(self._deferred):  # a slot whose graph never delivered still holds its gradient
+                self._add_deferred(flat, index)
         self._take_grads_into(flat, skip=self._stashed)
-        self._stashed = set()
+        self._stashed, self._slots_out = set(), {}
         local = self.flat(flat, "P" * len(self.axis_groups))
         divisor = self.inner_size * self.grad_divisor
         # HFSDP accumulates a local partial sum here and reduces it on the outer axis
@@ -207,7 +258,7 @@ class GradientReduction:
     def discard_partial_backward(self) -> None:
         """Forget gradients of an aborted backward that were never reduced."""
         self._received.clear()
-        self._reduce_input, self._stashed = None, set()
+        self._reduce_input, self._stashed, self._slots_out, self._deferred = None, set(), {}, {}
         for p in self.fsdp_parameters:
             p.unsharded_param.grad = None
 

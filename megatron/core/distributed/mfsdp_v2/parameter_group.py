@@ -11,6 +11,7 @@ slice of every tensor is whole rows.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -116,6 +117,8 @@ class ParameterGroup(ShardViews, GradientReduction, WeightSync):
             p.unsharded_param = nn.Parameter(self._unsharded_tensor(p), requires_grad=p.requires_grad)
             if p.requires_grad:
                 p.unsharded_param.register_post_accumulate_grad_hook(self._make_grad_hook(p))
+                # Read by fused linear layers (megatron.core.tensor_parallel.grad_accumulation_fusion).
+                p.unsharded_param.fused_wgrad_out = functools.partial(self.fused_wgrad_out, p)
 
     def begin_init(self) -> None:
         """Give the unsharded parameters storage, without communication (init writes all)."""

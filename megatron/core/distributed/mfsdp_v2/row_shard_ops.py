@@ -39,7 +39,23 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .row_shard import NestedRowShard, RowShard
 
-_ROW_TYPES = (RowShard, NestedRowShard)
+# The placement classes this module rewrites. A second copy of the engine in the same
+# process (a benchmark's engine at an older revision) finds the propagator already wrapped
+# by this copy and has its classes added here (``register_row_types``).
+_ROW_SHARDS: Tuple[type, ...] = (RowShard,)
+_NESTED: Tuple[type, ...] = (NestedRowShard,)
+_ROW_TYPES: Tuple[type, ...] = _ROW_SHARDS + _NESTED
+
+
+def register_row_types(row_shard: type, nested_row_shard: type) -> None:
+    """Let this copy's operator and redistribution wrappers handle another engine copy's
+    ``RowShard``/``NestedRowShard`` classes (same semantics, other class objects)."""
+    global _ROW_SHARDS, _NESTED, _ROW_TYPES
+    if row_shard not in _ROW_SHARDS:
+        _ROW_SHARDS += (row_shard,)
+    if nested_row_shard not in _NESTED:
+        _NESTED += (nested_row_shard,)
+    _ROW_TYPES = _ROW_SHARDS + _NESTED
 _SUPPORTED = "call full_tensor() first (or redistribute to Replicate())"
 
 
@@ -127,7 +143,7 @@ class _Rewrite:
         mesh_ndim = self.given[inputs[0]].mesh.ndim if inputs else 0
         for d in range(mesh_ndim):
             rows = [self.given[i].placements[d] for i in inputs if isinstance(self.given[i].placements[d], _ROW_TYPES)]
-            if any(isinstance(p, NestedRowShard) for p in rows):
+            if any(isinstance(p, _NESTED) for p in rows):
                 self._nested(inputs, outputs)
                 return
             if rows:
@@ -142,7 +158,7 @@ class _Rewrite:
         kept = []
         for i in inputs:
             given, wanted = self.given[i].placements[d], self.wanted[i].placements[d]
-            if isinstance(given, RowShard):
+            if isinstance(given, _ROW_SHARDS):
                 if _is_dim0(wanted):
                     kept.append(given)
                     self._set(self.wanted, i, d, given)  # it stays where it is
@@ -163,7 +179,7 @@ class _Rewrite:
             return
         for i in inputs:  # plain inputs that torch would cut evenly next to the rows
             given, wanted = self.given[i].placements[d], self.wanted[i].placements[d]
-            if isinstance(given, RowShard) or not _sharded(wanted):
+            if isinstance(given, _ROW_SHARDS) or not _sharded(wanted):
                 continue
             if _is_dim0(wanted) and self.given[i].shape[0] == sum(rows.rows) and not _sharded(given):
                 self._set(self.wanted, i, d, rows)  # Replicate/Partial -> the same rows
@@ -182,9 +198,9 @@ class _Rewrite:
                 _refuse(self.op, rows, "would average uneven row shards")
 
     def _nested(self, inputs: List[int], outputs: List[int]) -> None:
-        nested = [i for i in inputs if any(isinstance(p, NestedRowShard) for p in self.given[i].placements)]
+        nested = [i for i in inputs if any(isinstance(p, _NESTED) for p in self.given[i].placements)]
         first = self.given[nested[0]]
-        dims = [d for d, p in enumerate(first.placements) if isinstance(p, NestedRowShard)]
+        dims = [d for d, p in enumerate(first.placements) if isinstance(p, _NESTED)]
         for i in inputs:
             given, wanted = self.given[i], self.wanted[i]
             if i in nested:

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.grad_accumulation_fusion import linear
 from megatron.core.models.common.language_model_embedding import LanguageModelEmbedding
 from megatron.core.transformer.layers import reset_parameters_of
 from megatron.core.transformer.rope import RotaryEmbedding
@@ -29,8 +30,9 @@ class OutputLayer(nn.Module):
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, init_std: float, dtype: torch.dtype,
-                 skip_weight_param_allocation: bool):
+                 skip_weight_param_allocation: bool, gradient_accumulation_fusion: bool = True):
         super().__init__()
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.init_std = init_std
@@ -53,7 +55,7 @@ class OutputLayer(nn.Module):
                 "output_layer was built without its own weight (tied embeddings); pass the "
                 "word-embedding weight to forward(), as GPTModel does."
             )
-        return F.linear(hidden_states, weight)
+        return linear(hidden_states, weight, fusion=self.gradient_accumulation_fusion)
 
     def extra_repr(self) -> str:
         tied = "tied to word embeddings" if self.weight is None else "own weight"
@@ -130,6 +132,7 @@ class GPTModel(nn.Module):
             self.output_layer = OutputLayer(
                 config.hidden_size, vocab_size, init_std=config.init_method_std, dtype=config.params_dtype,
                 skip_weight_param_allocation=share_embeddings_and_output_weights,
+                gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             )
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
@@ -215,4 +218,5 @@ def _vocab_parallel_output_layer(config: TransformerConfig, vocab_size: int, tie
 
     return ColumnParallelLinear(config.hidden_size, vocab_size, bias=False, init_std=config.init_method_std,
                                 tp_group=config.tp_group, sequence_parallel=config.sequence_parallel,
-                                dtype=config.params_dtype, skip_weight_param_allocation=tied)
+                                dtype=config.params_dtype, skip_weight_param_allocation=tied,
+                                gradient_accumulation_fusion=config.gradient_accumulation_fusion)

@@ -1,0 +1,64 @@
+"""Gradient-accumulation fusion: a linear layer's weight gradient computed straight into the
+buffer that reduces it.
+
+Megatron-LM's ``--gradient-accumulation-fusion`` (on unless ``--no-gradient-accumulation-fusion``)
+has the linear backward write ``dW`` into ``weight.main_grad`` with a fused GEMM instead of
+producing a fresh ``.grad`` that is copied there afterwards. Here the same idea needs no
+special kernel: a weight whose data-parallel wrapper offers a place for its gradient carries
+a callable ``weight.fused_wgrad_out()`` (MFSDP v2 sets it on every unsharded parameter it
+shards gradients for). The backward asks it for a tensor, runs the one GEMM it would run
+anyway with that tensor as ``out=``, and returns the tensor to autograd, which keeps it as
+``.grad`` without a copy; the wrapper's gradient hook recognizes it. When the callable
+answers None (a second gradient of the same weight in one backward, dtypes that differ, a
+weight the shard padding splits) the backward is autograd's own.
+
+The backward computes exactly what autograd computes for ``F.linear`` (the same GEMMs on the
+same operands, the bias gradient as the same sum), so fused and unfused runs agree bit for bit.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+class _LinearWithFusedWgrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        # Kept here: under activation recompute the saved weight comes back as another tensor.
+        ctx.fused_wgrad_out = weight.fused_wgrad_out
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        x_2d = x.reshape(-1, x.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            if x_2d.stride(0) == 1 and x_2d.stride(1) == x_2d.size(0):
+                # A column-major input gets a column-major gradient (autograd's mm rule).
+                grad_x = weight.t().mm(grad_2d.t()).t()
+            else:
+                grad_x = grad_2d.mm(weight)
+            grad_x = grad_x.view(x.shape) if x.dim() != 2 else grad_x
+        if ctx.needs_input_grad[1]:
+            # create_graph needs autograd's own differentiable result, not a buffer.
+            out = None if torch.is_grad_enabled() else ctx.fused_wgrad_out()
+            grad_w = torch.mm(grad_2d.t(), x_2d, out=out) if out is not None else grad_2d.t().mm(x_2d)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_2d.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           fusion: bool = True) -> torch.Tensor:
+    """``F.linear``, with the weight gradient fused into its reduction buffer when ``fusion``
+    is on and the weight offers one (``fused_wgrad_out``); plain ``F.linear`` otherwise."""
+    if (not fusion or not weight.requires_grad or getattr(weight, "fused_wgrad_out", None) is None
+            or not weight.is_contiguous()  # the one weight layout the backward mirrors
+            or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)):
+        return F.linear(x, weight, bias)
+    return _LinearWithFusedWgrad.apply(x, weight, bias)

@@ -1,0 +1,109 @@
+"""Gradient-accumulation fusion: linear layers compute their weight gradient straight into
+the unit's reduce-scatter input. Fused training must equal unfused training bit for bit
+(and the single-process reference within float tolerance), the copies into the reduce
+buffer must actually go away, and the awkward graphs (a weight used twice, a weight used
+inside and outside a reentrant recompute) must stay exact."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from _dist_helpers import H, check, compare_params, full_tensors, train_pair, wrap
+from megatron.core.distributed.mfsdp_v2.layout import FlatLayout
+from megatron.core.transformer.layers import Linear
+
+
+class Block(nn.Module):
+    """``outer.weight`` is used inside a reentrant recompute (plain ``F.linear``) and before
+    and after it (the fused layer): the recompute's own graph delivers a gradient of that
+    weight while the outer graph still holds the fused slot and has yet to add to it.
+    ``first`` (used before everything) keeps the unit from counting all of its gradients
+    as received before the outer graph has delivered."""
+
+    def __init__(self, fusion: bool, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.first = Linear(H, H, bias=True, init_std=0.3, gradient_accumulation_fusion=fusion)
+        self.inner = Linear(H, H, bias=True, init_std=0.3, gradient_accumulation_fusion=fusion)
+        self.outer = Linear(H, H, bias=False, init_std=0.3, gradient_accumulation_fusion=fusion)
+
+    def _recomputed(self, h):
+        return torch.tanh(self.inner(h) + F.linear(h, self.outer.weight))
+
+    def forward(self, h):
+        h = checkpoint(self._recomputed, self.outer(self.first(h)), use_reentrant=self.reentrant)
+        return self.outer(h)
+
+
+class Net(nn.Module):
+    """Two blocks (their own units) and a root whose ``proj`` is applied twice (one weight,
+    two fused gradients summed by autograd)."""
+
+    def __init__(self, fusion: bool = True):
+        super().__init__()
+        # Reentrant recompute (two graph tasks) and non-reentrant (saved tensors recomputed).
+        self.blocks = nn.ModuleList(Block(fusion, reentrant) for reentrant in (True, False))
+        self.proj = Linear(H, H, bias=True, init_std=0.3, gradient_accumulation_fusion=fusion)
+
+    def units(self):
+        return [*self.blocks, self]
+
+    def forward(self, x):
+        h = self.proj(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.proj(torch.tanh(h))
+
+
+@pytest.mark.parametrize("placements", ["zero3", "zero2"])
+def test_fused_training_equals_unfused_bit_for_bit(placements):
+    runs = {}
+    for fusion in (True, False):
+        model, reference, _, _, losses, ref_losses = train_pair(
+            lambda: Net(fusion), "adamw", microbatches=2, steps=3, placements=placements)
+        runs[fusion] = (losses, full_tensors(list(model.parameters())))
+        compare_params(model, reference)
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    (fused_losses, fused_params), (plain_losses, plain_params) = runs[True], runs[False]
+    check(torch.equal(fused_losses, plain_losses), f"losses differ: {fused_losses} vs {plain_losses}")
+    check(all(torch.equal(a, b) for a, b in zip(fused_params, plain_params)), "parameters differ")
+
+
+def test_fused_gradients_are_not_copied_into_the_reduce_buffer(monkeypatch):
+    """Every weight of a bias-free stack of fused linears is written in place: the hook
+    copies nothing. The unfused model copies every gradient once."""
+    copies = []
+    original = FlatLayout.copy_in
+
+    def counting_copy_in(self, source, gathered, index):
+        copies.append(index)
+        return original(self, source, gathered, index)
+
+    def stack(fusion):
+        torch.manual_seed(0)
+        return nn.Sequential(*(Linear(H, H, bias=False, init_std=0.3, gradient_accumulation_fusion=fusion)
+                               for _ in range(3)))
+
+    for fusion, expected in ((True, 0), (False, 3)):
+        model = stack(fusion)
+        wrap(model, units=[*model, model])
+        x = torch.randn(4, H)
+        out = model(x)
+        copies.clear()
+        monkeypatch.setattr(FlatLayout, "copy_in", counting_copy_in)
+        out.square().mean().backward()
+        monkeypatch.setattr(FlatLayout, "copy_in", original)
+        check(len(copies) == expected, f"fusion={fusion}: {len(copies)} gradient copies, expected {expected}")
+
+
+def test_fused_layers_under_zero1_train_like_the_reference():
+    """ZeRO-1 keeps gradients unsharded until the last microbatch: there is nothing to fuse
+    into, and a plain (unwrapped) weight offers no slot either."""
+    plain = Linear(H, H, bias=False, init_std=0.3)
+    assert getattr(plain.weight, "fused_wgrad_out", None) is None
+    model, reference, _, _, losses, ref_losses = train_pair(lambda: Net(True), "sgd", microbatches=2, steps=2,
+                                                            placements="zero1")
+    compare_params(model, reference)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
