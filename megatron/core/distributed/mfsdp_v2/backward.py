@@ -32,12 +32,27 @@ class BackwardCoordinator:
         # 0 completes every reduction before backward continues.
         self.max_reductions_in_flight = MAX_REDUCTIONS_IN_FLIGHT
         self.callback_queued = False
+        # Units whose gradients all came from a nested graph: reduced at the next unit's
+        # pre-backward, at their own next gradient, or at the end of backward.
+        self._deferred_post_backwards: List = []
 
     def ensure_final_callback(self) -> None:
         """Queue ``finish`` to run when autograd's current backward ends (once)."""
         if not self.callback_queued:
             self.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def defer_post_backward(self, unit_state) -> None:
+        if unit_state not in self._deferred_post_backwards:
+            self._deferred_post_backwards.append(unit_state)
+
+    def run_deferred_post_backwards(self, moving_on_from) -> None:
+        """Another unit's backward begins: reduce the deferred units (but the one whose
+        backward continues here)."""
+        units = [u for u in self._deferred_post_backwards if u is not moving_on_from]
+        self._deferred_post_backwards = [u for u in self._deferred_post_backwards if u is moving_on_from]
+        for unit_state in units:
+            unit_state.reduce_if_pending()
 
     def add_reductions(self, works: List[CollectiveWork]) -> None:
         """Track a unit's reductions; complete those beyond ``max_reductions_in_flight``.
@@ -56,6 +71,7 @@ class BackwardCoordinator:
         """End of backward: reduce what never got gradients, wait, reshard, expose grads."""
         try:
             with hook_range("MFSDP finish_backward", self._device_handle):
+                self._deferred_post_backwards.clear()  # reduce_if_pending covers them
                 for unit in self._units:
                     unit.fsdp_state.reduce_if_pending()  # unused parameters: their gradient counts as zero
                 self._settle(lambda group: group.expose_grads())
@@ -65,6 +81,7 @@ class BackwardCoordinator:
     def recover_from_aborted_backward(self) -> None:
         """A backward raised before its final callback ran: settle the reductions it
         issued and return every unit to rest."""
+        self._deferred_post_backwards.clear()
         self._settle(lambda group: group.discard_partial_backward())
         self.callback_queued = False
 

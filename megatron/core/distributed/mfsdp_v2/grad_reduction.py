@@ -50,6 +50,7 @@ class GradientReduction:
         self._fresh = [False] * n
         self._received = set()
         self._grads_reduced = False  # a reduction reached reduced_grad since .grad was last set
+        self._reduced_in_backward = False  # this backward already reduced the group's gradients
         # Sharded gradients: each unsharded gradient is moved into the reduce-scatter input
         # as soon as autograd has accumulated it, so the unit never holds its gradients and
         # that input at the same time.
@@ -64,6 +65,12 @@ class GradientReduction:
 
     def _make_grad_hook(self, p):
         def hook(param: torch.Tensor) -> None:
+            if self._reduced_in_backward:
+                raise RuntimeError(
+                    f"MFSDP v2: {p.fqns[0]} received a gradient after its unit had reduced this backward's "
+                    "gradients: two autograd graphs use it (e.g. inside and outside a reentrant activation "
+                    "checkpoint that does not cover the unit's whole use of it); use "
+                    "torch.utils.checkpoint(..., use_reentrant=False) there.")
             self._received.add(p.index)
             if self._stash_grads:
                 with cpu_range("MFSDP stash_grad"):
@@ -138,6 +145,7 @@ class GradientReduction:
             return []
         strategy = self.strategy
         self._received.clear()
+        self._reduced_in_backward = True
         self._begin_accumulation()
         works: List[comm.CollectiveWork] = []
         if strategy.grad_sharded:
@@ -258,6 +266,10 @@ class GradientReduction:
     def discard_partial_backward(self) -> None:
         """Forget gradients of an aborted backward that were never reduced."""
         self._received.clear()
+        self._reduced_in_backward = False
+        # A reduction of the aborted backward may have written main_grad: the next one
+        # looks at .grad again (zero_grad() since then makes it start over).
+        self._fresh = [False] * len(self.fsdp_parameters)
         self._reduce_input, self._stashed, self._slots_out, self._deferred = None, set(), {}, {}
         for p in self.fsdp_parameters:
             p.unsharded_param.grad = None
@@ -334,6 +346,7 @@ class GradientReduction:
 
     def expose_grads(self) -> None:
         """Point each parameter's ``.grad`` at its reduced gradient (end of backward)."""
+        self._reduced_in_backward = False
         if not self.requires_grad or not self._grads_reduced:
             return
         self._grads_reduced = False

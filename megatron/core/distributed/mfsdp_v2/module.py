@@ -95,6 +95,7 @@ class UnitState:
         # Forward calls whose input gradients have not come back yet: frozen groups stay
         # gathered until then (a unit called twice needs them for both backwards).
         self._input_grads_pending = 0
+        self._backward_task: Optional[int] = None  # the autograd graph task this unit's backward began in
         self.set_name(None)
         for group in self.trainable_groups:
             group.on_grad_ready = self._on_grad_ready
@@ -119,6 +120,7 @@ class UnitState:
         """End of a backward (finished or aborted): back to RESTING from any phase."""
         self._phase = Phase.RESTING
         self._input_grads_pending = 0
+        self._backward_task = None
 
     # Unshard / reshard ------------------------------------------------------------------
     def issue_unshard(self) -> None:
@@ -202,10 +204,12 @@ class UnitState:
     def _pre_backward(self, grad):
         context = self.context
         context.backward.ensure_final_callback()
+        context.backward.run_deferred_post_backwards(moving_on_from=self)
         if self._phase is not Phase.RESTING:
             return grad  # another output of this unit already started its backward
         with hook_range(self.range_names["pre_backward"], context.device_handle):
             self.phase = Phase.BACKWARD
+            self._backward_task = torch._C._current_graph_task_id()
             self.unshard()
             context.prefetch_backward(self)
         return grad
@@ -214,6 +218,12 @@ class UnitState:
         """A trainable parameter's gradient was accumulated (called by its group)."""
         self.context.backward.ensure_final_callback()
         if self._phase is not Phase.POST_BACKWARD and all(g.all_grads_received() for g in self.trainable_groups):
+            if self._backward_task is not None and torch._C._current_graph_task_id() != self._backward_task:
+                # A graph nested in this unit's backward (a reentrant checkpoint inside the
+                # unit) delivered the last gradient; the unit's own graph may still use the
+                # parameters and add to their gradients. Reduce once that graph moves on.
+                self.context.backward.defer_post_backward(self)
+                return
             self.post_backward()
 
     def reduce_if_pending(self) -> None:

@@ -1,12 +1,14 @@
-"""Frozen units, aborted backwards and zero-size parameters."""
+"""Frozen units, aborted backwards, zero-size parameters, and gradients from nested graphs."""
 
 import copy
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from _dist_helpers import wrap
+from _dist_helpers import H, build_pair, compare_params, local_rows, train_pair, world, wrap
 
 
 def _frozen_chain():
@@ -104,3 +106,80 @@ def test_reductions_in_flight_are_bounded_during_backward(limit):
         group = layer.parameter_groups[0]
         start, end, _ = group.layout.local_piece(0, group.shard_index)
         torch.testing.assert_close(layer.weight.grad.to_local(), ref.weight.grad[start:end])
+
+
+class _CheckpointInsideUnit(nn.Module):
+    """``outer.weight`` is used before, inside and after a reentrant checkpoint within the
+    unit: the recompute's nested graph delivers every gradient of the unit first, and the
+    unit's own graph still adds to ``outer.weight`` and reads the weights afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(H, H)
+        self.outer = nn.Linear(H, H, bias=False)
+
+    def _recomputed(self, h):
+        return torch.tanh(self.inner(h) + F.linear(h, self.outer.weight))
+
+    def forward(self, h):
+        return self.outer(checkpoint(self._recomputed, self.outer(h), use_reentrant=True))
+
+
+class _TwoCheckpointedUnits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_CheckpointInsideUnit() for _ in range(2))
+        self.proj = nn.Linear(H, H)
+
+    def units(self):
+        return [*self.blocks, self]
+
+    def forward(self, x):
+        h = self.proj(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.proj(torch.tanh(h))
+
+
+@pytest.mark.parametrize("placements", ["zero3", "zero2", "zero1", "no_shard"])
+def test_unit_waits_for_its_own_graph_after_a_nested_one_delivered_every_gradient(placements):
+    model, reference, _, _, losses, ref_losses = train_pair(_TwoCheckpointedUnits, "sgd", microbatches=2, steps=2,
+                                                            placements=placements)
+    compare_params(model, reference)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+class _RootWeightAcrossAnotherUnit(nn.Module):
+    """The root's ``p`` is used first, then a child unit runs, then a reentrant checkpoint
+    uses ``p`` again. Backward: the nested graph delivers all of the root's gradients (the
+    root defers), the child's backward begins (the deferred root reduces), and only then
+    does the first use of ``p.weight`` add its gradient: too late to be reduced."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Linear(H, H)
+        self.child = nn.Linear(H, H)
+
+    def units(self):
+        return [self.child, self]
+
+    def _recomputed(self, h):
+        return torch.tanh(F.linear(h, self.p.weight, self.p.bias))
+
+    def forward(self, x, late_gradient: bool = True):
+        if not late_gradient:
+            return self.p(self.child(x))
+        h = self.child(F.linear(x, self.p.weight))
+        return checkpoint(self._recomputed, h, use_reentrant=True)
+
+
+def test_a_gradient_after_the_unit_reduced_raises_and_training_recovers():
+    model, reference, ctx = build_pair(_RootWeightAcrossAnotherUnit, placements="zero2")
+    x = torch.randn(2 * world(), H)
+    with pytest.raises(RuntimeError, match="p.weight received a gradient after its unit had reduced"):
+        model(local_rows(x)).square().mean().backward()
+    # After zero_grad(), a backward the engine can do gives the reference's gradients.
+    model.zero_grad()
+    F.mse_loss(model(local_rows(x), late_gradient=False), local_rows(x)).backward()
+    F.mse_loss(reference(x, late_gradient=False), x).backward()
+    compare_params(model, reference, grads=True)

@@ -10,7 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from _dist_helpers import H, check, compare_params, full_tensors, train_pair, wrap
+from _dist_helpers import H, check, compare_params, full_tensors, mesh_2d, train_pair, world, wrap
+from megatron.core.distributed.mfsdp_v2 import Placements
 from megatron.core.distributed.mfsdp_v2.layout import FlatLayout
 from megatron.core.transformer.layers import Linear
 
@@ -57,12 +58,19 @@ class Net(nn.Module):
         return self.proj(torch.tanh(h))
 
 
-@pytest.mark.parametrize("placements", ["zero3", "zero2"])
+def _sharding(name: str) -> dict:
+    if name == "hfsdp":  # gradients reduce-scattered on the inner axis, then on the outer one
+        shape = (2, world() // 2) if world() >= 4 else (1, world())
+        return {"mesh": mesh_2d(shape), "placements": Placements.hfsdp("outer", "inner")}
+    return {"placements": name}
+
+
+@pytest.mark.parametrize("placements", ["zero3", "zero2", "hfsdp"])
 def test_fused_training_equals_unfused_bit_for_bit(placements):
     runs = {}
     for fusion in (True, False):
         model, reference, _, _, losses, ref_losses = train_pair(
-            lambda: Net(fusion), "adamw", microbatches=2, steps=3, placements=placements)
+            lambda: Net(fusion), "adamw", microbatches=2, steps=3, **_sharding(placements))
         runs[fusion] = (losses, full_tensors(list(model.parameters())))
         compare_params(model, reference)
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
