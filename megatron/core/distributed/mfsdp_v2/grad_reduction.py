@@ -91,12 +91,12 @@ class GradientReduction:
 
     def fused_wgrad_out(self, p) -> Optional[torch.Tensor]:
         """The tensor a fused linear backward may write ``p``'s whole gradient into (its place
-        in the pending reduce-scatter input), or None: the gradient is not sharded, this
-        backward already holds a gradient of ``p``, the shard padding splits ``p`` there, or
-        the dtypes differ. Handing it out counts as ``p``'s first gradient."""
+        in the pending reduce-scatter input; offered only where gradients are sharded), or
+        None: this backward already holds a gradient of ``p``, the shard padding splits ``p``
+        there, or the dtypes differ. Handing it out counts as ``p``'s first gradient."""
         index = p.index
         unsharded = p.unsharded_param
-        if (not self._stash_grads or index in self._stashed or self.layout.replicated[index]
+        if (index in self._stashed or self.layout.replicated[index]
                 or not self.layout.is_contiguous_in_gathered(index)
                 or unsharded.dtype != self.precision.grad_comm or unsharded.grad is not None):
             return None

@@ -117,8 +117,9 @@ class ParameterGroup(ShardViews, GradientReduction, WeightSync):
             p.unsharded_param = nn.Parameter(self._unsharded_tensor(p), requires_grad=p.requires_grad)
             if p.requires_grad:
                 p.unsharded_param.register_post_accumulate_grad_hook(self._make_grad_hook(p))
-                # Read by fused linear layers (megatron.core.tensor_parallel.grad_accumulation_fusion).
-                p.unsharded_param.fused_wgrad_out = functools.partial(self.fused_wgrad_out, p)
+                if self.strategy.grad_sharded:  # the gradient has a reduce-scatter input to land in
+                    # Read by fused linear layers (megatron.core.tensor_parallel.grad_accumulation_fusion).
+                    p.unsharded_param.fused_wgrad_out = functools.partial(self.fused_wgrad_out, p)
 
     def begin_init(self) -> None:
         """Give the unsharded parameters storage, without communication (init writes all)."""

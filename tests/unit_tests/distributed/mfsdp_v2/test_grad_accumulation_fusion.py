@@ -113,5 +113,8 @@ def test_fused_layers_under_zero1_train_like_the_reference():
     assert getattr(plain.weight, "fused_wgrad_out", None) is None
     model, reference, _, _, losses, ref_losses = train_pair(lambda: Net(True), "sgd", microbatches=2, steps=2,
                                                             placements="zero1")
+    unit = model.blocks[0]
+    assert all(getattr(p.unsharded_param, "fused_wgrad_out", None) is None
+               for group in unit.parameter_groups for p in group.fsdp_parameters)
     compare_params(model, reference)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
