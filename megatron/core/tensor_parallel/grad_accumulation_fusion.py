@@ -58,7 +58,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """``F.linear``, with the weight gradient fused into its reduction buffer when ``fusion``
     is on and the weight offers one (``fused_wgrad_out``); plain ``F.linear`` otherwise."""
     if (not fusion or not weight.requires_grad or getattr(weight, "fused_wgrad_out", None) is None
-            or not weight.is_contiguous()  # the one weight layout the backward mirrors
+            or not weight.is_contiguous() or x.dim() < 2  # the layouts whose rules the backward mirrors
             or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)):
         return F.linear(x, weight, bias)
     return _LinearWithFusedWgrad.apply(x, weight, bias)

@@ -93,7 +93,8 @@ class GradientReduction:
         """The tensor a fused linear backward may write ``p``'s whole gradient into (its place
         in the pending reduce-scatter input; offered only where gradients are sharded), or
         None: this backward already holds a gradient of ``p``, the shard padding splits ``p``
-        there, or the dtypes differ. Handing it out counts as ``p``'s first gradient."""
+        there, or the dtypes differ. Handing it out counts as ``p``'s first gradient. It is a
+        fresh view that nothing else holds, so autograd keeps it as ``.grad`` uncopied."""
         index = p.index
         unsharded = p.unsharded_param
         if (index in self._stashed or self.layout.replicated[index]
