@@ -49,6 +49,8 @@ class BackwardCoordinator:
     def run_deferred_post_backwards(self, moving_on_from) -> None:
         """Another unit's backward begins: reduce the deferred units (but the one whose
         backward continues here)."""
+        if not self._deferred_post_backwards:  # the usual case, on every pre-backward hook
+            return
         units = [u for u in self._deferred_post_backwards if u is not moving_on_from]
         self._deferred_post_backwards = [u for u in self._deferred_post_backwards if u is moving_on_from]
         for unit_state in units:

@@ -30,6 +30,25 @@ VOCAB = 12
 # --------------------------------------------------------------------------------------
 
 
+class BlocksAroundProjection(nn.Module):
+    """``proj``, then each block (its own unit), then ``proj`` again (one root weight used
+    twice). The blocks and ``proj`` are the caller's."""
+
+    def __init__(self, blocks, proj: nn.Module):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.proj = proj
+
+    def units(self):
+        return [*self.blocks, self]
+
+    def forward(self, x):
+        h = self.proj(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.proj(torch.tanh(h))
+
+
 class Block(nn.Module):
     """tanh(Linear(x)), optionally followed by a nested ``inner`` block."""
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from _dist_helpers import H, build_pair, compare_params, local_rows, train_pair, world, wrap
+from _mfsdp_models import BlocksAroundProjection
 
 
 def _frozen_chain():
@@ -125,25 +126,13 @@ class _CheckpointInsideUnit(nn.Module):
         return self.outer(checkpoint(self._recomputed, self.outer(h), use_reentrant=True))
 
 
-class _TwoCheckpointedUnits(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(_CheckpointInsideUnit() for _ in range(2))
-        self.proj = nn.Linear(H, H)
-
-    def units(self):
-        return [*self.blocks, self]
-
-    def forward(self, x):
-        h = self.proj(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.proj(torch.tanh(h))
+def _two_checkpointed_units():
+    return BlocksAroundProjection([_CheckpointInsideUnit() for _ in range(2)], nn.Linear(H, H))
 
 
 @pytest.mark.parametrize("placements", ["zero3", "zero2", "zero1", "no_shard"])
 def test_unit_waits_for_its_own_graph_after_a_nested_one_delivered_every_gradient(placements):
-    model, reference, _, _, losses, ref_losses = train_pair(_TwoCheckpointedUnits, "sgd", microbatches=2, steps=2,
+    model, reference, _, _, losses, ref_losses = train_pair(_two_checkpointed_units, "sgd", microbatches=2, steps=2,
                                                             placements=placements)
     compare_params(model, reference)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)

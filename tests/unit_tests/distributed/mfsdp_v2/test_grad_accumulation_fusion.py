@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from _dist_helpers import H, check, compare_params, full_tensors, mesh_2d, train_pair, world, wrap
+from _mfsdp_models import BlocksAroundProjection
 from megatron.core.distributed.mfsdp_v2 import Placements
 from megatron.core.distributed.mfsdp_v2.layout import FlatLayout
 from megatron.core.transformer.layers import Linear
@@ -38,24 +39,12 @@ class Block(nn.Module):
         return self.outer(h)
 
 
-class Net(nn.Module):
-    """Two blocks (their own units) and a root whose ``proj`` is applied twice (one weight,
-    two fused gradients summed by autograd)."""
-
-    def __init__(self, fusion: bool = True):
-        super().__init__()
-        # Reentrant recompute (two graph tasks) and non-reentrant (saved tensors recomputed).
-        self.blocks = nn.ModuleList(Block(fusion, reentrant) for reentrant in (True, False))
-        self.proj = Linear(H, H, bias=True, init_std=0.3, gradient_accumulation_fusion=fusion)
-
-    def units(self):
-        return [*self.blocks, self]
-
-    def forward(self, x):
-        h = self.proj(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.proj(torch.tanh(h))
+def Net(fusion: bool = True) -> BlocksAroundProjection:
+    """Two blocks (their own units; reentrant recompute: two graph tasks, non-reentrant:
+    saved tensors recomputed) and a root ``proj`` applied twice (one weight, two fused
+    gradients summed by autograd)."""
+    return BlocksAroundProjection([Block(fusion, reentrant) for reentrant in (True, False)],
+                                  Linear(H, H, bias=True, init_std=0.3, gradient_accumulation_fusion=fusion))
 
 
 def _sharding(name: str) -> dict:
