@@ -2,8 +2,8 @@
 """Pretrain a GPT model (Megatron-LM's entry point, with MFSDP v2 via --use-mfsdp).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 pretrain_gpt.py \
-        --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 \
-        --micro-batch-size 4 --global-batch-size 16 --lr 1e-3 --train-iters 200 --use-mfsdp
+        --num-layers 4 --hidden-size 128 --num-attention-heads 2 --seq-length 128 \
+        --micro-batch-size 8 --global-batch-size 16 --lr 5e-3 --train-iters 200 --use-mfsdp
 
 Without --data-path or --mock-data the Shakespeare corpus is used (built once per
 tokenizer by tools/prepare_shakespeare.py into data/cache).
