@@ -15,7 +15,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron.training.checkpointing import STRICTNESS
 from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.moe_arguments import add_moe_args, validate_moe_args
@@ -24,6 +23,10 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer", "GPTSentencePieceTokenizer")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Upstream's --dist-ckpt-strictness values; checkpointing.STRICTNESS says what each does.
+DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                        "return_unexpected", "return_all", "ignore_all")
 
 
 class ArgumentError(ValueError):
@@ -157,7 +160,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
                    help="write checkpoints in the background (state staged in CPU memory)")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on --exit-signal (default SIGTERM): finish the iteration, save a checkpoint, exit 0")
-    g.add_argument("--dist-ckpt-strictness", choices=tuple(STRICTNESS), default=None,
+    g.add_argument("--dist-ckpt-strictness", choices=DIST_CKPT_STRICTNESS, default=None,
                    help="tensors only one side has at --load. Upstream's names: 'unexpected' = in the model, not "
                         "in the checkpoint (keeps its current value); 'missing' = in the checkpoint, not in the "
                         "model (not read). log_*: one warning naming them; raise_*: an error before anything "

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.mfsdp_v2 import checkpoint as engine
 from megatron.core.distributed.mfsdp_v2.checkpoint import manifest
+from megatron.training.log_utils import print_rank_0
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.json"
@@ -265,11 +266,6 @@ def _pieces(model) -> Dict[str, Any]:
     return global_slices_by_name(model)
 
 
-def print_rank_0(message: str) -> None:
-    if _rank() == 0:
-        print(message, flush=True)
-
-
 # ----------------------------------------------------------------------------------------
 # Asynchronous saves and the exit signal
 # ----------------------------------------------------------------------------------------
@@ -472,7 +468,7 @@ def _model_mismatch(path: str, saved: Dict[str, Any], args: argparse.Namespace) 
             f"pass {ACTIVATION_FLAGS.get(theirs, theirs)} to build the checkpoint's model.")
 
 
-# --dist-ckpt-strictness -> (model tensor the checkpoint lacks, checkpoint tensor the model
+# --dist-ckpt-strictness (its choices: arguments.DIST_CKPT_STRICTNESS) -> (model tensor the checkpoint lacks, checkpoint tensor the model
 # lacks). Upstream's names: "unexpected" keys are the ones the model asks for and the
 # checkpoint lacks; "missing" keys the ones the checkpoint has and the model does not load.
 # assume_ok_unexpected leaves unexpected keys to the storage layer, which raises on them.

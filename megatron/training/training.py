@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
 from megatron.core.transformer.moe.metrics import collect_moe_metrics, format_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
-from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import (
     exit_signal_received,
     finalize_async_save,
@@ -44,8 +43,10 @@ from megatron.training.log_utils import (
     memory_scalars,
     peak_memory_mb,
     perplexity,
+    print_rank_0,
 )
 from megatron.training.timers import Timers, timers_to_log
+from megatron.training.user_errors import user_errors
 from megatron.training.model_builder import (
     BuiltModel,
     build_model,
@@ -64,11 +65,6 @@ ITERATION_SCALARS = ("learning_rate", "global_batch_size", "lm_loss", "grad_norm
                      "params_norm")
 
 
-def print_rank_0(*message) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*message, flush=True)
-
-
 def build_tokenizer_from_args(args):
     from megatron.core.tokenizer import build_tokenizer, padded_vocab_size
 
@@ -83,76 +79,6 @@ def build_tokenizer_from_args(args):
     # The model gives the padding rows -inf logits (out of the loss and of sampling).
     args.unpadded_vocab_size = tokenizer.vocab_size
     return tokenizer
-
-
-class UserError(Exception):
-    """A problem with the command line or the files it names (not a bug): reported as one
-    line from rank 0 and a non-zero exit, without a traceback."""
-
-
-# What a bad data path, tokenizer, checkpoint or save path raises in the stages that read them.
-_USER_ERROR_TYPES = (ValueError, OSError, RuntimeError, ImportError)
-
-
-@contextlib.contextmanager
-def _user_errors(stage: str):
-    try:
-        yield
-    except UserError:
-        raise
-    except _USER_ERROR_TYPES as e:
-        raise UserError(f"{stage}: {e}") from e
-
-
-def _report_user_error(message: str, exit_code: int, error: BaseException) -> None:
-    """Rank 0 prints ``prog: error: message``; every rank exits with ``exit_code``.
-    MEGATRON_DEBUG_TRACEBACK=1 adds the traceback on every rank."""
-    import traceback
-
-    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "pretrain_gpt.py"
-    launch = _launch_env()
-    rank = dist.get_rank() if dist.is_initialized() else (launch.rank if launch else 0)
-    debug = os.environ.get("MEGATRON_DEBUG_TRACEBACK", "0") not in ("", "0")
-    if debug:
-        traceback.print_exception(error, file=sys.stderr)
-    if rank == 0 or debug:
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    _write_torchelastic_error_file(message)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if launch is not None and launch.world_size > 1:
-        # Not sys.exit: at interpreter teardown a DDP reducer frees its gloo group, which
-        # joins its worker threads holding the GIL while a worker releasing a finished
-        # all-gather waits for the GIL; that rank then hangs forever (seen 1 run in 5).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)
-    sys.exit(exit_code)
-
-
-def _launch_env():
-    """torchrun's or SLURM's rank and world size, or None when they are unreadable."""
-    from megatron.training.initialize import get_distributed_env
-
-    try:
-        return get_distributed_env()
-    except ValueError:
-        return None
-
-
-def _write_torchelastic_error_file(message: str) -> None:
-    # torchrun names this worker's failure with the file's message instead of "<N/A>".
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    import json
-
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {
-                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
-    except OSError:
-        pass
 
 
 def _earliest(timestamp: float, device) -> float:
@@ -188,39 +114,13 @@ def _reduce_reports(reports, key: str = "lm loss"):
     return total
 
 
-def pretrain(
-    train_valid_test_datasets_provider: Callable,
-    model_provider: Callable,
-    forward_step_func: Callable,
-    extra_args_provider: Optional[Callable] = None,
-    args_defaults: Optional[dict] = None,
-    argv=None,
-) -> Dict[str, float]:
-    """Train a model end to end. Returns the last logged metrics (for tests and tools).
-
-    * ``model_provider(args) -> nn.Module`` builds the unwrapped GPTModel;
-    * ``train_valid_test_datasets_provider(args, tokenizer, [n_train, n_valid, n_test])``
-      returns three map-style datasets (or None) of dicts with ``tokens``, ``labels``,
-      ``loss_mask``, ``position_ids``;
-    * ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)``, where
-      ``loss_func(output_tensor) -> (loss_sum, num_tokens, {"lm loss": [sum, count]})``.
-    """
-    start_time = time.time()
-    try:
-        args = parse_args(argv, extra_args_provider=extra_args_provider, args_defaults=args_defaults)
-    except ValueError as e:
-        _report_user_error(str(e), 2, e)
-    try:
-        return _pretrain(args, start_time, train_valid_test_datasets_provider, model_provider, forward_step_func)
-    except UserError as e:
-        _report_user_error(str(e), 1, e)
-
-
-def _pretrain(args, start_time, train_valid_test_datasets_provider, model_provider, forward_step_func):
+def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_provider, forward_step_func):
+    """Train after the command line was parsed (see :func:`megatron.training.entry.pretrain`).
+    A problem with the files the arguments name raises :class:`UserError`."""
 
     if args.deterministic_mode:
         set_deterministic_mode()
-    with _user_errors("distributed initialization"):
+    with user_errors("distributed initialization"):
         device = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
         parallel = _initialize_parallel_state(args, device)
     if args.exit_signal_handler:
@@ -230,7 +130,7 @@ def _pretrain(args, start_time, train_valid_test_datasets_provider, model_provid
         set_random_seed(args.seed)
         rank = dist.get_rank()
         print_rank_0(_format_args(args))
-        with _user_errors("tokenizer"):
+        with user_errors("tokenizer"):
             tokenizer = build_tokenizer_from_args(args)
         print_rank_0(
             f"> tokenizer {args.tokenizer_type}: vocab size {tokenizer.vocab_size} padded to {args.padded_vocab_size}"
@@ -253,7 +153,7 @@ def _pretrain(args, start_time, train_valid_test_datasets_provider, model_provid
             f"device {device.type}, {args.num_microbatches} microbatch(es) of {args.micro_batch_size} per rank per step"
         )
 
-        with _user_errors(f"--load {args.load}"):
+        with user_errors(f"--load {args.load}"):
             iteration, consumed = load_checkpoint(
                 built.model, optimizer, scheduler, args,
                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
@@ -270,7 +170,7 @@ def _pretrain(args, start_time, train_valid_test_datasets_provider, model_provid
                 jsonl = os.path.join(args.log_dir, "metrics.jsonl")
             elif args.tensorboard_dir:
                 jsonl = os.path.join(args.tensorboard_dir, "metrics.jsonl")
-            with _user_errors("logging"):
+            with user_errors("logging"):
                 writer = MetricsWriter(
                     jsonl_path=jsonl,
                     tensorboard_dir=args.tensorboard_dir,
@@ -281,7 +181,7 @@ def _pretrain(args, start_time, train_valid_test_datasets_provider, model_provid
                     wandb_entity=args.wandb_entity,
                 )
 
-        with _user_errors("data"):
+        with user_errors("data"):
             train_ds, valid_ds, test_ds = _build_datasets(args, tokenizer, train_valid_test_datasets_provider)
         print_rank_0(f"> initialization done in {time.time() - start_time:.1f} s")
 
@@ -723,7 +623,7 @@ class _Trainer:
 
     def save(self, iteration: int) -> None:
         start = time.time()
-        with _user_errors(f"--save {self.args.save}"):
+        with user_errors(f"--save {self.args.save}"):
             path = save_checkpoint(
                 iteration, self.built.model, self.optimizer, self.scheduler, self.args,
                 consumed_train_samples=self.consumed,

@@ -288,3 +288,8 @@ def test_tensorboard_log_interval_and_dist_ckpt_strictness_parse():
     assert parse("--dist-ckpt-strictness ignore_all").dist_ckpt_strictness == "ignore_all"
     with pytest.raises(ValueError, match="--dist-ckpt-strictness: invalid choice"):
         parse("--dist-ckpt-strictness lenient")
+    # Every choice the flag accepts has a meaning at load, and no other.
+    from megatron.training.arguments import DIST_CKPT_STRICTNESS
+    from megatron.training.checkpointing import STRICTNESS
+
+    assert sorted(STRICTNESS) == sorted(DIST_CKPT_STRICTNESS)
