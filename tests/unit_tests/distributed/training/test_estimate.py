@@ -156,26 +156,35 @@ TOOL_UNITS = """
 import json, sys
 from megatron.training.arguments import parse_args
 from tools.estimate_memory import model_units
-args = parse_args(sys.argv[2:], world_size=int(sys.argv[1]), cuda_available=False)
-units = model_units(args, int(sys.argv[1]))[0]
-print(json.dumps([[u.name, [list(s) for s in u.shapes], u.is_root, u.expert, list(u.tp_replicated)] for u in units]))
+world = int(sys.argv[1])
+out = []
+for argv in json.loads(sys.argv[2]):
+    units = model_units(parse_args(argv, world_size=world, cuda_available=False), world)[0]
+    out.append([[u.name, [list(s) for s in u.shapes], u.is_root, u.expert, list(u.tp_replicated)] for u in units])
+print(json.dumps(out))
 """
 
 
-def tool_units(*flags):
-    """The units tools/estimate_memory.py plans for ``args`` (one rank's model, built in a
-    process of its own with the fake backend's world) for trainer_args("llama", *flags),
-    from rank 0, on every rank."""
+@pytest.fixture(scope="module")
+def tool_units():
+    """{flags: the units tools/estimate_memory.py plans for trainer_args("llama", *flags)}
+    for every case below that compares them, at this world size: each model built as the
+    tool builds it (one rank's model, with the fake backend's world), all in one process
+    of its own started by rank 0 (one interpreter start instead of one per case)."""
+    world = dist.get_world_size()
+    cases = [tp_flags(*case, world) for case in TP_CASES if case[0] == "zero3"]
+    cases += [ep_flags(*case, world) for case in EP_CASES if case[0] in ("zero3", "hsdp")]
     out = [None]
     if dist.get_rank() == 0:
         env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC")}
-        run = subprocess.run([sys.executable, "-c", TOOL_UNITS, str(dist.get_world_size()),
-                              *BASE, *ARCHS["llama"], *flags],
-                             env=env, cwd=REPO, capture_output=True, text=True, timeout=50)
+        argvs = [[*BASE, *ARCHS["llama"], *flags] for flags in cases]
+        run = subprocess.run([sys.executable, "-c", TOOL_UNITS, str(world), json.dumps(argvs)],
+                             env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stderr[-2000:]
         out = [json.loads(run.stdout.strip().splitlines()[-1])]
     dist.broadcast_object_list(out, src=0)
-    return out[0]
+    assert len(out[0]) == len(cases)
+    return {tuple(flags): units for flags, units in zip(cases, out[0])}
 
 
 TORCHRUN_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
@@ -197,23 +206,32 @@ MOE_EXTRAS = ["--moe-shared-expert-intermediate-size", "16", "--moe-aux-loss-coe
 # recompute: None, "full", or "full+dropout" (hidden dropout makes a recomputed chunk's
 # last reduction run again). moe: None, "experts" (EP 2 where the data-parallel size
 # allows), or "experts+extras" (also MOE_EXTRAS).
-@pytest.mark.parametrize("strategy,sequence_parallel,recompute,moe", [
+TP_CASES = [
     ("zero1", False, None, None), ("zero1", True, None, None), ("zero3", False, None, None),
     ("zero3", True, "full", None), ("zero1", False, "full+dropout", None),
-    ("zero3", False, None, "experts"), ("zero2", True, None, "experts+extras")])
-def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_parallel, recompute, moe):
+    ("zero3", False, None, "experts"), ("zero2", True, None, "experts+extras")]
+
+
+def tp_flags(strategy, sequence_parallel, recompute, moe, world):
+    """The trainer flags of a TP_CASES case (TP 2) at ``world`` ranks."""
+    ep = 2 if moe and world // 2 >= 2 else 1
+    extra = (["--sequence-parallel"] if sequence_parallel else []) + (RECOMPUTE if recompute else [])
+    extra += ["--hidden-dropout", "0.1"] if recompute == "full+dropout" else []
+    extra += [*MOE, "--expert-model-parallel-size", str(ep)] if moe else []
+    extra += MOE_EXTRAS if moe == "experts+extras" else []
+    return ["--use-mfsdp", "--tensor-model-parallel-size", "2", "--global-batch-size", str(4 * world // 2),
+            *TP_SHAPE, *FLAGS[strategy], *extra]
+
+
+@pytest.mark.parametrize("strategy,sequence_parallel,recompute,moe", TP_CASES)
+def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_parallel, recompute, moe, tool_units):
     from megatron.core.transformer.moe.expert_parallel import expert_parallel_of
     from megatron.training.model_builder import finalize_model_grads
 
     tp = 2
     world = dist.get_world_size()
     ep = 2 if moe and world // tp >= 2 else 1
-    extra = (["--sequence-parallel"] if sequence_parallel else []) + (RECOMPUTE if recompute else [])
-    extra += ["--hidden-dropout", "0.1"] if recompute == "full+dropout" else []
-    extra += [*MOE, "--expert-model-parallel-size", str(ep)] if moe else []
-    extra += MOE_EXTRAS if moe == "experts+extras" else []
-    flags = ["--use-mfsdp", "--tensor-model-parallel-size", str(tp), "--global-batch-size", str(4 * world // tp),
-             *TP_SHAPE, *FLAGS[strategy], *extra]
+    flags = tp_flags(strategy, sequence_parallel, recompute, moe, world)
     args = trainer_args("llama", *flags)
     with model_parallel(tp, args) as state:
         built = build_model(gpt_provider, args, torch.device("cpu"))
@@ -237,7 +255,7 @@ def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_para
         assert any(u.expert for u in units)
         check_all_to_all(predicted, ep_records, ep)
     if strategy == "zero3":
-        assert tool_units(*flags) == describe(units)
+        assert tool_units[tuple(flags)] == describe(units)
 
 
 def check_all_to_all(predicted, records, ep):
@@ -252,16 +270,25 @@ def check_all_to_all(predicted, records, ep):
     assert measured.item() == dist.get_world_size() * predicted.comm_bytes["all_to_all"]
 
 
-@pytest.mark.parametrize("strategy,recompute", [("zero2", False), ("zero3", True), ("hsdp", False),
-                                                ("hfsdp", False)])
-def test_planner_matches_engine_with_expert_parallelism(strategy, recompute):
+EP_CASES = [("zero2", False), ("zero3", True), ("hsdp", False), ("hfsdp", False)]
+
+
+def ep_flags(strategy, recompute, world):
+    """The trainer flags of an EP_CASES case at ``world`` ranks."""
+    hybrid = strategy in ("hsdp", "hfsdp")
+    ep = 1 if hybrid and world < 4 else 2  # EP divides one instance's world / 2 ranks
+    return ["--use-mfsdp", *MOE, "--expert-model-parallel-size", str(ep), "--global-batch-size", str(4 * world),
+            *TP_SHAPE, *FLAGS[strategy], *(RECOMPUTE if recompute else [])]
+
+
+@pytest.mark.parametrize("strategy,recompute", EP_CASES)
+def test_planner_matches_engine_with_expert_parallelism(strategy, recompute, tool_units):
     from megatron.core.transformer.moe.expert_parallel import expert_parallel_of
 
     world = dist.get_world_size()
     hybrid = strategy in ("hsdp", "hfsdp")
-    ep = 1 if hybrid and world < 4 else 2  # EP divides one instance's world / 2 ranks
-    flags = ["--use-mfsdp", *MOE, "--expert-model-parallel-size", str(ep), "--global-batch-size", str(4 * world),
-             *TP_SHAPE, *FLAGS[strategy], *(RECOMPUTE if recompute else [])]
+    ep = 1 if hybrid and world < 4 else 2
+    flags = ep_flags(strategy, recompute, world)
     args = trainer_args("llama", *flags)
     built = build_model(gpt_provider, args, torch.device("cpu"))
     model = built.unwrapped
@@ -278,7 +305,7 @@ def test_planner_matches_engine_with_expert_parallelism(strategy, recompute):
                      microbatches=microbatches, rank=dist.get_rank(), activations=shape, moe=moe)
     check_persistent(predicted, built, optimizer)
     if strategy in ("zero3", "hsdp"):
-        assert tool_units(*flags) == describe(units)
+        assert tool_units[tuple(flags)] == describe(units)
     fsdp = {k: v for k, v in predicted.comm_bytes.items() if k != "all_to_all"}
     assert fsdp == built.context.counter.bytes_by_kind()
     check_all_to_all(predicted, records, ep)
