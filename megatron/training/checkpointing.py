@@ -468,9 +468,10 @@ def _model_mismatch(path: str, saved: Dict[str, Any], args: argparse.Namespace) 
             f"pass {ACTIVATION_FLAGS.get(theirs, theirs)} to build the checkpoint's model.")
 
 
-# --dist-ckpt-strictness (its choices: arguments.DIST_CKPT_STRICTNESS) -> (model tensor the checkpoint lacks, checkpoint tensor the model
-# lacks). Upstream's names: "unexpected" keys are the ones the model asks for and the
-# checkpoint lacks; "missing" keys the ones the checkpoint has and the model does not load.
+# --dist-ckpt-strictness (choices: arguments.DIST_CKPT_STRICTNESS) -> (model tensor the
+# checkpoint lacks, checkpoint tensor the model lacks). Upstream's names: "unexpected" keys
+# are the ones the model asks for and the checkpoint lacks; "missing" keys the ones the
+# checkpoint has and the model does not load.
 # assume_ok_unexpected leaves unexpected keys to the storage layer, which raises on them.
 # return_* return the keys from upstream's load(); there is no such caller here: they log.
 _RAISE, _LOG, _IGNORE = engine.OnMismatch.RAISE, engine.OnMismatch.LOG, engine.OnMismatch.IGNORE
