@@ -228,12 +228,11 @@ def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_para
     from megatron.core.transformer.moe.expert_parallel import expert_parallel_of
     from megatron.training.model_builder import finalize_model_grads
 
-    tp = 2
     world = dist.get_world_size()
-    ep = 2 if moe and world // tp >= 2 else 1
     flags = tp_flags(strategy, sequence_parallel, recompute, moe, world)
     args = trainer_args("llama", *flags)
-    with model_parallel(tp, args) as state:
+    ep = args.expert_model_parallel_size
+    with model_parallel(args.tensor_model_parallel_size, args) as state:
         built = build_model(gpt_provider, args, torch.device("cpu"))
         model = built.unwrapped
         units = planned_units(model)
@@ -287,9 +286,9 @@ def test_planner_matches_engine_with_expert_parallelism(strategy, recompute, too
 
     world = dist.get_world_size()
     hybrid = strategy in ("hsdp", "hfsdp")
-    ep = 1 if hybrid and world < 4 else 2
     flags = ep_flags(strategy, recompute, world)
     args = trainer_args("llama", *flags)
+    ep = args.expert_model_parallel_size
     built = build_model(gpt_provider, args, torch.device("cpu"))
     model = built.unwrapped
     units = planned_units(model)
