@@ -14,6 +14,15 @@ weight the shard padding splits) the backward is autograd's own.
 
 The backward computes exactly what autograd computes for ``F.linear`` (the same GEMMs on the
 same operands, the bias gradient as the same sum), so fused and unfused runs agree bit for bit.
+
+Tied embeddings: the output layer's fused backward has already written its gradient of the
+shared weight into the slot when the embedding's backward runs. Autograd would sum the two
+gradients into a fresh vocabulary-sized tensor, which the wrapper then copies into the slot.
+Instead the embedding's backward hands its gradient to ``weight.add_to_fused_wgrad(grad)``
+(set by MFSDP v2 next to ``fused_wgrad_out``), which adds it into the slot when the slot's
+gradient is delivered, and returns no gradient to autograd. The sum of two gradients is the
+same either way, bit for bit; when the callable declines (no slot held by this backward) the
+gradient goes to autograd as usual.
 """
 
 from typing import Optional
@@ -53,6 +62,27 @@ class _LinearWithFusedWgrad(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+class _EmbeddingWithFusedWgrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.num_weights = weight.shape[0]
+        # Kept here: under activation recompute the saved weight comes back as another tensor.
+        ctx.add_to_fused_wgrad = weight.add_to_fused_wgrad
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        # What autograd's EmbeddingBackward0 computes for F.embedding's defaults (no padding
+        # index, no frequency scaling, dense).
+        grad_w = torch.ops.aten.embedding_backward(grad_output, ids, ctx.num_weights, -1, False, False)
+        # create_graph needs the gradient in the graph, not added out of band.
+        if not torch.is_grad_enabled() and ctx.add_to_fused_wgrad(grad_w):
+            grad_w = None
+        return None, grad_w
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            fusion: bool = True) -> torch.Tensor:
     """``F.linear``, with the weight gradient fused into its reduction buffer when ``fusion``
@@ -62,3 +92,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)):
         return F.linear(x, weight, bias)
     return _LinearWithFusedWgrad.apply(x, weight, bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, fusion: bool = True) -> torch.Tensor:
+    """``F.embedding`` with its defaults; with ``fusion`` on and a weight that offers it
+    (``add_to_fused_wgrad``: a tied output layer's fused slot), the weight gradient is added
+    into that slot instead of being summed by autograd."""
+    if (not fusion or not weight.requires_grad or getattr(weight, "add_to_fused_wgrad", None) is None
+            or not torch.is_grad_enabled()):
+        return F.embedding(ids, weight)
+    return _EmbeddingWithFusedWgrad.apply(ids, weight)

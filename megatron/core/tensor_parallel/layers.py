@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from megatron.core.global_slices import partition
 
-from .grad_accumulation_fusion import linear
+from .grad_accumulation_fusion import embedding, linear
 from .mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -139,9 +139,10 @@ class RowParallelLinear(_TensorParallelLayer):
 class VocabParallelEmbedding(_TensorParallelLayer):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float,
                  tp_group: Optional[dist.ProcessGroup], sequence_parallel: bool = False,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, gradient_accumulation_fusion: bool = True):
         super().__init__(init_std, tp_group, sequence_parallel)
         rank, size = tp_rank_and_size(tp_group)
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         per_rank = divide(num_embeddings, size, "the padded vocabulary size")
         self.vocab_start_index, self.vocab_end_index = rank * per_rank, (rank + 1) * per_rank
@@ -154,7 +155,7 @@ class VocabParallelEmbedding(_TensorParallelLayer):
         sequence parallelism."""
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
-        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = embedding(local_ids, self.weight, fusion=self.gradient_accumulation_fusion).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         return reduce_from_tensor_model_parallel_region(partial, self.tp_group)

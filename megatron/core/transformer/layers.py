@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from megatron.core.tensor_parallel.grad_accumulation_fusion import embedding as fused_embedding
 from megatron.core.tensor_parallel.grad_accumulation_fusion import linear as fused_linear
 
 from .backends import import_transformer_engine, te_device
@@ -57,15 +58,25 @@ class Linear(nn.Linear):
 
 
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` initialized with normal(0, init_std) (nn.Embedding uses std 1)."""
+    """``nn.Embedding`` initialized with normal(0, init_std) (nn.Embedding uses std 1); with
+    ``gradient_accumulation_fusion`` the gradient of a weight tied to a fused output layer is
+    added into that layer's slot in the reduction buffer."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, gradient_accumulation_fusion: bool = True):
         self.init_std = init_std
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         super().__init__(num_embeddings, embedding_dim, dtype=dtype)
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        plain = (self.padding_idx is None and self.max_norm is None and not self.scale_grad_by_freq
+                 and not self.sparse)
+        if not plain:
+            return super().forward(ids)
+        return fused_embedding(ids, self.weight, fusion=self.gradient_accumulation_fusion)
 
 
 def build_linear(config: TransformerConfig, in_features: int, out_features: int, bias: bool,

@@ -1,12 +1,14 @@
 """The fused linear (tensor_parallel/grad_accumulation_fusion.py) against ``F.linear``:
 the same output and gradients bit for bit, strides included, with the weight gradient
-landing in the buffer the weight's ``fused_wgrad_out`` offers."""
+landing in the buffer the weight's ``fused_wgrad_out`` offers; the fused embedding against
+``F.embedding``, its gradient handed to ``add_to_fused_wgrad`` when that accepts it."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.core.tensor_parallel.grad_accumulation_fusion import linear
+from megatron.core.tensor_parallel.grad_accumulation_fusion import embedding, linear
+from megatron.core.transformer.layers import Embedding
 
 SHAPES = [(7, 16), (1, 16), (5, 3, 16), (3, 5, 16), (64, 2, 16)]
 
@@ -65,3 +67,63 @@ def test_a_weight_without_a_buffer_uses_f_linear():
     assert type(out.grad_fn).__name__ == "_LinearWithFusedWgradBackward"
     torch.testing.assert_close(w.grad, torch.ones(2, 3).t().mm(x.detach()))
     assert type(linear(x, w, fusion=False).grad_fn).__name__ == "MmBackward0"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("accept", [False, True])
+def test_fused_embedding_is_f_embedding_bit_for_bit(dtype, accept):
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(11, 8, generator=g).to(dtype)
+    ids = torch.randint(0, 11, (4, 9), generator=g)  # repeated ids: rows summed in the backward
+    grad_out = torch.randn(4, 9, 8, generator=g).to(dtype)
+    plain_w = torch.nn.Parameter(w0.clone())
+    plain_out = F.embedding(ids, plain_w)
+    plain_out.backward(grad_out)
+    taken = []
+    w = torch.nn.Parameter(w0.clone())
+    w.add_to_fused_wgrad = lambda grad: accept and (taken.append(grad) or True)
+    out = embedding(ids, w)
+    assert type(out.grad_fn).__name__ == "_EmbeddingWithFusedWgradBackward"
+    out.backward(grad_out)
+    assert torch.equal(out, plain_out)
+    if accept:
+        assert w.grad is None and len(taken) == 1 and torch.equal(taken[0], plain_w.grad)
+    else:
+        assert torch.equal(w.grad, plain_w.grad) and not taken
+
+
+def test_tied_weight_gradients_meet_in_the_slot_bit_for_bit():
+    """An output layer tied to the embedding: its fused gradient in the slot plus the
+    embedding's, added there, equal autograd's sum of the two."""
+    g = torch.Generator().manual_seed(1)
+    w0 = torch.randn(11, 8, generator=g)
+    ids = torch.randint(0, 11, (5, 7), generator=g)
+
+    def loss_of(w, fused):
+        h = torch.tanh((embedding if fused else F.embedding)(ids, w))
+        return (linear if fused else F.linear)(h, w).square().mean()
+
+    plain_w = torch.nn.Parameter(w0.clone())
+    loss_of(plain_w, False).backward()
+    slot = torch.full((w0.numel(),), float("nan"))
+    added = []
+    w = torch.nn.Parameter(w0.clone())
+    w.fused_wgrad_out = lambda: slot.view_as(w0)
+    w.add_to_fused_wgrad = lambda grad: added.append(grad) or True
+    loss_of(w, True).backward()
+    assert w.grad.data_ptr() == slot.data_ptr() and len(added) == 1
+    slot.view_as(w0).add_(added[0])  # what the engine does when the slot is delivered
+    assert torch.equal(slot.view_as(w0), plain_w.grad)
+
+
+def test_embedding_layer_keeps_nn_embedding_options():
+    """Options the fused backward does not mirror (padding index, max norm, frequency
+    scaling, sparse) use nn.Embedding's own forward."""
+    layer = Embedding(6, 4, init_std=0.1)
+    layer.weight.add_to_fused_wgrad = lambda grad: True
+    assert type(layer(torch.tensor([1, 2])).grad_fn).__name__ == "_EmbeddingWithFusedWgradBackward"
+    layer.padding_idx = 0
+    assert type(layer(torch.tensor([1, 2])).grad_fn).__name__ == "EmbeddingBackward0"
+    unfused = Embedding(6, 4, init_std=0.1, gradient_accumulation_fusion=False)
+    unfused.weight.add_to_fused_wgrad = lambda grad: True
+    assert type(unfused(torch.tensor([1, 2])).grad_fn).__name__ == "EmbeddingBackward0"

@@ -19,7 +19,10 @@ Gradient-accumulation fusion: a linear layer's backward may ask for the place of
 gradient in that input (``unsharded_param.fused_wgrad_out()``, see
 ``megatron.core.tensor_parallel.grad_accumulation_fusion``), compute the gradient straight
 into it and return that very tensor to autograd; the hook then finds it already in place
-and copies nothing.
+and copies nothing. A tied embedding's backward, which runs after the output layer's, gives
+its gradient to ``unsharded_param.add_to_fused_wgrad(grad)`` instead of to autograd: it is
+added into the slot when the slot is delivered, which saves autograd's vocabulary-sized sum
+and the copy of it.
 """
 
 from __future__ import annotations
@@ -104,6 +107,16 @@ class GradientReduction:
         self._stashed.add(index)
         self._slots_out[index] = torch._C._current_graph_task_id()
         return self.layout.gathered_view(self._pending_reduce_input(), index)
+
+    def add_to_fused_wgrad(self, p, grad: torch.Tensor) -> bool:
+        """Take ``grad``, another gradient of ``p`` from this backward, to add into ``p``'s
+        fused slot when autograd delivers the slot (True), or decline (False: no slot of this
+        graph is out, so the gradient must go through autograd)."""
+        index = p.index
+        if self._slots_out.get(index) != torch._C._current_graph_task_id() or grad.dtype != self.precision.grad_comm:
+            return False
+        self._deferred.setdefault(index, []).append(grad)
+        return True
 
     def _stash_grad(self, p) -> None:
         """Move ``p``'s fresh unsharded gradient into the pending reduce-scatter input."""

@@ -120,6 +120,7 @@ class ParameterGroup(ShardViews, GradientReduction, WeightSync):
                 if self.strategy.grad_sharded:  # the gradient has a reduce-scatter input to land in
                     # Read by fused linear layers (megatron.core.tensor_parallel.grad_accumulation_fusion).
                     p.unsharded_param.fused_wgrad_out = functools.partial(self.fused_wgrad_out, p)
+                    p.unsharded_param.add_to_fused_wgrad = functools.partial(self.add_to_fused_wgrad, p)
 
     def begin_init(self) -> None:
         """Give the unsharded parameters storage, without communication (init writes all)."""

@@ -22,7 +22,8 @@ class LanguageModelEmbedding(nn.Module):
         self.word_embeddings = _word_embeddings(config, vocab_size)
         if position_embedding_type == "learned_absolute":
             self.position_embeddings = Embedding(max_sequence_length, config.hidden_size,
-                                                 init_std=config.init_method_std, dtype=config.params_dtype)
+                                                 init_std=config.init_method_std, dtype=config.params_dtype,
+                                                 gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         else:
             self.position_embeddings = None
 
@@ -44,12 +45,14 @@ class LanguageModelEmbedding(nn.Module):
 
 def _word_embeddings(config: TransformerConfig, vocab_size: int) -> torch.nn.Module:
     if config.tensor_model_parallel_size == 1:
-        return Embedding(vocab_size, config.hidden_size, init_std=config.init_method_std, dtype=config.params_dtype)
+        return Embedding(vocab_size, config.hidden_size, init_std=config.init_method_std, dtype=config.params_dtype,
+                         gradient_accumulation_fusion=config.gradient_accumulation_fusion)
     from megatron.core.tensor_parallel import VocabParallelEmbedding
 
     return VocabParallelEmbedding(vocab_size, config.hidden_size, init_std=config.init_method_std,
                                   tp_group=config.tp_group, sequence_parallel=config.sequence_parallel,
-                                  dtype=config.params_dtype)
+                                  dtype=config.params_dtype,
+                                  gradient_accumulation_fusion=config.gradient_accumulation_fusion)
 
 
 def _sequence_chunk(position_ids: torch.Tensor, tp_group) -> torch.Tensor:
