@@ -9,6 +9,7 @@ from __future__ import annotations
 import cProfile
 import copy
 import functools
+import importlib
 import os
 import pstats
 import statistics
@@ -347,6 +348,38 @@ def hook_overhead(c, batch, steps: int) -> Optional[dict]:
         "post_ops_s_per_step": per_step([e for e in extra if e.name.startswith(POST_OPS_PREFIX)]),
         "stash_s_per_step": per_step([e for e in extra if e.name == STASH_NAME]),
         "own_s_per_step": own_s, "own_s_per_unit_per_step": own_s / units,
+    }
+
+
+def engine_cpu_time(c, batch, steps: int) -> Optional[dict]:
+    """The engine's own CPU time without a profiler: ``steps`` untimed steps with the
+    engine's ``CpuTimeLedger`` on (mfsdp_v2/profiling.py), which adds up the training
+    thread's CPU time inside the outermost engine ranges (hooks, gradient stashing, post-ops
+    outside hooks) and inside the waits among them. Own CPU = the first minus the second:
+    Python, launches (gloo's sends and receives run partly on this thread), copies,
+    sums and divisions, but not the time the thread was blocked or descheduled, which the
+    wall time of the same ranges (also given) includes. None for an engine without it."""
+    try:
+        profiling = importlib.import_module(c.engine.__name__ + ".profiling")
+    except ImportError:
+        return None
+    if not hasattr(profiling, "CpuTimeLedger"):
+        return None
+    ledger = profiling.CpuTimeLedger()
+    profiling.record_cpu_time(ledger)
+    try:
+        for _ in range(steps):
+            c.step(*batch)
+    finally:
+        profiling.record_cpu_time(None)
+    units = len(c.ctx.units)
+    own_cpu, own_wall = ledger.cpu_s - ledger.wait_cpu_s, ledger.wall_s - ledger.wait_wall_s
+    return {
+        "steps": steps, "units": units, "source": "thread CPU time in the engine's ranges (CpuTimeLedger)",
+        "ranges_per_step": ledger.ranges / steps,
+        "own_cpu_s_per_step": own_cpu / steps, "own_cpu_s_per_unit_per_step": own_cpu / steps / units,
+        "own_wall_s_per_step": own_wall / steps, "own_wall_s_per_unit_per_step": own_wall / steps / units,
+        "wait_cpu_s_per_step": ledger.wait_cpu_s / steps, "wait_wall_s_per_step": ledger.wait_wall_s / steps,
     }
 
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from contenders import (Contender, Meshes, ModelSpec, Options, base_name, build, build_fsdp2, build_mfsdp,
                         build_plain, build_reference, default_contenders, dtype_name, make_batches, resolve_spec)
-from measurement import (count_collectives, expected_bytes, gather_floats, hook_overhead, log, padding_bound,
-                         profile_python_self_time, rank, summarize, timing_summary, world)
+from measurement import (count_collectives, engine_cpu_time, expected_bytes, gather_floats, hook_overhead, log,
+                         padding_bound, profile_python_self_time, rank, summarize, timing_summary, world)
 
 
 def run_interleaved(contenders: List[Contender], batches, warmup: int, steps: int, memory_step: int) -> None:
@@ -85,6 +85,8 @@ def mode_compare(args, spec: ModelSpec, dtype: torch.dtype, meshes: Meshes, opts
         dist.barrier()
         if c.kind == "mfsdp":
             results[c.name]["hooks"] = hook_overhead(c, batches[rounds + 1], hook_steps)
+            dist.barrier()
+            results[c.name]["engine_cpu"] = engine_cpu_time(c, batches[rounds + 1], hook_steps)
         if c.kind in ("mfsdp", "fsdp2") and not args.no_profile:
             dist.barrier()
             prof = profile_python_self_time(c, batches[rounds + 1])

@@ -248,8 +248,9 @@ def time_split_table(compare: Dict[int, dict]) -> str:
     lines = [
         "| run | contender | step ms (DDP) | gap to DDP ms | fwd / bwd / opt ms vs DDP's | exposed all-gather | "
         "exposed reduce-scatter | gradient copies into reduce buffers | post-ops (sums, divisions, copy-out) | "
-        "other engine work (Python, launches, allocation) | **engine's own ms / unit** | profiled step ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "other engine work (Python, launches, allocation) | **engine's own ms / unit** | profiled step ms | "
+        "engine's own ms / unit without profiler: wall / **thread CPU** |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, data in sorted(compare.items()):
         for dtype, run in data["runs"].items():
@@ -272,8 +273,16 @@ def time_split_table(compare: Dict[int, dict]) -> str:
                     f"| {ms(waits_in.get('all_gather', 0.0))} (+{ms(waits_out.get('all_gather', 0.0))} after the step) "
                     f"| {ms(waits_in.get('reduce_scatter', 0.0) + waits_out.get('reduce_scatter', 0.0))} "
                     f"| {ms(h['stash_s_per_step'])} | {ms(h['post_ops_s_per_step'])} | {ms(other)} "
-                    f"| **{h['own_s_per_unit_per_step'] * 1e3:.1f}** | {ms(h['step_wall_s'])} |")
+                    f"| **{h['own_s_per_unit_per_step'] * 1e3:.1f}** | {ms(h['step_wall_s'])} | {cpu_cells(r)} |")
     return "\n".join(lines)
+
+
+def cpu_cells(result: dict) -> str:
+    """The engine's own time per unit from its CpuTimeLedger steps: wall / thread CPU."""
+    e = result.get("engine_cpu")
+    if not e:
+        return "–"
+    return f"{e['own_wall_s_per_unit_per_step'] * 1e3:.1f} / **{e['own_cpu_s_per_unit_per_step'] * 1e3:.1f}**"
 
 
 def sweep_table(sweep: dict) -> str:
@@ -562,7 +571,11 @@ def write_report(out: str, meta: Optional[dict] = None) -> List[str]:
                "from the engine's profiler ranges on 3 profiled steps (`MFSDP wait <kind>`: the host blocked on a "
                "collective inside a hook, i.e. communication not hidden behind compute; `MFSDP stash_grad`: each "
                "gradient copied into its unit's reduce buffer; `MFSDP post_ops <kind>`; the rest of the hooks' time "
-               "is the engine's other work). The engine's own work is the last three together. What the columns do "
+               "is the engine's other work). The engine's own work is the last three together. The last column "
+               "comes from 3 more steps without the profiler, with the engine's `CpuTimeLedger` on "
+               "(`mfsdp_v2/profiling.py`): wall time and the training thread's CPU time inside the same "
+               "outermost ranges, waits subtracted. The CPU figure leaves out the time the thread was "
+               "descheduled while gloo's transport threads or the other ranks ran on the same cores. What the columns do "
                "not explain of the gap is compute slowed by the communication sharing the same cores (gloo's "
                "transport runs on the CPU) and the optimizer's share.",
                ""]
