@@ -16,13 +16,18 @@ The backward computes exactly what autograd computes for ``F.linear`` (the same 
 same operands, the bias gradient as the same sum), so fused and unfused runs agree bit for bit.
 
 Tied embeddings: the output layer's fused backward has already written its gradient of the
-shared weight into the slot when the embedding's backward runs. Autograd would sum the two
-gradients into a fresh vocabulary-sized tensor, which the wrapper then copies into the slot.
-Instead the embedding's backward hands its gradient to ``weight.add_to_fused_wgrad(grad)``
-(set by MFSDP v2 next to ``fused_wgrad_out``), which adds it into the slot when the slot's
-gradient is delivered, and returns no gradient to autograd. The sum of two gradients is the
-same either way, bit for bit; when the callable declines (no slot held by this backward) the
-gradient goes to autograd as usual.
+shared weight into the slot when the embedding's backward runs. Autograd would build the
+embedding's gradient as a zero-filled vocabulary-sized tensor, sum it with the slot into a
+second one, which the wrapper then copies into the slot. Instead the embedding's backward
+sums the gradient of the rows the batch touches only (the same kernel on renumbered ids, so
+each row is summed in the same order) and hands them to
+``weight.add_to_fused_wgrad(rows, values)`` (set by MFSDP v2 next to ``fused_wgrad_out``),
+which adds them into those rows of the slot when the slot's gradient is delivered; autograd
+gets no gradient from the embedding. Each touched row gets the same one addition as before,
+so the result is the same bit for bit, except that an exact ``-0.0`` of the output layer's
+gradient in an untouched row stays ``-0.0`` (adding autograd's ``+0.0`` turned it into
+``+0.0``). When the callable declines (no slot held by this backward) the full gradient
+goes to autograd as usual.
 """
 
 from typing import Optional
@@ -74,13 +79,15 @@ class _EmbeddingWithFusedWgrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (ids,) = ctx.saved_tensors
+        # create_graph needs the gradient in the graph, not added out of band.
+        if not torch.is_grad_enabled():
+            rows, renumbered = torch.unique(ids, return_inverse=True)
+            values = torch.ops.aten.embedding_backward(grad_output, renumbered, rows.numel(), -1, False, False)
+            if ctx.add_to_fused_wgrad(rows, values):
+                return None, None
         # What autograd's EmbeddingBackward0 computes for F.embedding's defaults (no padding
         # index, no frequency scaling, dense).
-        grad_w = torch.ops.aten.embedding_backward(grad_output, ids, ctx.num_weights, -1, False, False)
-        # create_graph needs the gradient in the graph, not added out of band.
-        if not torch.is_grad_enabled() and ctx.add_to_fused_wgrad(grad_w):
-            grad_w = None
-        return None, grad_w
+        return None, torch.ops.aten.embedding_backward(grad_output, ids, ctx.num_weights, -1, False, False)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -96,8 +103,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, fusion: bool = True) -> torch.Tensor:
     """``F.embedding`` with its defaults; with ``fusion`` on and a weight that offers it
-    (``add_to_fused_wgrad``: a tied output layer's fused slot), the weight gradient is added
-    into that slot instead of being summed by autograd."""
+    (``add_to_fused_wgrad``: a tied output layer's fused slot), the gradient of the rows the
+    batch touches is added into that slot instead of being summed by autograd."""
     if (not fusion or not weight.requires_grad or getattr(weight, "add_to_fused_wgrad", None) is None
             or not torch.is_grad_enabled()):
         return F.embedding(ids, weight)

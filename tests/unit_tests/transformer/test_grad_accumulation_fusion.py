@@ -73,21 +73,28 @@ def test_a_weight_without_a_buffer_uses_f_linear():
 @pytest.mark.parametrize("accept", [False, True])
 def test_fused_embedding_is_f_embedding_bit_for_bit(dtype, accept):
     g = torch.Generator().manual_seed(0)
-    w0 = torch.randn(11, 8, generator=g).to(dtype)
-    ids = torch.randint(0, 11, (4, 9), generator=g)  # repeated ids: rows summed in the backward
+    w0 = torch.randn(40, 8, generator=g).to(dtype)
+    # Repeated ids (rows summed in the backward) and rows no id touches.
+    ids = torch.randint(0, 40, (4, 9), generator=g)
     grad_out = torch.randn(4, 9, 8, generator=g).to(dtype)
     plain_w = torch.nn.Parameter(w0.clone())
     plain_out = F.embedding(ids, plain_w)
     plain_out.backward(grad_out)
     taken = []
     w = torch.nn.Parameter(w0.clone())
-    w.add_to_fused_wgrad = lambda grad: accept and (taken.append(grad) or True)
+    w.add_to_fused_wgrad = lambda rows, values: accept and (taken.append((rows, values)) or True)
     out = embedding(ids, w)
     assert type(out.grad_fn).__name__ == "_EmbeddingWithFusedWgradBackward"
     out.backward(grad_out)
     assert torch.equal(out, plain_out)
     if accept:
-        assert w.grad is None and len(taken) == 1 and torch.equal(taken[0], plain_w.grad)
+        assert w.grad is None and len(taken) == 1
+        rows, values = taken[0]
+        assert rows.tolist() == sorted(set(ids.flatten().tolist())), "rows: the distinct ids, each once"
+        assert torch.equal(values, plain_w.grad[rows])
+        untouched = torch.ones(40, dtype=torch.bool)
+        untouched[rows] = False
+        assert not plain_w.grad[untouched].any(), "the rows left out must be the zero ones"
     else:
         assert torch.equal(w.grad, plain_w.grad) and not taken
 
@@ -96,8 +103,8 @@ def test_tied_weight_gradients_meet_in_the_slot_bit_for_bit():
     """An output layer tied to the embedding: its fused gradient in the slot plus the
     embedding's, added there, equal autograd's sum of the two."""
     g = torch.Generator().manual_seed(1)
-    w0 = torch.randn(11, 8, generator=g)
-    ids = torch.randint(0, 11, (5, 7), generator=g)
+    w0 = torch.randn(40, 8, generator=g)
+    ids = torch.randint(0, 40, (5, 7), generator=g)  # some rows untouched: the slot keeps them
 
     def loss_of(w, fused):
         h = torch.tanh((embedding if fused else F.embedding)(ids, w))
@@ -109,10 +116,10 @@ def test_tied_weight_gradients_meet_in_the_slot_bit_for_bit():
     added = []
     w = torch.nn.Parameter(w0.clone())
     w.fused_wgrad_out = lambda: slot.view_as(w0)
-    w.add_to_fused_wgrad = lambda grad: added.append(grad) or True
+    w.add_to_fused_wgrad = lambda rows, values: added.append((rows, values)) or True
     loss_of(w, True).backward()
     assert w.grad.data_ptr() == slot.data_ptr() and len(added) == 1
-    slot.view_as(w0).add_(added[0])  # what the engine does when the slot is delivered
+    slot.view_as(w0).index_add_(0, *added[0])  # what the engine does when the slot is delivered
     assert torch.equal(slot.view_as(w0), plain_w.grad)
 
 
@@ -120,10 +127,10 @@ def test_embedding_layer_keeps_nn_embedding_options():
     """Options the fused backward does not mirror (padding index, max norm, frequency
     scaling, sparse) use nn.Embedding's own forward."""
     layer = Embedding(6, 4, init_std=0.1)
-    layer.weight.add_to_fused_wgrad = lambda grad: True
+    layer.weight.add_to_fused_wgrad = lambda rows, values: True
     assert type(layer(torch.tensor([1, 2])).grad_fn).__name__ == "_EmbeddingWithFusedWgradBackward"
     layer.padding_idx = 0
     assert type(layer(torch.tensor([1, 2])).grad_fn).__name__ == "EmbeddingBackward0"
     unfused = Embedding(6, 4, init_std=0.1, gradient_accumulation_fusion=False)
-    unfused.weight.add_to_fused_wgrad = lambda grad: True
+    unfused.weight.add_to_fused_wgrad = lambda rows, values: True
     assert type(unfused(torch.tensor([1, 2])).grad_fn).__name__ == "EmbeddingBackward0"

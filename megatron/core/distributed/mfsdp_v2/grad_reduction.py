@@ -20,9 +20,9 @@ gradient in that input (``unsharded_param.fused_wgrad_out()``, see
 ``megatron.core.tensor_parallel.grad_accumulation_fusion``), compute the gradient straight
 into it and return that very tensor to autograd; the hook then finds it already in place
 and copies nothing. A tied embedding's backward, which runs after the output layer's, gives
-its gradient to ``unsharded_param.add_to_fused_wgrad(grad)`` instead of to autograd: it is
-added into the slot when the slot is delivered, which saves autograd's vocabulary-sized sum
-and the copy of it.
+the gradient of the rows its batch touches to ``unsharded_param.add_to_fused_wgrad(rows,
+values)`` instead of giving autograd a vocabulary-sized one: they are added into those rows
+of the slot when the slot is delivered.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class GradientReduction:
         # Parameters whose fused gradient slot was handed out and not yet seen by the hook:
         # index -> the autograd graph task that computed into it.
         self._slots_out: dict = {}
-        self._deferred: dict = {}  # index -> gradients waiting for that slot's own graph
+        # index -> [(rows or None, gradient)] waiting for that slot's own graph to deliver it
+        self._deferred: dict = {}
         self._grad_views = None
 
     def _make_grad_hook(self, p):
@@ -108,14 +109,15 @@ class GradientReduction:
         self._slots_out[index] = torch._C._current_graph_task_id()
         return self.layout.gathered_view(self._pending_reduce_input(), index)
 
-    def add_to_fused_wgrad(self, p, grad: torch.Tensor) -> bool:
-        """Take ``grad``, another gradient of ``p`` from this backward, to add into ``p``'s
-        fused slot when autograd delivers the slot (True), or decline (False: no slot of this
-        graph is out, so the gradient must go through autograd)."""
+    def add_to_fused_wgrad(self, p, rows: torch.Tensor, values: torch.Tensor) -> bool:
+        """Take another gradient of ``p`` from this backward, given as the rows it touches
+        (``values[i]`` belongs to row ``rows[i]``, rows distinct), to add into ``p``'s fused
+        slot when autograd delivers the slot (True), or decline (False: no slot of this graph
+        is out, so the gradient must go through autograd)."""
         index = p.index
-        if self._slots_out.get(index) != torch._C._current_graph_task_id() or grad.dtype != self.precision.grad_comm:
+        if self._slots_out.get(index) != torch._C._current_graph_task_id() or values.dtype != self.precision.grad_comm:
             return False
-        self._deferred.setdefault(index, []).append(grad)
+        self._deferred.setdefault(index, []).append((rows, values))
         return True
 
     def _stash_grad(self, p) -> None:
@@ -130,7 +132,7 @@ class GradientReduction:
             if slot_task is not None and slot_task != torch._C._current_graph_task_id():
                 # A nested graph (reentrant recompute) delivers before the graph that holds the
                 # fused slot, which may still be summing the slot's value: add this one after.
-                self._deferred.setdefault(index, []).append(grad)
+                self._deferred.setdefault(index, []).append((None, grad))
             elif slot_task is not None:
                 del self._slots_out[index]
                 if grad.data_ptr() != self.layout.gathered_view(flat, index).data_ptr():
@@ -150,8 +152,13 @@ class GradientReduction:
             piece.add_(src)
 
     def _add_deferred(self, flat: torch.Tensor, index: int) -> None:
-        for grad in self._deferred.pop(index, ()):
-            self._add_into(flat, index, grad)
+        """Add the gradients held back for ``index``'s slot: whole ones (a nested graph's) or
+        the rows a tied embedding touched."""
+        for rows, grad in self._deferred.pop(index, ()):
+            if rows is None:
+                self._add_into(flat, index, grad)
+            else:  # offered only for a slot, which is contiguous in the buffer
+                self.layout.gathered_view(flat, index).index_add_(0, rows, grad)
 
     def reduce_grads(self, is_last_microbatch: bool) -> List[comm.CollectiveWork]:
         """Reduce this backward's gradients into main_grad (missing gradients count as zero)."""
