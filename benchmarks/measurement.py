@@ -354,8 +354,8 @@ def hook_overhead(c, batch, steps: int) -> Optional[dict]:
 def engine_cpu_time(c, batch, steps: int) -> Optional[dict]:
     """The engine's own CPU time without a profiler: ``steps`` untimed steps with the
     engine's ``CpuTimeLedger`` on (mfsdp_v2/profiling.py), which adds up the training
-    thread's CPU time inside the outermost engine ranges (hooks, gradient stashing, post-ops
-    outside hooks) and inside the waits among them. Own CPU = the first minus the second:
+    thread's CPU time inside the outermost engine ranges (the hooks, and the gradient
+    stashing, launches and post-ops that run outside them) and inside the waits among them. Own CPU = the first minus the second:
     Python, launches (gloo's sends and receives run partly on this thread), copies,
     sums and divisions, but not the time the thread was blocked or descheduled, which the
     wall time of the same ranges (also given) includes. None for an engine without it."""

@@ -71,8 +71,8 @@ class _EmbeddingWithFusedWgrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(ids)
+        # The backward needs no weight values: only its row count and where its gradient goes.
         ctx.num_weights = weight.shape[0]
-        # Kept here: under activation recompute the saved weight comes back as another tensor.
         ctx.add_to_fused_wgrad = weight.add_to_fused_wgrad
         return F.embedding(ids, weight)
 

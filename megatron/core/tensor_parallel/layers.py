@@ -155,7 +155,8 @@ class VocabParallelEmbedding(_TensorParallelLayer):
         sequence parallelism."""
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
-        partial = embedding(local_ids, self.weight, fusion=self.gradient_accumulation_fusion).masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = embedding(local_ids, self.weight, fusion=self.gradient_accumulation_fusion)
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         return reduce_from_tensor_model_parallel_region(partial, self.tp_group)
