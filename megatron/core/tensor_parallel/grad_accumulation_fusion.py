@@ -19,11 +19,11 @@ Tied embeddings: the output layer's fused backward has already written its gradi
 shared weight into the slot when the embedding's backward runs. Autograd would build the
 embedding's gradient as a zero-filled vocabulary-sized tensor, sum it with the slot into a
 second one, which the wrapper then copies into the slot. Instead the embedding's backward
-sums the gradient of the rows the batch touches only (the same kernel on renumbered ids, so
-each row is summed in the same order) and hands them to
-``weight.add_to_fused_wgrad(rows, values)`` (set by MFSDP v2 next to ``fused_wgrad_out``),
-which adds them into those rows of the slot when the slot's gradient is delivered; autograd
-gets no gradient from the embedding. Each touched row gets the same one addition as before,
+offers ``weight.add_to_fused_wgrad`` (set by MFSDP v2 next to ``fused_wgrad_out``) a
+function that sums the gradient of the rows the batch touches only (the same kernel on
+renumbered ids, so each row is summed in the same order); once accepted, the wrapper adds
+those rows into the slot when the slot's gradient is delivered, and autograd gets no
+gradient from the embedding. Each touched row gets the same one addition as before,
 so the result is the same bit for bit, except that an exact ``-0.0`` of the output layer's
 gradient in an untouched row stays ``-0.0`` (adding autograd's ``+0.0`` turned it into
 ``+0.0``). When the callable declines (no slot held by this backward) the full gradient
@@ -80,14 +80,18 @@ class _EmbeddingWithFusedWgrad(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         (ids,) = ctx.saved_tensors
         # create_graph needs the gradient in the graph, not added out of band.
-        if not torch.is_grad_enabled():
-            rows, renumbered = torch.unique(ids, return_inverse=True)
-            values = torch.ops.aten.embedding_backward(grad_output, renumbered, rows.numel(), -1, False, False)
-            if ctx.add_to_fused_wgrad(rows, values):
-                return None, None
+        if not torch.is_grad_enabled() and ctx.add_to_fused_wgrad(lambda: _touched_rows(grad_output, ids)):
+            return None, None
         # What autograd's EmbeddingBackward0 computes for F.embedding's defaults (no padding
         # index, no frequency scaling, dense).
         return None, torch.ops.aten.embedding_backward(grad_output, ids, ctx.num_weights, -1, False, False)
+
+
+def _touched_rows(grad_output: torch.Tensor, ids: torch.Tensor):
+    """(rows, values): the embedding's weight gradient on the distinct ``ids`` only, each
+    row summed by autograd's own kernel in the same order as over the full table."""
+    rows, renumbered = torch.unique(ids, return_inverse=True)
+    return rows, torch.ops.aten.embedding_backward(grad_output, renumbered, rows.numel(), -1, False, False)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -1,7 +1,7 @@
 """The fused linear (tensor_parallel/grad_accumulation_fusion.py) against ``F.linear``:
 the same output and gradients bit for bit, strides included, with the weight gradient
 landing in the buffer the weight's ``fused_wgrad_out`` offers; the fused embedding against
-``F.embedding``, its gradient handed to ``add_to_fused_wgrad`` when that accepts it."""
+``F.embedding``, its touched rows handed to ``add_to_fused_wgrad`` when that accepts them."""
 
 import pytest
 import torch
@@ -82,7 +82,7 @@ def test_fused_embedding_is_f_embedding_bit_for_bit(dtype, accept):
     plain_out.backward(grad_out)
     taken = []
     w = torch.nn.Parameter(w0.clone())
-    w.add_to_fused_wgrad = lambda rows, values: accept and (taken.append((rows, values)) or True)
+    w.add_to_fused_wgrad = lambda touched_rows: accept and (taken.append(touched_rows()) or True)
     out = embedding(ids, w)
     assert type(out.grad_fn).__name__ == "_EmbeddingWithFusedWgradBackward"
     out.backward(grad_out)
@@ -116,7 +116,7 @@ def test_tied_weight_gradients_meet_in_the_slot_bit_for_bit():
     added = []
     w = torch.nn.Parameter(w0.clone())
     w.fused_wgrad_out = lambda: slot.view_as(w0)
-    w.add_to_fused_wgrad = lambda rows, values: added.append((rows, values)) or True
+    w.add_to_fused_wgrad = lambda touched_rows: added.append(touched_rows()) or True
     loss_of(w, True).backward()
     assert w.grad.data_ptr() == slot.data_ptr() and len(added) == 1
     slot.view_as(w0).index_add_(0, *added[0])  # what the engine does when the slot is delivered
@@ -127,10 +127,10 @@ def test_embedding_layer_keeps_nn_embedding_options():
     """Options the fused backward does not mirror (padding index, max norm, frequency
     scaling, sparse) use nn.Embedding's own forward."""
     layer = Embedding(6, 4, init_std=0.1)
-    layer.weight.add_to_fused_wgrad = lambda rows, values: True
+    layer.weight.add_to_fused_wgrad = lambda touched_rows: True
     assert type(layer(torch.tensor([1, 2])).grad_fn).__name__ == "_EmbeddingWithFusedWgradBackward"
     layer.padding_idx = 0
     assert type(layer(torch.tensor([1, 2])).grad_fn).__name__ == "EmbeddingBackward0"
     unfused = Embedding(6, 4, init_std=0.1, gradient_accumulation_fusion=False)
-    unfused.weight.add_to_fused_wgrad = lambda rows, values: True
+    unfused.weight.add_to_fused_wgrad = lambda touched_rows: True
     assert type(unfused(torch.tensor([1, 2])).grad_fn).__name__ == "EmbeddingBackward0"

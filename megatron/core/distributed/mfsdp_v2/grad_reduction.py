@@ -20,14 +20,14 @@ gradient in that input (``unsharded_param.fused_wgrad_out()``, see
 ``megatron.core.tensor_parallel.grad_accumulation_fusion``), compute the gradient straight
 into it and return that very tensor to autograd; the hook then finds it already in place
 and copies nothing. A tied embedding's backward, which runs after the output layer's, gives
-the gradient of the rows its batch touches to ``unsharded_param.add_to_fused_wgrad(rows,
-values)`` instead of giving autograd a vocabulary-sized one: they are added into those rows
-of the slot when the slot is delivered.
+the gradient of the rows its batch touches to ``unsharded_param.add_to_fused_wgrad(...)``
+instead of giving autograd a vocabulary-sized one: they are added into those rows of the
+slot when the slot is delivered.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -109,15 +109,15 @@ class GradientReduction:
         self._slots_out[index] = torch._C._current_graph_task_id()
         return self.layout.gathered_view(self._pending_reduce_input(), index)
 
-    def add_to_fused_wgrad(self, p, rows: torch.Tensor, values: torch.Tensor) -> bool:
-        """Take another gradient of ``p`` from this backward, given as the rows it touches
-        (``values[i]`` belongs to row ``rows[i]``, rows distinct), to add into ``p``'s fused
-        slot when autograd delivers the slot (True), or decline (False: no slot of this graph
-        is out, so the gradient must go through autograd)."""
-        index = p.index
-        if self._slots_out.get(index) != torch._C._current_graph_task_id() or values.dtype != self.precision.grad_comm:
+    def add_to_fused_wgrad(self, p, touched_rows: Callable[[], Tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Take another gradient of ``p`` from this backward, to add into ``p``'s fused slot
+        when autograd delivers the slot (True), or decline (False: no slot of this graph is
+        out, so the gradient must go through autograd). ``touched_rows()`` computes it, only
+        once accepted, as ``(rows, values)``: ``values[i]`` belongs to row ``rows[i]``, rows
+        distinct. A slot is only ever handed out in the gradient's dtype."""
+        if self._slots_out.get(p.index) != torch._C._current_graph_task_id():
             return False
-        self._deferred.setdefault(index, []).append((rows, values))
+        self._deferred.setdefault(p.index, []).append(touched_rows())
         return True
 
     def _stash_grad(self, p) -> None:

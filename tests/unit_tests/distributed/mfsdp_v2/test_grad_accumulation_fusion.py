@@ -77,33 +77,29 @@ def _sharding(name: str) -> dict:
     return {"placements": name}
 
 
-@pytest.mark.parametrize("placements", ["zero3", "zero2", "hfsdp"])
-def test_fused_training_equals_unfused_bit_for_bit(placements):
+def _check_fused_equals_unfused(build, placements: str, **train_kwargs) -> None:
+    """Train ``build(fusion)`` with and without fusion: each run matches the reference, and
+    the two agree bit for bit (losses and parameters)."""
     runs = {}
     for fusion in (True, False):
         model, reference, _, _, losses, ref_losses = train_pair(
-            lambda: Net(fusion), "adamw", microbatches=2, steps=3, **_sharding(placements))
+            lambda: build(fusion), "adamw", microbatches=2, steps=3, **train_kwargs, **_sharding(placements))
         runs[fusion] = (losses, full_tensors(list(model.parameters())))
         compare_params(model, reference)
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     (fused_losses, fused_params), (plain_losses, plain_params) = runs[True], runs[False]
     check(torch.equal(fused_losses, plain_losses), f"losses differ: {fused_losses} vs {plain_losses}")
     check(all(torch.equal(a, b) for a, b in zip(fused_params, plain_params)), "parameters differ")
+
+
+@pytest.mark.parametrize("placements", ["zero3", "zero2", "hfsdp"])
+def test_fused_training_equals_unfused_bit_for_bit(placements):
+    _check_fused_equals_unfused(Net, placements)
 
 
 @pytest.mark.parametrize("placements", ["zero3", "zero2", "hfsdp"])
 def test_tied_embedding_fused_equals_unfused_bit_for_bit(placements):
-    runs = {}
-    for fusion in (True, False):
-        model, reference, _, _, losses, ref_losses = train_pair(
-            lambda: TiedLM(fusion), "adamw", microbatches=2, steps=3, batch=TIED.batch, loss=TIED.loss,
-            **_sharding(placements))
-        runs[fusion] = (losses, full_tensors(list(model.parameters())))
-        compare_params(model, reference)
-        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    (fused_losses, fused_params), (plain_losses, plain_params) = runs[True], runs[False]
-    check(torch.equal(fused_losses, plain_losses), f"losses differ: {fused_losses} vs {plain_losses}")
-    check(all(torch.equal(a, b) for a, b in zip(fused_params, plain_params)), "parameters differ")
+    _check_fused_equals_unfused(TiedLM, placements, batch=TIED.batch, loss=TIED.loss)
 
 
 def test_tied_embedding_gradient_is_added_in_place(monkeypatch):
