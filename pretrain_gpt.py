@@ -76,10 +76,13 @@ def tensor_parallel_config_from_args(args):
                 tp_group=parallel_state.get_tensor_model_parallel_group())
 
 
-def model_provider(args):
-    """Build the (unwrapped) GPT model; the trainer shards or wraps it."""
+def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
+    """Build the (unwrapped) GPT model, or under pipeline parallelism this rank's chunk
+    ``vp_stage`` (Megatron's ``pre_process``/``post_process``); the trainer shards or wraps it."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.expert_parallel import build_expert_parallel
+    from megatron.training.pipeline_arguments import pipeline_layout_from_args
 
     print_rank_0("> building GPT model ...")
     config = core_transformer_config_from_args(args)
@@ -93,6 +96,10 @@ def model_provider(args):
                                                 tp_size=config.tensor_model_parallel_size,
                                                 dp_outer_size=getattr(args, "dp_outer_size", 1)
                                                 if torch.distributed.is_initialized() else 1)
+    layer_numbers = None
+    if getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        layer_numbers = pipeline_layout_from_args(args).layers_of(parallel_state.get_pipeline_model_parallel_rank(),
+                                                                  vp_stage or 0)
     return GPTModel(
         config,
         expert_parallel=expert_parallel,
@@ -100,6 +107,9 @@ def model_provider(args):
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         unpadded_vocab_size=getattr(args, "unpadded_vocab_size", None),
+        pre_process=pre_process,
+        post_process=post_process,
+        layer_numbers=layer_numbers,
     )
 
 

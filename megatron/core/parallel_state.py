@@ -1,93 +1,204 @@
-"""The named device mesh of a run and the process groups carved from it.
+"""The one named device mesh of a run, and every process group carved from it.
 
-Axes, outermost first (Megatron's order: tensor parallelism innermost, so one TP group is
-a block of consecutive ranks, i.e. GPUs of one node)::
+Axes, outermost first, in Megatron's rank order (tensor parallelism innermost, so that
+one TP group is a block of consecutive ranks, i.e. GPUs of one node; pipeline stages
+outermost, so that a stage is a block of nodes)::
 
-    TP = 1:  ("dp",)                 or ("outer", "inner")          for HSDP/HFSDP
-    TP > 1:  ("dp", "tp")            or ("outer", "inner", "tp")
+    ("pp", "dp", "cp", "tp")                    or, with HSDP/HFSDP instances,
+    ("pp", "outer", "inner", "cp", "tp")
 
-The FSDP engine is handed ``dp_mesh``, the sub-mesh of the data-parallel axes only, and
-shards every parameter over it; a tensor-parallel parameter is a plain TP-local tensor
-(the rank's piece of the global one, see ``megatron/core/global_slices.py``), so the
-engine never communicates over ``tp``. All TP ranks of one data-parallel rank read the
-same batch (``dp_rank``/``dp_size``).
+Every axis is present, of size 1 where unused, so that a rank's coordinates always read
+the same way. The FSDP engine is handed ``dp_mesh``, the sub-mesh of the data-parallel
+axes of this rank's pipeline stage, and shards every dense parameter over it; a
+tensor-parallel parameter is a plain TP-local tensor (the rank's piece of the global one,
+see ``megatron/core/global_slices.py``), so the engine never communicates over ``tp``,
+and a pipeline stage holds only its own layers, so it never communicates over ``pp``.
+All TP and PP ranks of one data-parallel rank read the same batch (``dp_rank``/``dp_size``).
+
+The expert view reads the same ranks differently: within one pipeline stage (and CP
+coordinate) the data-parallel ranks are ``("expert_dp", "ep")``, or
+``("expert_outer", "expert_inner", "ep")`` under HSDP/HFSDP, with ``tp`` innermost as
+before (``megatron/core/transformer/moe/expert_parallel.py`` says why the experts are
+laid out so). Both views come from one tensor of ranks, so their groups always agree.
 
 ``initialize_model_parallel`` builds the state once per process and the getters read it
 (Megatron's ``parallel_state`` API): model providers, which receive only the arguments,
-take the TP group from here. Everything below the provider receives it explicitly
-(``TransformerConfig.tp_group``). New axes (expert parallelism) extend ``ParallelState``.
+take the groups from here. Everything below the provider receives them explicitly
+(``TransformerConfig.tp_group``, the expert layout, the schedule's ``pp`` groups).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelState:
     world_mesh: Any  # DeviceMesh over every rank, axes as in the module docstring
-    dp_mesh: Any  # the data-parallel sub-mesh (what fully_shard shards over)
+    dp_mesh: Any  # the data-parallel sub-mesh of this rank's stage (what fully_shard shards over)
     tp_group: Optional[dist.ProcessGroup]  # None at TP size 1
     tp_rank: int
     tp_size: int
-    dp_group: dist.ProcessGroup  # every data-parallel rank of this TP coordinate, flattened
+    dp_group: dist.ProcessGroup  # every data-parallel rank of this stage and TP coordinate, flattened
     dp_rank: int
     dp_size: int
+    pp_rank: int = 0
+    pp_size: int = 1
+    vp_size: int = 1  # model chunks per pipeline rank (virtual stages; the interleaved schedule when > 1)
+    # Two groups over the same pipeline ranks: activations flow forward on one, their
+    # gradients backward on the other, so that the two message streams between a pair of
+    # ranks never interleave (on NCCL, messages of one communicator match in posting order).
+    pp_group: Optional[dist.ProcessGroup] = None
+    pp_grad_group: Optional[dist.ProcessGroup] = None
+    pp_ranks: Tuple[int, ...] = ()  # global ranks of this rank's pipeline, by stage
+    # The first and the last stage of this rank's pipeline (None unless PP > 1 and this rank
+    # is one of them): where a tied embedding/output weight lives twice.
+    embedding_group: Optional[dist.ProcessGroup] = None
+    cp_size: int = 1
+    expert_mesh: Any = None  # ("expert_dp", "ep", "tp") or ("expert_outer", "expert_inner", "ep", "tp") of this stage
+    ep_size: int = 1
 
     @property
     def dp_axes(self) -> Tuple[str, ...]:
         return tuple(self.dp_mesh.mesh_dim_names)
 
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def _check_sizes(world: int, tp: int, pp: int, cp: int, dp_outer: int, ep: int) -> int:
+    """The data-parallel size, or a ValueError naming the flags that do not fit."""
+    for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("--context-parallel-size", cp), ("--num-distributed-optimizer-instances", dp_outer),
+                        ("--expert-model-parallel-size", ep)):
+        if int(value) != value or value < 1:
+            raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}.")
+    if world % (tp * pp * cp * dp_outer):
+        raise ValueError(
+            f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) x --context-parallel-size "
+            f"({cp}) x --num-distributed-optimizer-instances ({dp_outer}) must divide the world size ({world}); "
+            "pick sizes whose product divides it."
+        )
+    return world // (tp * pp * cp)
+
 
 def build_parallel_state(tensor_model_parallel_size: int = 1, dp_outer_size: int = 1,
-                         device_type: str = "cpu") -> ParallelState:
-    """The mesh for ``world = dp_outer x dp_inner x tp`` (every rank calls it)."""
-    from torch.distributed.device_mesh import init_device_mesh
+                         device_type: str = "cpu", *, pipeline_model_parallel_size: int = 1,
+                         context_parallel_size: int = 1, virtual_pipeline_model_parallel_size: Optional[int] = None,
+                         expert_model_parallel_size: Optional[int] = None) -> ParallelState:
+    """The mesh for ``world = pp x dp_outer x dp_inner x cp x tp`` (every rank calls it).
 
-    world, tp = dist.get_world_size(), int(tensor_model_parallel_size)
-    if tp < 1 or world % (tp * dp_outer_size):
-        raise ValueError(
-            f"--tensor-model-parallel-size ({tp}) x --num-distributed-optimizer-instances ({dp_outer_size}) "
-            f"must divide the world size ({world}); pick sizes whose product divides {world}."
-        )
-    dp = world // tp
-    dp_shape, dp_names = ((dp_outer_size, dp // dp_outer_size), ("outer", "inner")) if dp_outer_size > 1 else \
-        ((dp,), ("dp",))
-    if tp == 1:
-        world_mesh = init_device_mesh(device_type, dp_shape, mesh_dim_names=dp_names)
-        dp_mesh = world_mesh
-    else:
-        world_mesh = init_device_mesh(device_type, dp_shape + (tp,), mesh_dim_names=dp_names + ("tp",))
-        dp_mesh = world_mesh[dp_names]
+    ``expert_model_parallel_size``: build the expert view too (a MoE model), else None.
+    Every group is created here, on every rank in the same order, so that a stage without
+    expert layers still takes part in creating the other stages' expert groups."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = dist.get_world_size()
+    tp, pp, cp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size), int(context_parallel_size)
+    ep = 1 if expert_model_parallel_size is None else int(expert_model_parallel_size)
+    dp = _check_sizes(world, tp, pp, cp, dp_outer_size, ep)
+    if cp > 1:
+        raise ValueError("--context-parallel-size > 1 is not supported yet; drop it (the whole sequence "
+                         "runs on every rank).")
+    dp_shape, dp_names = (((dp_outer_size, dp // dp_outer_size), ("outer", "inner")) if dp_outer_size > 1
+                          else ((dp,), ("dp",)))
+    ranks = torch.arange(world).reshape((pp,) + dp_shape + (cp, tp))
+    world_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp",) + dp_names + ("cp", "tp"))
+    dp_mesh = world_mesh[dp_names]
     if len(dp_names) == 1:
         dp_group = dp_mesh.get_group()
     else:
         dp_group = dp_mesh._flatten("dp_flat").get_group()  # all DP ranks, for data and token counts
+
+    pp_rank = world_mesh.get_local_rank("pp")
+    pp_group = pp_grad_group = embedding_group = None
+    pp_ranks: Tuple[int, ...] = (dist.get_rank(),)
+    if pp > 1:
+        pp_group = world_mesh.get_group("pp")
+        pp_ranks = tuple(dist.get_process_group_ranks(pp_group))
+        pp_grad_group = _group_per_line(ranks, lambda line: line, pp_ranks)
+        embedding_group = _group_per_line(ranks, lambda line: [line[0], line[-1]], pp_ranks)
+        if pp_rank not in (0, pp - 1):
+            embedding_group = None
+    expert_mesh = None if expert_model_parallel_size is None else _expert_mesh(device_type, ranks, dp_outer_size, ep)
     return ParallelState(
         world_mesh=world_mesh,
         dp_mesh=dp_mesh,
         tp_group=world_mesh.get_group("tp") if tp > 1 else None,
-        tp_rank=world_mesh.get_local_rank("tp") if tp > 1 else 0,
+        tp_rank=world_mesh.get_local_rank("tp"),
         tp_size=tp,
         dp_group=dp_group,
         dp_rank=dist.get_rank(dp_group),
         dp_size=dp,
+        pp_rank=pp_rank,
+        pp_size=pp,
+        vp_size=int(virtual_pipeline_model_parallel_size or 1),
+        pp_group=pp_group,
+        pp_grad_group=pp_grad_group,
+        pp_ranks=pp_ranks,
+        embedding_group=embedding_group,
+        cp_size=cp,
+        expert_mesh=expert_mesh,
+        ep_size=ep,
     )
+
+
+def _group_per_line(ranks: torch.Tensor, members, own_line: Tuple[int, ...]):
+    """One new group per pipeline (a line of ``ranks`` along ``pp``) with ``members(line)``;
+    returns this rank's. Every rank creates every group, in the same order (torch requires it)."""
+    lines = ranks.movedim(0, -1).reshape(-1, ranks.shape[0]).tolist()
+    mine = None
+    for line in lines:
+        group = dist.new_group(members(line))
+        if tuple(line) == tuple(own_line):
+            mine = group
+    return mine
+
+
+def _expert_mesh(device_type: str, ranks: torch.Tensor, dp_outer: int, ep: int):
+    """The expert view of this rank's stage: its data-parallel ranks as (expert-dp, ep)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    pp, cp, tp = ranks.shape[0], ranks.shape[-2], ranks.shape[-1]
+    if cp != 1:
+        raise ValueError("expert parallelism with context parallelism is not supported yet.")
+    dp = ranks[0].numel() // (cp * tp)
+    if dp % ep or (dp // dp_outer) % ep:
+        return None  # the MoE layout check (expert_parallel.py) names the flags at model build
+    if dp_outer > 1:
+        shape, names = (dp_outer, dp // dp_outer // ep, ep), ("expert_outer", "expert_inner", "ep")
+    else:
+        shape, names = (dp // ep, ep), ("expert_dp", "ep")
+    mesh = DeviceMesh(device_type, ranks.reshape((pp,) + shape + (tp,)), mesh_dim_names=("pp",) + names + ("tp",))
+    return mesh[names + ("tp",)]
 
 
 _STATE: Optional[ParallelState] = None
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, dp_outer_size: int = 1,
-                              device_type: str = "cpu") -> ParallelState:
+                              device_type: str = "cpu", *, pipeline_model_parallel_size: int = 1,
+                              context_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: Optional[int] = None,
+                              expert_model_parallel_size: Optional[int] = None) -> ParallelState:
     """Build this process's parallel state (after the default process group exists)."""
     global _STATE
     if _STATE is not None:
         raise RuntimeError("model parallelism is already initialized; call destroy_model_parallel() first.")
-    _STATE = build_parallel_state(tensor_model_parallel_size, dp_outer_size, device_type)
+    _STATE = build_parallel_state(tensor_model_parallel_size, dp_outer_size, device_type,
+                                  pipeline_model_parallel_size=pipeline_model_parallel_size,
+                                  context_parallel_size=context_parallel_size,
+                                  virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+                                  expert_model_parallel_size=expert_model_parallel_size)
     return _STATE
 
 
@@ -117,3 +228,27 @@ def get_tensor_model_parallel_world_size() -> int:
 
 def get_tensor_model_parallel_rank() -> int:
     return _STATE.tp_rank if _STATE is not None else 0
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _STATE.pp_size if _STATE is not None else 1
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _STATE.pp_rank if _STATE is not None else 0
+
+
+def is_pipeline_first_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def model_parallel_groups() -> List[dist.ProcessGroup]:
+    """The groups over which model pieces differ (TP, PP): a norm over the whole model sums
+    its squares over them. Empty without model parallelism."""
+    if _STATE is None:
+        return []
+    return [g for g in (_STATE.tp_group, _STATE.pp_group) if g is not None]

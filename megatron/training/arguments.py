@@ -18,6 +18,7 @@ import torch
 from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.moe_arguments import add_moe_args, validate_moe_args
+from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
@@ -188,6 +189,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     _add_memory_args(parser)
     _add_fidelity_args(parser)
     add_moe_args(parser)
+    add_pipeline_args(parser)
     add_megatron_compat_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
@@ -271,7 +273,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     """Fill derived defaults and reject inconsistent combinations (ValueError)."""
     args.world_size = world_size
     _validate_tensor_parallel_size(args, world_size)
-    args.data_parallel_size = world_size // args.tensor_model_parallel_size
+    validate_pipeline_size(args, world_size)
+    args.data_parallel_size = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     args.device_type = "cuda" if cuda_available else "cpu"
     _apply_fidelity_synonyms(args)
 
@@ -416,6 +419,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
             f"use a multiple of {per_step} such as {max(1, round(args.global_batch_size / per_step)) * per_step}."
         )
     args.num_microbatches = args.global_batch_size // per_step
+    validate_pipeline_args(args)
 
     # --- run length and schedule -------------------------------------------------------------
     _validate_run_length(args)

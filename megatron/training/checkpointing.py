@@ -242,19 +242,21 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def _is_mfsdp(model) -> bool:
     from megatron.core.distributed.mfsdp_v2 import FsdpModule
 
-    return isinstance(model, FsdpModule)
+    return any(isinstance(m, FsdpModule) for m in model.modules())
 
 
 def _engine_group(model, async_group=None):
     """Process group for the engine: the mesh's for MFSDP; the world for replicated models
-    and under tensor parallelism (the engine's mesh is then the data-parallel sub-mesh)."""
+    and under tensor or pipeline parallelism (the engine's mesh is then the data-parallel
+    sub-mesh of one TP coordinate or stage)."""
     if async_group is not None:
         return async_group
     if not dist.is_initialized():
         return None
     from megatron.core import parallel_state
 
-    if _is_mfsdp(model) and parallel_state.get_tensor_model_parallel_world_size() == 1:
+    if (_is_mfsdp(model) and parallel_state.get_tensor_model_parallel_world_size() == 1
+            and parallel_state.get_pipeline_model_parallel_world_size() == 1):
         return None
     return dist.group.WORLD
 

@@ -58,7 +58,7 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
     "--cross-entropy-fusion-impl": (dict(choices=("native", "te"), default=None),
                                     "no fused kernel: the loss is fp32 cross entropy either way"),
     "--use-tp-pp-dp-mapping": (dict(action="store_true"),
-                               "no effect: without pipeline parallelism it is the default order (TP innermost, then DP)"),
+                               "no effect on results: ranks are laid out TP innermost, then CP, DP, PP outermost"),
     "--no-async-tensor-model-parallel-allreduce": (dict(action="store_true"),
                                                    "always: the TP all-reduces run synchronously"),
     "--ddp-average-in-collective": (dict(action="store_true"), "always: gradients are averaged in the collective"),
@@ -76,25 +76,14 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
 }
 
 PARALLEL_SIZES = (
-    "--pipeline-model-parallel-size",
     "--context-parallel-size",
 )
 
 # flag -> what to do instead. Registered so that they are recognised (and named in the
 # error), whatever value follows them.
-_PP = "pipeline parallelism is not supported yet; drop it (the model runs on every data-parallel rank)"
 _FP8 = "FP8 training is not supported; use --bf16"
 _TP = "overlapping tensor-parallel communication with compute is not supported yet; drop it"
 REJECTED: Dict[str, str] = {
-    "--num-layers-per-virtual-pipeline-stage": _PP,
-    "--num-virtual-stages-per-pipeline-rank": _PP,
-    "--virtual-pipeline-model-parallel-size": _PP,
-    "--decoder-first-pipeline-num-layers": _PP,
-    "--decoder-last-pipeline-num-layers": _PP,
-    "--account-for-embedding-in-pipeline-split": _PP,
-    "--account-for-loss-in-pipeline-split": _PP,
-    "--overlap-p2p-communication-warmup-flush": _PP,
-    "--microbatch-group-size-per-virtual-pipeline-stage": _PP,
     "--overlap-param-gather-with-optimizer-step": "not supported; --overlap-param-gather is always on",
     "--tp-comm-overlap": _TP,
     "--tp-comm-overlap-cfg": _TP,
@@ -163,8 +152,8 @@ def apply_megatron_compat(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be at least 1, got {size}.")
         if size > 1:
             raise ValueError(
-                f"{flag} {size} is not supported yet (data and tensor parallelism only); use {flag} 1 "
-                "and scale with --tensor-model-parallel-size and more data-parallel ranks "
+                f"{flag} {size} is not supported yet; use {flag} 1 and scale with "
+                "--tensor-model-parallel-size, --pipeline-model-parallel-size and more data-parallel ranks "
                 "(--use-mfsdp shards the model across them)."
             )
     if args.use_flash_attn and args.attention_backend == "auto":

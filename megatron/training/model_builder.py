@@ -5,13 +5,21 @@ With ``--use-mfsdp`` every TransformerLayer becomes an FSDP unit, then the root 
 embeddings). All of them are built inside *one* ``fully_shard_context``, whose context is
 handed to the schedule (``microbatch``) and to ``fully_shard_optimizer``. Without it, the
 model runs under PyTorch DDP, or plainly on a single rank.
+
+Under pipeline parallelism a rank builds only its stage: one model chunk, or one per
+virtual stage, each a root of the same context (independently sharded roots sharing the
+streams). With tied embeddings the word embedding lives on the first and the last stage;
+each copy is a unit of its own there, so that both copies have the same shard layout and
+their gradients add up shard by shard (``finalize_model_grads``). Without MFSDP the chunks
+are not DDP-wrapped (DDP's reducer cannot tell a pipeline's microbatches apart): their
+gradients are averaged over the data-parallel ranks after the schedule.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,8 +44,12 @@ def activation_from_args(args: dict) -> str:
 
 @dataclasses.dataclass
 class BuiltModel:
-    model: torch.nn.Module  # what the schedule calls: the FSDP root, a DDP wrapper or the plain model
-    unwrapped: torch.nn.Module  # the GPTModel itself (config, generation, parameter counts)
+    # What the schedule calls: the FSDP root, a DDP wrapper or the plain model; under
+    # pipeline parallelism with virtual stages, the list of this rank's chunks.
+    model: Any
+    # The GPTModel itself (config, generation, parameter counts); with virtual stages a
+    # ModelChunks, whose names are the whole model's. What checkpoints save.
+    unwrapped: torch.nn.Module
     context: Any = None  # FsdpContext with MFSDP, else None
     mesh: Any = None
     placements: Any = None
@@ -45,6 +57,13 @@ class BuiltModel:
     @property
     def use_mfsdp(self) -> bool:
         return self.context is not None
+
+    @property
+    def chunks(self) -> List[torch.nn.Module]:
+        """This rank's model chunks, unwrapped (one without virtual pipeline stages)."""
+        from megatron.core.pipeline_parallel.model_chunks import chunks_of
+
+        return chunks_of(self.unwrapped)
 
 
 def parallel_state_for(args, device_type: str):
@@ -54,8 +73,9 @@ def parallel_state_for(args, device_type: str):
 
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_parallel_state()
-    return parallel_state.build_parallel_state(getattr(args, "tensor_model_parallel_size", 1), args.dp_outer_size,
-                                               device_type)
+    return parallel_state.build_parallel_state(
+        getattr(args, "tensor_model_parallel_size", 1), args.dp_outer_size, device_type,
+        pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1))
 
 
 def build_device_mesh(args, device_type: str):
@@ -121,6 +141,21 @@ def transformer_layers(model: torch.nn.Module):
     return list(layers)
 
 
+def pipeline_chunk_kwargs(args) -> List[dict]:
+    """The keyword arguments of ``model_provider`` for each of this rank's model chunks:
+    ``[{}]`` without pipeline parallelism (a provider may then take ``args`` alone), else
+    Megatron's ``pre_process``, ``post_process`` and ``vp_stage`` per virtual stage."""
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    if pp == 1:
+        return [{}]
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    return [dict(pre_process=rank == 0 and v == 0, post_process=rank == pp - 1 and v == vp - 1, vp_stage=v)
+            for v in range(vp)]
+
+
 def build_model(model_provider: Callable, args, device: torch.device) -> BuiltModel:
     """Build, initialize (seeded per parameter name, see ``initialization.py``) and wrap.
 
@@ -128,12 +163,18 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
     are created on ``meta``, wrapped, then materialized one unit at a time straight into
     this rank's shards: no rank holds more than its shards plus one unit gathered."""
     meta = bool(args.use_mfsdp and getattr(args, "init_model_with_meta_device", False))
-    model = _build_on_meta(model_provider, args) if meta else model_provider(args)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model_provider must return an nn.Module, got {type(model).__name__}.")
-    if not meta:
-        initialize_parameters_(model, args.seed)
-        model = model.to(device)
+    chunks = []
+    for kwargs in pipeline_chunk_kwargs(args):
+        chunk = _build_on_meta(model_provider, args, kwargs) if meta else model_provider(args, **kwargs)
+        if not isinstance(chunk, torch.nn.Module):
+            raise TypeError(f"model_provider must return an nn.Module, got {type(chunk).__name__}.")
+        if not meta:
+            initialize_parameters_(chunk, args.seed)
+            chunk = chunk.to(device)
+        chunks.append(chunk)
+    pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
+    unwrapped = chunks[0] if len(chunks) == 1 else _model_chunks(chunks)
+    schedule_model = chunks[0] if len(chunks) == 1 else chunks
 
     if args.use_mfsdp:
         from megatron.core.distributed.mfsdp_v2 import fully_shard, fully_shard_context
@@ -145,16 +186,23 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
             device=device, unify_communication_stream=args.mfsdp_unify_communication_stream
         ) as context:
             # Children first: each layer is its own unit (its experts one before it); the
-            # root then owns the rest.
+            # root then owns the rest. Every chunk is a root of this one context.
             units = []
-            for layer in transformer_layers(model):
-                units += shard_experts(layer, args, policy)
-                units.append(fully_shard(layer, mesh, placements, mixed_precision_policy=policy))
-            units.append(fully_shard(model, mesh, placements, mixed_precision_policy=policy))
+            for chunk in chunks:
+                for layer in transformer_layers(chunk):
+                    units += shard_experts(layer, args, policy)
+                    units.append(fully_shard(layer, mesh, placements, mixed_precision_policy=policy))
+                tied = tied_embedding_module(chunk) if pipelined else None
+                if tied is not None:
+                    units.append(fully_shard(tied, mesh, placements, mixed_precision_policy=policy))
+                units.append(fully_shard(chunk, mesh, placements, mixed_precision_policy=policy))
         if meta:
             materialize_units(units, args.seed)
-        return BuiltModel(model, model, context, mesh, placements)
+        return BuiltModel(schedule_model, unwrapped, context, mesh, placements)
 
+    if pipelined:
+        return BuiltModel(schedule_model, unwrapped)
+    model = chunks[0]
     if dist.is_initialized() and dist.get_world_size() // getattr(args, "tensor_model_parallel_size", 1) > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model,
@@ -217,10 +265,25 @@ def parameters_on_meta():
         torch.nn.Module.register_parameter = original
 
 
-def _build_on_meta(model_provider: Callable, args) -> torch.nn.Module:
+def _model_chunks(chunks):
+    from megatron.core.pipeline_parallel.model_chunks import ModelChunks
+
+    return ModelChunks(chunks)
+
+
+def tied_embedding_module(chunk: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The module holding a pipeline chunk's copy of the tied word-embedding weight (the
+    first stage's embedding, the last stage's output projection), or None."""
+    if not getattr(chunk, "share_embeddings_and_output_weights", False):
+        return None
+    embedding = getattr(chunk, "embedding", None)
+    return getattr(embedding, "word_embeddings", None) if embedding is not None else None
+
+
+def _build_on_meta(model_provider: Callable, args, kwargs: dict) -> torch.nn.Module:
     try:
         with parameters_on_meta():
-            model = model_provider(args)
+            model = model_provider(args, **kwargs)
     except (RuntimeError, NotImplementedError) as error:
         if "meta" not in str(error):
             raise
@@ -287,19 +350,53 @@ def build_optimizer(args, built: BuiltModel):
 
 
 def get_grad_norm_and_clip(args, built: BuiltModel, optimizer: Optional[torch.optim.Optimizer] = None):
-    """Global grad norm over all (sharded) gradients; clipped to --clip-grad when > 0."""
+    """Global grad norm over all (sharded) gradients; clipped to --clip-grad when > 0.
+    Under pipeline parallelism the stages' norms add up (squares) over the pipeline, the
+    tied embedding counted once, and every stage clips with the same coefficient."""
     from megatron.core.optimizer import clip_grad_norm
+    from megatron.core.optimizer.clip_grads import clip_grads_to
     from megatron.core.transformer.moe.expert_parallel import (
         clip_grad_norm_with_experts, expert_parallel_of, expert_parameters)
 
     params = [p for p in built.unwrapped.parameters() if p.requires_grad]
     ep = expert_parallel_of(built.unwrapped)
     tensor_parallel = tensor_parallel_norm_args(args, built)
+    pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
+    max_norm = 0.0 if pipelined else args.clip_grad  # a stage alone only measures
+    counted = _counted_once(built, params) if pipelined else params
     if ep is not None and ep.size > 1:
         # Expert gradients differ across the EP group: their norm adds up over it too.
-        return clip_grad_norm_with_experts(params, expert_parameters(built.unwrapped), ep, args.clip_grad,
+        norm = clip_grad_norm_with_experts(counted, expert_parameters(built.unwrapped), ep, max_norm,
                                            **tensor_parallel)
-    return clip_grad_norm(params, args.clip_grad, **tensor_parallel)
+    else:
+        norm = clip_grad_norm(counted, max_norm, **tensor_parallel)
+    if not pipelined:
+        return norm
+    norm = _sum_over_pipeline(norm.double() ** 2).sqrt().float()
+    clip_grads_to(params, norm, args.clip_grad)
+    return norm
+
+
+def _counted_once(built: BuiltModel, params) -> list:
+    """``params`` without the last stage's copy of the tied embedding (the first stage's
+    holds the same values and, after ``finalize_model_grads``, the same gradient)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.is_pipeline_first_stage():
+        return list(params)
+    copies = {id(m.weight) for m in (tied_embedding_module(c) for c in built.chunks) if m is not None}
+    return [p for p in params if id(p) not in copies]
+
+
+def _sum_over_pipeline(value: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    state = parallel_state.get_parallel_state()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(state.pp_group) == "nccl" else \
+        torch.device("cpu")
+    value = value.reshape(()).to(device)
+    dist.all_reduce(value, group=state.pp_group)
+    return value.cpu()
 
 
 def tensor_parallel_norm_args(args, built: BuiltModel) -> dict:
@@ -315,12 +412,28 @@ def tensor_parallel_norm_args(args, built: BuiltModel) -> dict:
 
 def finalize_model_grads(args, built: BuiltModel) -> None:
     """After the last microbatch's backward: under sequence parallelism, sum the gradients
-    of the TP-replicated parameters over TP (megatron/core/tensor_parallel/finalize_grads.py)."""
+    of the TP-replicated parameters over TP (megatron/core/tensor_parallel/finalize_grads.py);
+    under pipeline parallelism, average the gradients over data-parallel ranks when no
+    engine did (plain chunks), and sum the two copies of a tied embedding's gradient over
+    the first and last stage (Megatron's embedding group)."""
+    from megatron.core import parallel_state
+
     if getattr(args, "sequence_parallel", False):
-        from megatron.core import parallel_state
         from megatron.core.tensor_parallel import all_reduce_sequence_parallel_grads
 
         all_reduce_sequence_parallel_grads(built.unwrapped, parallel_state.get_tensor_model_parallel_group())
+    if getattr(args, "pipeline_model_parallel_size", 1) == 1:
+        return
+    state = parallel_state.get_parallel_state()
+    if not built.use_mfsdp and state.dp_size > 1:
+        for p in built.unwrapped.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=state.dp_group)
+    if state.embedding_group is not None:
+        for module in (tied_embedding_module(c) for c in built.chunks):
+            grad = module.weight.grad if module is not None else None
+            if grad is not None:
+                dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=state.embedding_group)
 
 
 def get_params_norm_of(args, built: BuiltModel, params) -> torch.Tensor:
@@ -331,10 +444,14 @@ def get_params_norm_of(args, built: BuiltModel, params) -> torch.Tensor:
 
     ep = expert_parallel_of(built.unwrapped)
     tensor_parallel = tensor_parallel_norm_args(args, built)
+    pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
+    params = _counted_once(built, params) if pipelined else params
     if ep is not None and ep.size > 1:
-        return norm_with_experts(params, expert_parameters(built.unwrapped), ep,
+        norm = norm_with_experts(params, expert_parameters(built.unwrapped), ep,
                                  lambda ps: get_params_norm(ps, **tensor_parallel))
-    return get_params_norm(params, **tensor_parallel)
+    else:
+        norm = get_params_norm(params, **tensor_parallel)
+    return _sum_over_pipeline(norm.double() ** 2).sqrt().float() if pipelined else norm
 
 
 def count_zeros_of(args, built: BuiltModel, params) -> int:
@@ -345,6 +462,10 @@ def count_zeros_of(args, built: BuiltModel, params) -> int:
 
     ep = expert_parallel_of(built.unwrapped)
     tensor_parallel = tensor_parallel_norm_args(args, built)
+    pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
+    params = _counted_once(built, params) if pipelined else params
     if ep is not None and ep.size > 1:
-        return count_zeros_with_experts(params, expert_parameters(built.unwrapped), ep, **tensor_parallel)
-    return count_zeros(params, **tensor_parallel)
+        zeros = count_zeros_with_experts(params, expert_parameters(built.unwrapped), ep, **tensor_parallel)
+    else:
+        zeros = count_zeros(params, **tensor_parallel)
+    return int(_sum_over_pipeline(torch.tensor(float(zeros), dtype=torch.float64))) if pipelined else zeros

@@ -9,6 +9,7 @@ log, eval, save} -> final checkpoint and evaluation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -106,11 +107,11 @@ def _comm_device(device: torch.device) -> torch.device:
 
 
 def _reduce_reports(reports, key: str = "lm loss"):
-    """Sum the [loss_sum, num_tokens] reports of this rank's microbatches."""
-    total = None
+    """Sum the [loss_sum, num_tokens] reports of this rank's microbatches ([0, 0] on a
+    pipeline stage that computes no loss)."""
+    total = torch.zeros(2, dtype=torch.float64)
     for report in reports:
-        value = report[key].detach().double().reshape(-1)
-        total = value if total is None else total + value
+        total = total + report[key].detach().double().reshape(-1).cpu()
     return total
 
 
@@ -148,6 +149,11 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
         if args.tensor_model_parallel_size > 1:
             strategy += (f", tensor parallel {args.tensor_model_parallel_size} x data parallel "
                          f"{args.data_parallel_size}" + (", sequence parallel" if args.sequence_parallel else ""))
+        if args.pipeline_model_parallel_size > 1:
+            vp = args.virtual_pipeline_model_parallel_size or 1
+            strategy += (f", pipeline parallel {args.pipeline_model_parallel_size}"
+                         + (f" x {vp} virtual stages (interleaved 1F1B)" if vp > 1 else " (1F1B)"))
+            n_params = int(_all_reduce_sum([_stage_parameters(built)], device)[0])
         print_rank_0(
             f"> model: {n_params:,} parameters ({n_params / 1e6:.2f}M), {strategy}, world size {_world()}, "
             f"device {device.type}, {args.num_microbatches} microbatch(es) of {args.micro_batch_size} per rank per step"
@@ -155,7 +161,7 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
 
         with user_errors(f"--load {args.load}"):
             iteration, consumed = load_checkpoint(
-                built.model, optimizer, scheduler, args,
+                _checkpointed(built), optimizer, scheduler, args,
                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
             )
         if iteration:
@@ -228,9 +234,34 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
 
 
 def _initialize_parallel_state(args, device):
-    """The named mesh (data- and tensor-parallel axes), once per process."""
+    """The one named mesh (pipeline, data-, context- and tensor-parallel axes, and the
+    expert view for a MoE model), once per process."""
     parallel_state.destroy_model_parallel()  # a previous pretrain() in this process
-    return parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.dp_outer_size, device.type)
+    return parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.dp_outer_size, device.type,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size if args.num_experts else None)
+
+
+def _stage_parameters(built: BuiltModel) -> int:
+    """This stage's parameters, the last stage's copy of a tied embedding not counted (so
+    that the sum over the pipeline is the model's; each TP/DP rank of a stage counts the
+    same, and the caller sums over the whole world: divide by TP x DP)."""
+    from megatron.training.model_builder import tied_embedding_module
+
+    state = parallel_state.get_parallel_state()
+    skip = set()
+    if not state.is_first_stage:
+        skip = {id(m.weight) for m in map(tied_embedding_module, built.chunks) if m is not None}
+    local = sum(p.numel() for p in built.unwrapped.parameters() if id(p) not in skip)
+    return local / (state.tp_size * state.dp_size)
+
+
+def _checkpointed(built: BuiltModel) -> torch.nn.Module:
+    """What checkpoints save and load: the model (DDP unwraps itself in checkpointing.py),
+    or with virtual pipeline stages the ModelChunks whose names are the whole model's."""
+    return built.model if isinstance(built.model, torch.nn.Module) else built.unwrapped
 
 
 def _build_grad_scaler(args):
@@ -283,6 +314,9 @@ class _Trainer:
         self.device = device
         self.writer = writer
         self.forward_backward = get_forward_backward_func()
+        if args.pipeline_model_parallel_size > 1:
+            self.forward_backward = functools.partial(
+                self.forward_backward, microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage)
         self.last_saved_iteration = None
         self.last_eval_iteration = None
         self.last_metrics: Dict[str, float] = {}
@@ -350,6 +384,8 @@ class _Trainer:
                 timers=timers, dp_group=parallel_state.get_parallel_state().dp_group,
             )
             finalize_model_grads(args, self.built)
+        # Under pipeline parallelism only the last stage reports: the sum over every rank
+        # is its data-parallel ranks' (TP ranks report the same microbatches: the ratio holds).
         local = _reduce_reports(reports)
         loss_sum, tokens = _all_reduce_sum(local.tolist(), self.device).tolist()
         loss = loss_sum / max(tokens, 1.0)
@@ -380,7 +416,7 @@ class _Trainer:
         self.consumed = consumed
         if train_iter is None:
             return iteration
-        self.built.model.train()
+        self.built.unwrapped.train()
         interval_loss, interval_count, interval_iters = 0.0, 0, 0
         interval_start = time.time()
         if args.manual_gc:
@@ -569,14 +605,15 @@ class _Trainer:
         )
         data_iter = DeviceIterator(loader, self.device)
         model = self.built.model
-        model.eval()
+        self.built.unwrapped.eval()
         total = None
         try:
             with torch.no_grad(), self._autocast():
                 for _ in range(args.eval_iters):
                     reports = self.forward_backward(
                         self.forward_step_func, data_iter, model, args.num_microbatches,
-                        context=self.built.context, forward_only=True,
+                        context=self.built.context, forward_only=True, seq_length=args.seq_length,
+                        micro_batch_size=args.micro_batch_size,
                     )
                     local = _reduce_reports(reports)
                     total = local if total is None else total + local
@@ -584,7 +621,7 @@ class _Trainer:
             if self.built.context is not None and hasattr(self.built.context, "reshard_all"):
                 # Forward-only passes must not leave any unit holding unsharded weights.
                 self.built.context.reshard_all()
-            model.train()
+            self.built.unwrapped.train()
         loss_sum, tokens = _all_reduce_sum(total.tolist(), self.device).tolist()
         return loss_sum / max(tokens, 1.0)
 
@@ -625,7 +662,7 @@ class _Trainer:
         start = time.time()
         with user_errors(f"--save {self.args.save}"):
             path = save_checkpoint(
-                iteration, self.built.model, self.optimizer, self.scheduler, self.args,
+                iteration, _checkpointed(self.built), self.optimizer, self.scheduler, self.args,
                 consumed_train_samples=self.consumed,
             )
         self.last_saved_iteration = iteration

@@ -175,11 +175,17 @@ def clip_grad_norm(parameters: Params, max_norm: float, norm_type: float = 2.0, 
         parameters = [parameters]
     parameters = list(parameters)
     total_norm = get_grad_norm(parameters, norm_type, tensor_parallel_params, tp_group)
+    clip_grads_to(parameters, total_norm, max_norm)
+    return total_norm
+
+
+def clip_grads_to(parameters: Params, total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients in place, given their global norm ``total_norm``, so that it
+    becomes at most ``max_norm`` (no-op for ``max_norm <= 0`` or a non-finite norm)."""
     if max_norm <= 0 or not torch.isfinite(total_norm):
-        return total_norm
+        return
     # Same coefficient as torch.nn.utils.clip_grad_norm_ (including its 1e-6).
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for g in _grads_of(parameters):
         local = g.to_local() if _is_dtensor(g) else g
         local.mul_(clip_coef.to(device=local.device, dtype=local.dtype))
-    return total_norm

@@ -1,4 +1,8 @@
-"""The decoder stack: ``layers`` (an nn.ModuleList of TransformerLayer) and ``final_layernorm``.
+"""The decoder stack: ``layers`` (a LayerStack of TransformerLayer) and ``final_layernorm``.
+
+Under pipeline parallelism a block holds only its stage's layers; they keep their global
+numbers (``decoder.layers.5`` on whichever stage holds layer 5), and only the last stage
+has the final norm.
 
 Full activation recompute (``recompute_granularity="full"``, see TransformerConfig for the
 methods) wraps calls of layers in ``torch.utils.checkpoint.checkpoint``: only a chunk's
@@ -8,7 +12,7 @@ the FSDP engine's unshard hooks) run again during recomputation; the engine reco
 that forward. Selective recompute lives in the attention (attention.py).
 """
 
-from typing import Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -21,15 +25,47 @@ from .transformer_config import TransformerConfig
 from .transformer_layer import TransformerLayer
 
 
+class LayerStack(nn.Module):
+    """Layers registered under their global indices (``"5"`` for global layer 5), so that
+    parameter names, seeded initialization and checkpoints are those of the whole model
+    whichever pipeline stage builds them. Indexing, slicing and iteration are by position
+    within the stack, like an ``nn.ModuleList``."""
+
+    def __init__(self, layers: Iterable[nn.Module], global_indices: Sequence[int]):
+        super().__init__()
+        layers = list(layers)
+        if len(layers) != len(global_indices):
+            raise ValueError(f"{len(layers)} layers but {len(global_indices)} global indices; give one index per layer.")
+        for index, layer in zip(global_indices, layers):
+            self.add_module(str(int(index)), layer)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __getitem__(self, position: Union[int, slice]) -> Union[nn.Module, List[nn.Module]]:
+        return list(self._modules.values())[position]
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, config: TransformerConfig, expert_parallel=None):
+    """``layer_numbers``: the global (0-based) layers this block holds (a pipeline stage's);
+    None: all ``config.num_layers``. ``post_layer_norm``: build the final norm (the last
+    stage's)."""
+
+    def __init__(self, config: TransformerConfig, expert_parallel=None,
+                 layer_numbers: Optional[Sequence[int]] = None, post_layer_norm: bool = True):
         super().__init__()
         if config.transformer_impl == "transformer_engine":
             import_transformer_engine()  # fail with the clear message before building anything
         self.config = config
-        self.layers = nn.ModuleList(TransformerLayer(config, layer_number=i + 1, expert_parallel=expert_parallel)
-                                    for i in range(config.num_layers))
-        self.final_layernorm = build_norm(config, config.hidden_size)
+        numbers = list(range(config.num_layers)) if layer_numbers is None else [int(i) for i in layer_numbers]
+        if any(not 0 <= i < config.num_layers for i in numbers):
+            raise ValueError(f"layer_numbers {numbers} must lie in [0, num_layers={config.num_layers}).")
+        self.layers = LayerStack((TransformerLayer(config, layer_number=i + 1, expert_parallel=expert_parallel)
+                                  for i in numbers), numbers)
+        self.final_layernorm = build_norm(config, config.hidden_size) if post_layer_norm else None
 
     def reset_parameters(self) -> None:
         reset_parameters_of(self)
@@ -38,7 +74,8 @@ class TransformerBlock(nn.Module):
         """[(number of consecutive layers, recomputed?)] under full recompute."""
         n = len(self.layers)
         method, k = self.config.recompute_method, self.config.recompute_num_layers or 1
-        if method == "block":
+        if method == "block":  # the first k layers of this block (of each pipeline stage, as in Megatron)
+            k = min(k, n)
             return [(1, True)] * k + ([(n - k, False)] if k < n else [])
         return [(min(k, n - start), True) for start in range(0, n, k)]  # uniform (also the default)
 
@@ -57,7 +94,7 @@ class TransformerBlock(nn.Module):
                                            use_reentrant=self.config.recompute_reentrant)
             else:
                 hidden_states = _run_layers(layers, hidden_states, attention_mask, rotary_pos_emb)
-        return self.final_layernorm(hidden_states)
+        return self.final_layernorm(hidden_states) if self.final_layernorm is not None else hidden_states
 
 
 def _run_layers(layers, hidden_states, attention_mask, rotary_pos_emb):

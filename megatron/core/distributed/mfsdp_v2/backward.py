@@ -1,9 +1,13 @@
-"""The end of a backward pass, for every unit of one context at once.
+"""The end of a backward pass, for every unit that took part in it.
 
 Units reduce their own gradients as soon as they arrive (``module.py``). What no single
 unit can decide lives here: when the whole backward is over (autograd's final callback),
 how many reductions may still be in flight while backward continues, and how to return
 every unit to rest when a backward raised before its end.
+
+A backward belongs to the roots whose units it reached: a pipeline schedule runs one
+chunk's (one root's) backward while other chunks of the same context hold microbatches
+whose backward is still to come, so the end of a backward settles only its own roots.
 """
 
 from __future__ import annotations
@@ -32,12 +36,17 @@ class BackwardCoordinator:
         # 0 completes every reduction before backward continues.
         self.max_reductions_in_flight = MAX_REDUCTIONS_IN_FLIGHT
         self.callback_queued = False
+        # Root states (UnitState.root) of the units this backward reached, in first-seen order.
+        self._roots_in_backward: List = []
         # Units whose gradients all came from a nested graph: reduced at the next unit's
         # pre-backward, at their own next gradient, or at the end of backward.
         self._deferred_post_backwards: List = []
 
-    def ensure_final_callback(self) -> None:
-        """Queue ``finish`` to run when autograd's current backward ends (once)."""
+    def ensure_final_callback(self, unit_state) -> None:
+        """``unit_state`` takes part in the current backward: queue ``finish`` to run when
+        autograd's backward ends (once), and make the unit's root one that it settles."""
+        if not any(unit_state.root is root for root in self._roots_in_backward):
+            self._roots_in_backward.append(unit_state.root)
         if not self.callback_queued:
             self.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
@@ -74,26 +83,33 @@ class BackwardCoordinator:
         try:
             with hook_range("MFSDP finish_backward", self._device_handle):
                 self._deferred_post_backwards.clear()  # reduce_if_pending covers them
-                for unit in self._units:
+                units = self._units_in_backward()
+                for unit in units:
                     unit.fsdp_state.reduce_if_pending()  # unused parameters: their gradient counts as zero
-                self._settle(lambda group: group.expose_grads())
+                self._settle(units, lambda group: group.expose_grads())
         finally:
             self.callback_queued = False
+            self._roots_in_backward = []
+
+    def _units_in_backward(self) -> List:
+        roots = self._roots_in_backward
+        return [unit for unit in self._units if any(unit.fsdp_state.root is root for root in roots)]
 
     def recover_from_aborted_backward(self) -> None:
         """A backward raised before its final callback ran: settle the reductions it
         issued and return every unit to rest."""
         self._deferred_post_backwards.clear()
-        self._settle(lambda group: group.discard_partial_backward())
+        self._settle(self._units, lambda group: group.discard_partial_backward())
         self.callback_queued = False
+        self._roots_in_backward = []
 
-    def _settle(self, per_group: Callable) -> None:
-        """Wait for every issued reduction, reshard every unit, then ``per_group(group)``."""
+    def _settle(self, units: Sequence, per_group: Callable) -> None:
+        """Wait for every issued reduction, reshard ``units``, then ``per_group(group)``."""
         for batch in self.pending_reductions:
             for work in batch:
                 work.wait()
         self.pending_reductions.clear()
-        for unit in self._units:
+        for unit in units:
             state = unit.fsdp_state
             state.wait_pending_unshard()
             state.reshard()

@@ -50,7 +50,6 @@ class FsdpContext:
         self.forward_order: List = []
         self.backward_order: List = []
         self.finalized = False
-        self.is_last_microbatch = True
         self.counter = CollectiveCounter()
         self.backward = BackwardCoordinator(self.units, self.device_handle)
         self._managed_params = {}  # id(original or sharded param) -> unit
@@ -89,6 +88,7 @@ class FsdpContext:
             for name, sub in root.named_modules():
                 if id(sub) in unit_ids:
                     sub.fsdp_state.set_name(name)
+                    sub.fsdp_state.root = root.fsdp_state
         self.forward_order = []
         self.backward_order = []
         for root in self.roots:
@@ -117,19 +117,28 @@ class FsdpContext:
         if not self.finalized:
             raise RuntimeError(NOT_FINALIZED_MESSAGE)
 
+    @property
+    def is_last_microbatch(self) -> bool:
+        """True unless a ``microbatch(..., is_last=False)`` scope covers every root."""
+        return any(root.fsdp_state.is_last_microbatch for root in self.roots) if self.roots else True
+
     # Prefetch -------------------------------------------------------------------------
-    def _prefetch_after(self, index: int, order: List) -> None:
-        # A unit whose gradients were already reduced in this backward (it ran earlier than
-        # the static order predicts) needs no parameters any more: gathering it again would
-        # keep it unsharded until the end of backward.
-        if index < len(order) and order[index].fsdp_state.phase is not Phase.POST_BACKWARD:
-            order[index].fsdp_state.issue_unshard()
+    def _prefetch_after(self, state, index: int, order: List) -> None:
+        # Only within the unit's own root: separate roots are separately scheduled model
+        # pieces (pipeline chunks), and which of them runs next is the schedule's choice,
+        # not the static order's. A unit whose gradients were already reduced in this
+        # backward (it ran earlier than the static order predicts) needs no parameters any
+        # more: gathering it again would keep it unsharded until the end of backward.
+        if index < len(order):
+            nxt = order[index].fsdp_state
+            if nxt.root is state.root and nxt.phase is not Phase.POST_BACKWARD:
+                nxt.issue_unshard()
 
     def prefetch_forward(self, state) -> None:
-        self._prefetch_after(state.forward_index + 1, self.forward_order)
+        self._prefetch_after(state, state.forward_index + 1, self.forward_order)
 
     def prefetch_backward(self, state) -> None:
-        self._prefetch_after(state.backward_index + 1, self.backward_order)
+        self._prefetch_after(state, state.backward_index + 1, self.backward_order)
 
     def reshard_all(self) -> None:
         """Reshard every unit (e.g. after a forward without gradients)."""
@@ -181,15 +190,40 @@ def current_fully_shard_context() -> Optional[FsdpContext]:
 
 
 @contextlib.contextmanager
-def microbatch(context: FsdpContext, is_last: bool) -> Iterator[None]:
+def microbatch(context: FsdpContext, is_last: bool, module: Optional[torch.nn.Module] = None) -> Iterator[None]:
     """Run one microbatch's forward and backward; reductions that only need to happen
-    once per step (HSDP/HFSDP outer, ZeRO-1, no_shard) happen when ``is_last`` is True."""
+    once per step (HSDP/HFSDP outer, ZeRO-1, no_shard) happen when ``is_last`` is True.
+
+    Args:
+        context: the ``FsdpContext`` of ``fully_shard_context``.
+        is_last: whether this is the step's last microbatch (of ``module``).
+        module: a root of ``context`` (e.g. one pipeline chunk) that the flag applies to;
+            None applies it to every root. A pipeline schedule runs the backwards of one
+            chunk's microbatches interleaved with other chunks', so each chunk has its own
+            last microbatch.
+
+    Raises:
+        TypeError: ``context`` is not an ``FsdpContext``.
+        ValueError: ``module`` is not a root of ``context``.
+        RuntimeError: the context's scope has not been finalized.
+    """
     if not isinstance(context, FsdpContext):
         raise TypeError(f"microbatch expects the FsdpContext from fully_shard_context, got {type(context).__name__}.")
     context.check_finalized()
-    previous = context.is_last_microbatch
-    context.is_last_microbatch = bool(is_last)
+    if module is None:
+        roots = list(context.roots)
+    elif any(module is root for root in context.roots):
+        roots = [module]
+    else:
+        raise ValueError(
+            f"microbatch(module=...) got a {type(module).__name__} that is not a root of this context; pass one "
+            "of context.roots (a module given to fully_shard that no other unit contains), or module=None."
+        )
+    previous = [root.fsdp_state.is_last_microbatch for root in roots]
+    for root in roots:
+        root.fsdp_state.is_last_microbatch = bool(is_last)
     try:
         yield
     finally:
-        context.is_last_microbatch = previous
+        for root, flag in zip(roots, previous):
+            root.fsdp_state.is_last_microbatch = flag

@@ -88,6 +88,10 @@ class UnitState:
         self.grad_divisor = grad_divisor
         self.name: Optional[str] = None
         self.is_root = False
+        self.root: Optional["UnitState"] = None  # the root unit whose tree holds this one (set at scope exit)
+        # Read on roots only: whether the microbatch running now is the root's last of the
+        # step (microbatch(context, is_last, module=root)); every unit below reads its root's.
+        self.is_last_microbatch = True
         self.forward_index = -1
         self.backward_index = -1
         self.pending_unshard: List[CollectiveWork] = []
@@ -203,7 +207,7 @@ class UnitState:
 
     def _pre_backward(self, grad):
         context = self.context
-        context.backward.ensure_final_callback()
+        context.backward.ensure_final_callback(self)
         context.backward.run_deferred_post_backwards(moving_on_from=self)
         if self._phase is not Phase.RESTING:
             return grad  # another output of this unit already started its backward
@@ -216,7 +220,7 @@ class UnitState:
 
     def _on_grad_ready(self, group) -> None:
         """A trainable parameter's gradient was accumulated (called by its group)."""
-        self.context.backward.ensure_final_callback()
+        self.context.backward.ensure_final_callback(self)
         if self._phase is not Phase.POST_BACKWARD and all(g.all_grads_received() for g in self.trainable_groups):
             if self._backward_task is not None and torch._C._current_graph_task_id() != self._backward_task:
                 # A graph nested in this unit's backward (a reentrant checkpoint inside the
@@ -241,7 +245,7 @@ class UnitState:
             self.wait_pending_unshard()
             self.reshard(self.trainable_groups)
             for group in self.trainable_groups:
-                context.backward.add_reductions(group.reduce_grads(context.is_last_microbatch))
+                context.backward.add_reductions(group.reduce_grads(self.root.is_last_microbatch))
 
     def init_parameters(self, init_fn) -> None:
         """Run an initializer on this unit's parameters in unsharded form and keep each

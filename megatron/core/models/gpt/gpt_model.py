@@ -4,9 +4,18 @@ Module and parameter names are Megatron-LM's (``embedding.word_embeddings``,
 ``embedding.position_embeddings``, ``decoder.layers.{i}....``, ``decoder.final_layernorm``,
 ``output_layer``), so Megatron checkpoint tooling and the converters in tools/ can rely on
 them. Tensors are batch-first: input_ids [b, s], logits [b, s, vocab].
+
+Pipeline parallelism (Megatron's ``pre_process`` / ``post_process``): a model chunk holds
+the embedding only if it is the first chunk, the final norm, output layer and loss only if
+it is the last, and the global layers it is given. A chunk that does not embed takes its
+input from ``set_input_tensor`` (the previous stage's hidden states); one that does not
+end returns hidden states. With tied embeddings the last stage keeps its own copy of the
+word-embedding weight under the same name, ``embedding.word_embeddings.weight``, built as
+the output projection: both copies start equal (they are initialized from the same name),
+and the trainer sums their gradients over the first and last stage before each step.
 """
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -79,12 +88,17 @@ class GPTModel(nn.Module):
             sampling, and the loss is that of the unpadded model. None: no padding.
         expert_parallel: the expert-parallel layout of the MoE layers
             (``megatron.core.transformer.moe.expert_parallel``); None: all experts local.
+        pre_process: this chunk embeds the tokens (the first pipeline chunk).
+        post_process: this chunk ends the model: final norm, output layer, loss (the last).
+        layer_numbers: the global (0-based) transformer layers of this chunk; None: all.
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                  share_embeddings_and_output_weights: bool = True,
                  position_embedding_type: Optional[str] = None,
-                 unpadded_vocab_size: Optional[int] = None, expert_parallel=None):
+                 unpadded_vocab_size: Optional[int] = None, expert_parallel=None,
+                 pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: Optional[Sequence[int]] = None):
         super().__init__()
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}; take it from the tokenizer.")
@@ -119,27 +133,40 @@ class GPTModel(nn.Module):
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
 
-        self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length, position_embedding_type)
+        self.pre_process = bool(pre_process)
+        self.post_process = bool(post_process)
+        self._input_tensor: Optional[torch.Tensor] = None
+        # The output projection of a last stage that does not also embed, with tied weights:
+        # it owns the stage's copy of the word embedding (see the module docstring).
+        self._tied_copy = share_embeddings_and_output_weights and self.post_process and not self.pre_process
+        self.embedding = None
+        if self.pre_process:
+            self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length, position_embedding_type)
+        elif self._tied_copy:
+            self.embedding = nn.Module()
+            self.embedding.word_embeddings = _output_projection(config, vocab_size, tied=False)
         if position_embedding_type == "rope":
             # Sized to the rotated dimensions: with rotary_percent < 1 the rest pass through.
             self.rotary_pos_emb = RotaryEmbedding(config.rotary_dim, config.rotary_base)
         else:
             self.rotary_pos_emb = None
-        self.decoder = TransformerBlock(config, expert_parallel=expert_parallel)
-        if config.tensor_model_parallel_size > 1:
-            self.output_layer = _vocab_parallel_output_layer(config, vocab_size, share_embeddings_and_output_weights)
-        else:
-            self.output_layer = OutputLayer(
-                config.hidden_size, vocab_size, init_std=config.init_method_std, dtype=config.params_dtype,
-                skip_weight_param_allocation=share_embeddings_and_output_weights,
-                gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-            )
+        self.decoder = TransformerBlock(config, expert_parallel=expert_parallel, layer_numbers=layer_numbers,
+                                        post_layer_norm=self.post_process)
+        self.output_layer = None
+        if self.post_process and not self._tied_copy:
+            self.output_layer = _output_projection(config, vocab_size, tied=share_embeddings_and_output_weights)
 
-    def shared_embedding_or_output_weight(self) -> torch.Tensor:
-        """The weight the output layer multiplies with (Megatron's name for it)."""
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        """The weight the output layer multiplies with (Megatron's name for it); under
+        pipeline parallelism, this chunk's copy of it (None if the chunk has neither)."""
         if self.share_embeddings_and_output_weights:
-            return self.embedding.word_embeddings.weight
-        return self.output_layer.weight
+            return self.embedding.word_embeddings.weight if self.embedding is not None else None
+        return self.output_layer.weight if self.output_layer is not None else None
+
+    def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
+        """The previous pipeline stage's hidden states, for the next forward of a chunk that
+        does not embed (Megatron's API; the pipeline schedule calls it)."""
+        self._input_tensor = input_tensor
 
     def reset_parameters(self) -> None:
         """Re-initialize every parameter as at construction (normal(0, init_method_std)
@@ -176,11 +203,23 @@ class GPTModel(nn.Module):
                 f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}."
             )
 
-        hidden_states = self.embedding(input_ids, position_ids)
+        if self.pre_process:
+            hidden_states = self.embedding(input_ids, position_ids)
+        else:
+            hidden_states, self._input_tensor = self._input_tensor, None
+            if hidden_states is None:
+                raise RuntimeError("this pipeline chunk does not embed tokens: call set_input_tensor(hidden_states) "
+                                   "with the previous stage's output before each forward (the schedule does).")
         rotary_pos_emb = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
         hidden_states = self.decoder(hidden_states, attention_mask, rotary_pos_emb)
-        output_weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
-        logits = self.output_layer(hidden_states, weight=output_weight)
+        if not self.post_process:
+            return hidden_states
+        projection = self.embedding.word_embeddings if self._tied_copy else self.output_layer
+        if self._tied_copy:
+            logits = projection(hidden_states)
+        else:
+            output_weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
+            logits = projection(hidden_states, weight=output_weight)
         if self.config.tensor_model_parallel_size > 1:
             return self._vocab_parallel_output(logits, labels)
         padded = self.unpadded_vocab_size < self.vocab_size
@@ -202,13 +241,24 @@ class GPTModel(nn.Module):
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
 
         group = self.config.tp_group
-        vocab_start = self.output_layer.global_slices["weight"].ranges[0][0]
+        projection = self.embedding.word_embeddings if self._tied_copy else self.output_layer
+        vocab_start = projection.global_slices["weight"].ranges[0][0]
         if self.unpadded_vocab_size < self.vocab_size:
             ids = torch.arange(vocab_start, vocab_start + logits.shape[-1], device=logits.device)
             logits = logits.masked_fill(ids >= self.unpadded_vocab_size, float("-inf"))
         if labels is None:
             return gather_from_tensor_model_parallel_region(logits, group)
         return vocab_parallel_cross_entropy(logits, labels, group, vocab_start)
+
+
+def _output_projection(config: TransformerConfig, vocab_size: int, tied: bool) -> nn.Module:
+    """Hidden states -> logits: its own weight, or (``tied``) none, the caller passing the
+    word embedding's. Under TP the vocabulary is split: logits [b, s, V/tp]."""
+    if config.tensor_model_parallel_size > 1:
+        return _vocab_parallel_output_layer(config, vocab_size, tied)
+    return OutputLayer(config.hidden_size, vocab_size, init_std=config.init_method_std, dtype=config.params_dtype,
+                       skip_weight_param_allocation=tied,
+                       gradient_accumulation_fusion=config.gradient_accumulation_fusion)
 
 
 def _vocab_parallel_output_layer(config: TransformerConfig, vocab_size: int, tied: bool) -> nn.Module:

@@ -74,9 +74,7 @@ class ExpertParallel:
     @property
     def outer_size(self) -> int:
         """The number of distributed-optimizer instances the mesh was built for (1 without one)."""
-        if self.mesh is None or "expert_outer" not in self.mesh.mesh_dim_names:
-            return 1
-        return self.mesh.size(0)
+        return _outer_size_of(self.mesh)
 
     @property
     def tp_size(self) -> int:
@@ -96,6 +94,12 @@ class ExpertParallel:
         """Global indices of the experts this rank holds."""
         local = num_experts // self.size
         return range(self.rank * local, (self.rank + 1) * local)
+
+
+def _outer_size_of(mesh) -> int:
+    if mesh is None or "expert_outer" not in mesh.mesh_dim_names:
+        return 1
+    return mesh.size(0)
 
 
 def check_expert_parallel_size(ep_size: int, dp_size: int, tp_size: int = 1, dp_outer_size: int = 1) -> None:
@@ -127,6 +131,19 @@ def build_expert_parallel(ep_size: int, device_type: str, tp_size: int = 1, dp_o
         return ExpertParallel()
     from torch.distributed.device_mesh import init_device_mesh
 
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        # The run's one mesh: the expert view of this rank's pipeline stage.
+        state = parallel_state.get_parallel_state()
+        if state.expert_mesh is not None and (state.ep_size, state.tp_size) == (ep_size, tp_size) and \
+                _outer_size_of(state.expert_mesh) == dp_outer_size:
+            mesh = state.expert_mesh
+            return ExpertParallel(size=ep_size, rank=mesh.get_local_rank("ep"),
+                                  group=mesh.get_group("ep") if ep_size > 1 else None, mesh=mesh)
+        if state.pp_size > 1:
+            raise ValueError(f"the run's parallel state has no expert view for EP size {ep_size}; initialize it with "
+                             f"initialize_model_parallel(..., expert_model_parallel_size={ep_size}).")
     world = dist.get_world_size()
     if tp_size < 1 or dp_outer_size < 1 or world % (tp_size * dp_outer_size):
         raise ValueError(f"the TP size ({tp_size}) x the instances ({dp_outer_size}) must divide the world size "

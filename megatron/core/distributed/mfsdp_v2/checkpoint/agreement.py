@@ -38,6 +38,16 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def union(self, mapping: dict) -> dict:
+        """Every rank's ``mapping`` merged (rank order; later ranks add their new keys).
+        Ranks that hold different parts of a model (pipeline stages) describe the whole
+        model together; ranks that hold the same names give back their own mapping."""
+        merged: dict = {}
+        for part in self.all_gather(mapping):
+            for key, value in part.items():
+                merged.setdefault(key, value)
+        return merged
+
     def barrier(self) -> None:
         if not self.no_dist:
             dist.barrier(group=self.group)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import engine_view
-from .agreement import resolve_comm
+from .agreement import Comm, resolve_comm
 from .dcp_adapter import read_state
 from .errors import CheckpointError, CheckpointMismatchError, OptimizerMismatchError
 from .manifest import check_sizes, checkpoint_tensors, read_manifest, verify_files
@@ -87,7 +87,9 @@ def load_checkpoint(
 
     # 2. Names and shapes, model and optimizer.
     saved = checkpoint_tensors(manifest)
-    wanted_model = {MODEL_PREFIX + fqn: saved_shape(fqn, t.shape, pieces) for fqn, t, _ in named_tensors(model)}
+    # The model is what the ranks hold together (pipeline stages hold different layers).
+    wanted_model = comm.union({MODEL_PREFIX + fqn: saved_shape(fqn, t.shape, pieces)
+                               for fqn, t, _ in named_tensors(model)})
     # Tolerated absences (the same on every rank: the names are global) leave the comparison.
     only_model = sorted(k[len(MODEL_PREFIX):] for k in wanted_model if k not in saved) \
         if absent_from_checkpoint is not OnMismatch.RAISE else []
@@ -98,7 +100,7 @@ def load_checkpoint(
                         {k: v for k, v in wanted_model.items() if k[len(MODEL_PREFIX):] not in skipped},
                         MODEL_PREFIX, "model"), CheckpointMismatchError)
     error = None if optimizer is None else _optimizer_mismatch(manifest.get("optimizer"), optimizer, names, saved,
-                                                               pieces, skipped)
+                                                               pieces, skipped, comm)
     comm.agree(error, OptimizerMismatchError)
 
     # 3. File integrity: each rank checks a share of the files, then all agree.
@@ -170,32 +172,38 @@ def _compare(saved: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], wanted: Dict
             + f". Build the {what} with the configuration the checkpoint was saved with.")
 
 
-def _optimizer_mismatch(saved_optimizer, optimizer, names, saved, pieces, skipped=frozenset()) -> Optional[str]:
-    """Why the checkpoint's optimizer state does not fit ``optimizer``, or None. ``skipped``:
-    parameters only one side has, tolerated (their state is neither read nor required)."""
+def _optimizer_mismatch(saved_optimizer, optimizer, names, saved, pieces, skipped=frozenset(),
+                        comm: Optional[Comm] = None) -> Optional[str]:
+    """Why the checkpoint's optimizer state does not fit ``optimizer`` (with the other
+    ranks' of ``comm``: together they hold the model), or None. ``skipped``: parameters
+    only one side has, tolerated (their state is neither read nor required)."""
+    comm = comm or Comm(no_dist=True)
     if saved_optimizer is None:
         return "the checkpoint holds no optimizer state; load it with optimizer=None (model weights only)."
     if saved_optimizer["class"] != type(optimizer).__name__:
         return (f"the checkpoint holds {saved_optimizer['class']} state but the optimizer is "
                 f"{type(optimizer).__name__}; use the same optimizer class or load without the optimizer.")
-    error = _check_param_groups(saved_optimizer["param_groups"], optimizer, names, skipped)
+    groups = comm.all_gather([[names[id(p)] for p in group["params"]] for group in optimizer.param_groups])
+    error = _check_param_groups(saved_optimizer["param_groups"], groups, skipped)
     if error is not None:
         return error
-    wanted = {k: v for k, v in _optimizer_keys_after_init(optimizer, names, saved, pieces).items()
+    wanted = {k: v for k, v in comm.union(_optimizer_keys_after_init(optimizer, names, saved, pieces)).items()
               if k[len(OPTIMIZER_PREFIX):].rsplit(".", 1)[0] not in skipped}
-    in_optimizer = {names[id(p)] for p in optimizer_params(optimizer)} - set(skipped)
+    in_optimizer = {name for rank_groups in groups for group in rank_groups for name in group} - set(skipped)
     return _compare({k: v for k, v in saved.items() if k.startswith(OPTIMIZER_PREFIX)
                      and k[len(OPTIMIZER_PREFIX):].rsplit(".", 1)[0] in in_optimizer},
                     wanted, OPTIMIZER_PREFIX, "optimizer")
 
 
-def _check_param_groups(saved_groups, optimizer, names, skipped=frozenset()) -> Optional[str]:
-    if len(saved_groups) != len(optimizer.param_groups):
+def _check_param_groups(saved_groups, groups_per_rank, skipped=frozenset()) -> Optional[str]:
+    """``groups_per_rank``: each rank's parameter names per group of its optimizer."""
+    counts = {len(groups) for groups in groups_per_rank}
+    if counts != {len(saved_groups)}:
         return (f"the checkpoint's optimizer has {len(saved_groups)} parameter groups but this one has "
-                f"{len(optimizer.param_groups)}; build the optimizer the same way as when saving.")
-    for index, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
-        current = [names[id(p)] for p in group["params"] if names[id(p)] not in skipped]
-        if sorted(n for n in saved["params"] if n not in skipped) != sorted(current):
+                f"{' or '.join(str(c) for c in sorted(counts))}; build the optimizer the same way as when saving.")
+    for index, saved in enumerate(saved_groups):
+        current = sorted({n for groups in groups_per_rank for n in groups[index] if n not in skipped})
+        if sorted(n for n in saved["params"] if n not in skipped) != current:
             diff = sorted(set(saved["params"]) ^ set(current))
             return (f"optimizer parameter group {index} holds different parameters than in the checkpoint "
                     f"(differing: {_fmt_list(diff)}); build the optimizer the same way as when saving.")

@@ -15,7 +15,8 @@ from . import engine_view
 from .agreement import Comm, resolve_comm
 from .dcp_adapter import data_files, staged, write_state
 from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, digest_files, fsync_dir, write_manifest
-from .state import check_optimizer_belongs, model_state, optimizer_json, optimizer_state, param_names
+from .state import (check_optimizer_belongs, merge_optimizer_json, model_state, optimizer_json, optimizer_state,
+                    param_names)
 
 
 def save_checkpoint(
@@ -75,8 +76,10 @@ def save_checkpoint(
     if optimizer is not None:
         tensors, scalars = optimizer_state(optimizer, engine, names, pieces)
         state.update(tensors)
-        saved_optimizer = optimizer_json(optimizer, names, scalars)
-    header = manifest_header(comm.size, engine_view.unit_strategies(contexts), saved_optimizer, extra_metadata)
+        # Every rank's parameters: pipeline stages hold different ones.
+        saved_optimizer = merge_optimizer_json(comm.all_gather(optimizer_json(optimizer, names, scalars)))
+    header = manifest_header(comm.size, comm.union(engine_view.unit_strategies(contexts)), saved_optimizer,
+                             extra_metadata)
     if not async_save:
         write_checkpoint(state, checkpoint_dir, comm, header)
         return checkpoint_dir

@@ -197,6 +197,25 @@ def optimizer_json(optimizer, names: Dict[int, str], scalars: Dict[str, Dict[str
     return {"class": type(optimizer).__name__, "param_groups": groups, "scalar_state": scalars}
 
 
+def merge_optimizer_json(entries: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One ``optimizer`` entry from every rank's: each group's parameters are the union, in
+    rank order (pipeline stages hold different parameters; data-parallel ranks the same),
+    its hyper-parameters the first rank's; the scalar state of every parameter."""
+    merged = {"class": entries[0]["class"], "param_groups": [], "scalar_state": {}}
+    if any(len(e["param_groups"]) != len(entries[0]["param_groups"]) for e in entries):
+        raise ValueError("the ranks' optimizers have different numbers of parameter groups; build every rank's "
+                         "optimizer with the same groups (an empty group where a rank has no such parameter).")
+    for index, group in enumerate(entries[0]["param_groups"]):
+        params = []
+        for entry in entries:
+            params += [n for n in entry["param_groups"][index]["params"] if n not in params]
+        merged["param_groups"].append(dict(group, params=params))
+    for entry in entries:
+        for fqn, state in entry.get("scalar_state", {}).items():
+            merged["scalar_state"].setdefault(fqn, state)
+    return merged
+
+
 def restore_optimizer_json(optimizer, names: Dict[int, str], saved_optimizer: Dict[str, Any]) -> None:
     """Put the manifest's hyper-parameters and non-tensor state back into ``optimizer``."""
     for saved, group in zip(saved_optimizer["param_groups"], optimizer.param_groups):
