@@ -1,0 +1,116 @@
+"""A GPTModel under context parallelism equals the same model on the whole sequence.
+
+Every CP rank is fed its split of the tokens, labels and position ids; its per-token
+losses, un-split, equal the CP=1 model's on the whole sequence, and its parameter
+gradients, summed over the CP group, equal the CP=1 model's (the loss is the sum of all
+tokens' losses). Llama-style (RoPE, GQA) and GPT-2-style (learned absolute positions,
+MHA); every communication type; selective recompute of the attention core.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from _cp_helpers import CP_SIZES, WORLD, cp_group
+from _dist_helpers import check
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.context_parallel import (
+    SUPPORTED_CP_COMM_TYPES,
+    context_parallel_positions,
+    gather_from_context_parallel,
+    split_for_context_parallel,
+)
+
+B, S, VOCAB = 2, 16, 64
+ARCHITECTURES = {
+    # 8 heads in 4 groups: 'a2a' scatters whole groups at cp=4.
+    "llama": dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=64,
+                  normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
+                  position_embedding_type="rope"),
+    "gpt2": dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64),
+}
+
+
+def build(arch, **config_kwargs):
+    torch.manual_seed(3)  # the same weights at every CP size
+    config = TransformerConfig(**ARCHITECTURES[arch], **config_kwargs)
+    return GPTModel(config, VOCAB, max_sequence_length=S, share_embeddings_and_output_weights=arch == "gpt2")
+
+
+def run_pair(arch, cp, comm_type, **config_kwargs):
+    group = cp_group(cp)
+    rank = dist.get_rank(group)
+    reference = build(arch, **config_kwargs)
+    model = build(arch, context_parallel_size=cp, cp_group=group, cp_comm_type=comm_type, **config_kwargs)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (B, S), generator=g)
+    labels = torch.randint(0, VOCAB, (B, S), generator=g)
+    positions = torch.arange(S).expand(B, S)
+
+    ref_loss = reference(tokens, positions, labels=labels)
+    ref_loss.sum().backward()
+
+    local = [split_for_context_parallel(t, cp, rank) for t in (tokens, positions, labels)]
+    check(torch.equal(local[1][0], context_parallel_positions(S, cp, rank)), "split positions")
+    loss = model(local[0], local[1], labels=local[2])
+    loss.sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    for grad in grads:  # every token's loss: sum the pieces over the CP group
+        dist.all_reduce(grad, group=group)
+
+    whole = gather_from_context_parallel(loss, group)
+    check(torch.allclose(whole, ref_loss.detach(), rtol=1e-5, atol=1e-5),
+          f"losses differ by {(whole - ref_loss).abs().max():.3g}")
+    errors = [name for (name, ref), grad in zip(reference.named_parameters(), grads)
+              if not torch.allclose(grad, ref.grad, rtol=1e-4, atol=1e-6)]
+    check(not errors, f"gradients differ: {errors}")
+
+
+@pytest.mark.parametrize("cp", CP_SIZES)
+@pytest.mark.parametrize("comm_type", SUPPORTED_CP_COMM_TYPES)
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_gpt_under_context_parallel_matches_whole_sequence(arch, comm_type, cp):
+    run_pair(arch, cp, comm_type)
+
+
+@pytest.mark.parametrize("cp", CP_SIZES)
+def test_selective_recompute_under_context_parallel(cp):
+    run_pair("llama", cp, "p2p", recompute_granularity="selective")
+
+
+def test_attention_mask_is_refused():
+    cp = max(CP_SIZES)
+    if cp == 1:
+        pytest.skip("a world of one rank has no context parallelism")
+    model = build("gpt2", context_parallel_size=cp, cp_group=cp_group(cp))
+    tokens = torch.zeros(B, S // cp, dtype=torch.long)
+    with pytest.raises(ValueError, match="attention_mask is not supported with context parallelism"):
+        model(tokens, tokens, attention_mask=torch.zeros(S // cp, S // cp, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(context_parallel_size=0), "context_parallel_size must be a positive integer"),
+    (dict(context_parallel_size=WORLD + 1), f"context_parallel_size {WORLD + 1} needs cp_group"),
+    (dict(cp_comm_type="a2a+p2p"), "use one of p2p, all_gather, a2a"),
+    (dict(cp_comm_type=["p2p"]), "cp_comm_type lists 1 types for 2 layers"),
+])
+def test_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig(**ARCHITECTURES["gpt2"], cp_group=dist.group.WORLD, **kwargs)
+
+
+def test_config_a2a_needs_divisible_heads():
+    cp = max(CP_SIZES)
+    if cp == 1:
+        pytest.skip("every head count is divisible by 1")
+    with pytest.raises(ValueError, match=r"num_query_groups per TP rank \(1\) must be divisible"):
+        TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2 * cp, num_query_groups=1,
+                          context_parallel_size=cp, cp_group=cp_group(cp), cp_comm_type="a2a")
+
+
+def test_per_layer_comm_types():
+    cp = max(CP_SIZES)
+    config = TransformerConfig(**ARCHITECTURES["gpt2"], context_parallel_size=cp, cp_group=cp_group(cp),
+                               cp_comm_type=["all_gather", "p2p"])
+    assert [config.layer_cp_comm_type(n) for n in (1, 2)] == ["all_gather", "p2p"]
