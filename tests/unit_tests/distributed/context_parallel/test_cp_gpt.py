@@ -79,6 +79,30 @@ def test_selective_recompute_under_context_parallel(cp):
     run_pair("llama", cp, "p2p", recompute_granularity="selective")
 
 
+@pytest.mark.parametrize("comm_type", SUPPORTED_CP_COMM_TYPES)
+def test_selective_recompute_replays_attention_dropout(comm_type):
+    """With attention dropout, recomputing the attention core in backward gives the same
+    gradients as keeping it: the replay draws the same masks."""
+    cp = max(CP_SIZES)
+    group = cp_group(cp)
+    rank = dist.get_rank(group)
+    g = torch.Generator().manual_seed(6)
+    tokens = split_for_context_parallel(torch.randint(0, VOCAB, (B, S), generator=g), cp, rank)
+    positions = split_for_context_parallel(torch.arange(S).expand(B, S), cp, rank)
+    grads = []
+    for recompute in (None, "selective"):
+        model = build("llama", attention_dropout=0.3, recompute_granularity=recompute, context_parallel_size=cp,
+                      cp_group=group, cp_comm_type=comm_type)
+        torch.manual_seed(8)
+        model(tokens, positions, labels=tokens).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    check(all(torch.equal(a, b) for a, b in zip(*grads)), "recompute changed the gradients")
+    dropout_free = build("llama", context_parallel_size=cp, cp_group=group, cp_comm_type=comm_type)
+    dropout_free(tokens, positions, labels=tokens).sum().backward()
+    check(not all(torch.allclose(a, p.grad) for a, p in zip(grads[0], dropout_free.parameters())),
+          "the dropout did nothing")
+
+
 def test_attention_mask_is_refused():
     cp = max(CP_SIZES)
     if cp == 1:
