@@ -13,6 +13,7 @@ import torch.distributed as dist
 from _cp_helpers import CP_SIZES, WORLD, cp_group
 from _dist_helpers import check
 
+from megatron.core.global_slices import global_slices_of
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.context_parallel import (
@@ -21,6 +22,7 @@ from megatron.core.transformer.context_parallel import (
     gather_from_context_parallel,
     split_for_context_parallel,
 )
+from megatron.core.transformer.initialization import initialize_parameters_
 
 B, S, VOCAB = 2, 16, 64
 ARCHITECTURES = {
@@ -101,6 +103,60 @@ def test_selective_recompute_replays_attention_dropout(comm_type):
     dropout_free(tokens, positions, labels=tokens).sum().backward()
     check(not all(torch.allclose(a, p.grad) for a, p in zip(grads[0], dropout_free.parameters())),
           "the dropout did nothing")
+
+
+_TP_CP_GROUPS = {}
+
+
+def tp_cp_groups():
+    """At 4 ranks: TP groups {0, 1}, {2, 3} and CP groups {0, 2}, {1, 3} (TP innermost)."""
+    if not _TP_CP_GROUPS:
+        rank = dist.get_rank()
+        for name, members in (("tp", [[0, 1], [2, 3]]), ("cp", [[0, 2], [1, 3]])):
+            for ranks in members:
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    _TP_CP_GROUPS[name] = group
+    return _TP_CP_GROUPS["tp"], _TP_CP_GROUPS["cp"]
+
+
+@pytest.mark.skipif(WORLD != 4, reason="TP=2 x CP=2 needs 4 ranks")
+@pytest.mark.parametrize("comm_type", SUPPORTED_CP_COMM_TYPES)
+def test_tensor_parallel_times_context_parallel(comm_type):
+    """TP=2 x CP=2: each rank's TP piece of every gradient, summed over CP, is the piece of
+    the single-process model's gradient; the un-split losses are its losses."""
+    tp_group, group = tp_cp_groups()
+    rank = dist.get_rank(group)
+    reference = build("llama")
+    model = build("llama", tensor_model_parallel_size=2, tp_group=tp_group, context_parallel_size=2, cp_group=group,
+                  cp_comm_type=comm_type)
+    for m in (reference, model):  # the same global weights at every TP size
+        initialize_parameters_(m, 13)
+    g = torch.Generator().manual_seed(5)
+    tokens, labels = (torch.randint(0, VOCAB, (B, S), generator=g) for _ in range(2))
+    positions = torch.arange(S).expand(B, S)
+    ref_loss = reference(tokens, positions, labels=labels)
+    ref_loss.sum().backward()
+    local = [split_for_context_parallel(t, 2, rank) for t in (tokens, positions, labels)]
+    loss = model(local[0], local[1], labels=local[2])
+    loss.sum().backward()
+    check(torch.allclose(gather_from_context_parallel(loss, group), ref_loss.detach(), rtol=1e-5, atol=1e-5),
+          "losses differ")
+    ref = dict(reference.named_parameters())
+    assert model.decoder.layers[0].self_attention.linear_qkv.weight.shape[0] * 2 == \
+        reference.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]  # really TP-split
+    errors = []
+    for module_name, module in model.named_modules():
+        slices = global_slices_of(module)
+        for attr, param in module.named_parameters(recurse=False):
+            grad = param.grad.clone()
+            dist.all_reduce(grad, group=group)
+            expected = ref[f"{module_name}.{attr}"].grad
+            if attr in slices:
+                expected = slices[attr].take(expected)
+            if not torch.allclose(grad, expected, rtol=1e-4, atol=1e-6):
+                errors.append(f"{module_name}.{attr}")
+    check(not errors, f"gradients differ: {errors}")
 
 
 def test_attention_mask_is_refused():
