@@ -5,7 +5,8 @@
 
 cp = the world size; every rank holds 2 * seq / (2 * cp) tokens of q [b, H, s, d] and
 k, v [b, G, s, d]. Prints rank 0's median over ``--reps`` steps (after one warm-up), the
-slowest rank's time per step being what a step costs. Not part of the test suite.
+slowest rank's time per step being what a step costs. "a2a+p2p" runs as 2 x (cp / 2)
+(a2a groups of 2 consecutive ranks) where cp >= 4. Not part of the test suite.
 """
 
 import argparse
@@ -36,13 +37,21 @@ def main():
     torch.manual_seed(0)
     full = [torch.randn(args.batch, n, args.seq, args.head_dim) for n in (args.heads, args.groups, args.groups)]
     local = [split_for_context_parallel(t, cp, rank, seq_dim=2) for t in full]
+    hierarchical = None
+    if cp >= 4 and cp % 2 == 0:
+        a2a_groups = [dist.new_group([2 * o, 2 * o + 1]) for o in range(cp // 2)]
+        p2p_groups = [dist.new_group(list(range(i, cp, 2))) for i in range(2)]
+        hierarchical = (a2a_groups[rank // 2], p2p_groups[rank % 2])
     for comm_type in SUPPORTED_CP_COMM_TYPES:
+        if comm_type == "a2a+p2p" and hierarchical is None:
+            continue
         times = []
         for _ in range(args.reps + 1):
             leaves = [t.clone().requires_grad_() for t in local]
             dist.barrier()
             start = time.perf_counter()
-            context_parallel_attention(*leaves, dist.group.WORLD, comm_type).sum().backward()
+            context_parallel_attention(*leaves, dist.group.WORLD, comm_type,
+                                       hierarchical_groups=hierarchical).sum().backward()
             elapsed = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step waits for the slowest rank
             times.append(elapsed.item())

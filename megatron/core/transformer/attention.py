@@ -101,6 +101,7 @@ class SelfAttention(nn.Module):
         return context_parallel_attention(
             q, k, v, self.config.cp_group, self.config.layer_cp_comm_type(self.layer_number),
             dropout_p=self.config.attention_dropout if self.training else 0.0, local_attention=self.core_attention,
+            hierarchical_groups=self.config.hierarchical_cp_groups,
         )
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,

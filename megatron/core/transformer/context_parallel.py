@@ -23,6 +23,9 @@ Communication types (Megatron's ``cp_comm_type`` spellings):
   reduce-scatters dK/dV.
 * ``"a2a"`` (DeepSpeed Ulysses): all-to-alls trade heads for sequence, so each rank runs
   plain causal attention over the whole sequence for H / cp heads, then trades back.
+* ``"a2a+p2p"`` (hierarchical): the CP group is a x p ranks; all-to-alls inside each a2a
+  group of a consecutive CP ranks trade heads for their 2a chunks, and the ring runs
+  over each p2p group (the ranks with the same heads in the p groups).
 """
 
 from typing import Callable, List, Optional, Tuple
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-SUPPORTED_CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+SUPPORTED_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 # --------------------------------------------------------------------------------------
@@ -106,9 +109,33 @@ def gather_from_context_parallel(tensor: torch.Tensor, cp_group, seq_dim: int = 
 
 def check_cp_comm_type(comm_type: str) -> None:
     if comm_type not in SUPPORTED_CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type {comm_type!r} is not supported; use one of "
+                         f"{', '.join(SUPPORTED_CP_COMM_TYPES)}.")
+
+
+def check_heads_divisible(heads: int, groups: int, size: int, comm_type: str) -> None:
+    """'a2a' and 'a2a+p2p' scatter whole heads and query groups over ``size`` ranks."""
+    if heads % size or groups % size:
         raise ValueError(
-            f"cp_comm_type {comm_type!r} is not supported; use one of {', '.join(SUPPORTED_CP_COMM_TYPES)} "
-            "('a2a+p2p' is not implemented)."
+            f"cp_comm_type {comm_type!r} scatters heads over {size} ranks: attention heads ({heads}) and query "
+            f"groups ({groups}) per rank must be divisible by {size}; use 'p2p' or 'all_gather'."
+        )
+
+
+def check_hierarchical_groups(hierarchical_groups, cp_group) -> None:
+    """'a2a+p2p' needs (a2a group, p2p group): CP rank o * a + i is rank i of an a2a group
+    of a ranks and rank o of a p2p group, so that the sizes multiply to the CP size."""
+    if not isinstance(hierarchical_groups, (list, tuple)) or len(hierarchical_groups) != 2:
+        raise ValueError("cp_comm_type 'a2a+p2p' needs the hierarchical CP groups (a2a group, p2p group); "
+                         "build them from --hierarchical-context-parallel-sizes.")
+    inner, outer = hierarchical_groups
+    a, p = dist.get_world_size(inner), dist.get_world_size(outer)
+    expected = dist.get_rank(outer) * a + dist.get_rank(inner)
+    if a * p != dist.get_world_size(cp_group) or expected != dist.get_rank(cp_group):
+        raise ValueError(
+            f"the hierarchical CP groups ({a} x {p} ranks) do not tile the CP group of "
+            f"{dist.get_world_size(cp_group)}: CP rank o * a + i must be rank i of its a2a group and rank o of its "
+            "p2p group (a2a groups of consecutive CP ranks)."
         )
 
 
@@ -120,7 +147,8 @@ def _sdpa(q, k, v, attn_mask, is_causal, dropout_p=0.0):
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group,
                                comm_type: str = "p2p", *, dropout_p: float = 0.0,
-                               local_attention: Optional[Callable] = None) -> torch.Tensor:
+                               local_attention: Optional[Callable] = None,
+                               hierarchical_groups: Optional[Tuple] = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence.
 
     q [b, H, 2c, d], k and v [b, G, 2c, d]: this rank's two chunks (the split above) in
@@ -129,8 +157,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``local_attention(q, k, v, attn_mask, is_causal)`` (SDPA semantics: a bool mask is
     True where attention is allowed; GQA by head count) is the kernel "all_gather" and
     "a2a" run after their collectives, e.g. the attention module's own, which applies its
-    dropout and kernel choice. Default: SDPA with ``dropout_p``. "p2p" runs its own
-    blockwise kernel in fp32 and applies ``dropout_p`` there.
+    dropout and kernel choice. Default: SDPA with ``dropout_p``. "p2p" and "a2a+p2p" run
+    their own blockwise kernel in fp32 and apply ``dropout_p`` there. "a2a+p2p" needs
+    ``hierarchical_groups`` = (a2a group, p2p group) (``check_hierarchical_groups``).
     """
     check_cp_comm_type(comm_type)
     cp = dist.get_world_size(cp_group)
@@ -145,14 +174,15 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         def local_attention(q_, k_, v_, attn_mask, is_causal):
             return _sdpa(q_, k_, v_, attn_mask, is_causal, dropout_p)
     if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, cp_group, dropout_p)
+        ring_chunks = tuple(context_parallel_chunks(cp, r) for r in range(cp))
+        return _RingAttention.apply(q, k, v, cp_group, ring_chunks, dropout_p)
     if comm_type == "all_gather":
         return _all_gather_attention(q, k, v, cp_group, local_attention)
-    if heads % cp or groups % cp:
-        raise ValueError(
-            f"cp_comm_type 'a2a' scatters heads over the CP group: attention heads ({heads}) and query groups "
-            f"({groups}) per rank must be divisible by context_parallel_size ({cp}); use 'p2p' or 'all_gather'."
-        )
+    if comm_type == "a2a+p2p":
+        check_hierarchical_groups(hierarchical_groups, cp_group)
+        check_heads_divisible(heads, groups, dist.get_world_size(hierarchical_groups[0]), comm_type)
+        return _hierarchical_attention(q, k, v, *hierarchical_groups, dropout_p)
+    check_heads_divisible(heads, groups, cp, comm_type)
     return _ulysses_attention(q, k, v, cp_group, local_attention)
 
 
@@ -236,6 +266,23 @@ def _ulysses_attention(q, k, v, group, local_attention):
     return _AllToAll.apply(context.index_select(2, positions), group, 2, 1)
 
 
+# ---- a2a+p2p (hierarchical) ----------------------------------------------------------
+
+
+def _hierarchical_attention(q, k, v, a2a_group, p2p_group, dropout_p):
+    a, p = dist.get_world_size(a2a_group), dist.get_world_size(p2p_group)
+    cp = a * p
+    # [b, heads, 2c, d] -> [b, heads / a, 2a * c, d]: this rank's heads for the chunks of
+    # its a2a group, in CP-rank order. The ring needs no reordering: it compares chunk
+    # indices, and a chunk's tokens stay in order.
+    q_group = _AllToAll.apply(q, a2a_group, 1, 2)
+    kv_group = _AllToAll.apply(torch.stack([k, v]), a2a_group, 2, 3)
+    ring_chunks = tuple(tuple(chunk for i in range(a) for chunk in context_parallel_chunks(cp, o * a + i))
+                        for o in range(p))
+    context = _RingAttention.apply(q_group, kv_group[0], kv_group[1], p2p_group, ring_chunks, dropout_p)
+    return _AllToAll.apply(context, a2a_group, 2, 1)
+
+
 # ---- p2p (ring) ----------------------------------------------------------------------
 
 
@@ -267,21 +314,22 @@ class _Ring:
 _KV_TAG, _DKV_TAG = 1, 2  # the two exchanges may be in flight to the same peer at once
 
 
-def _chunk_pairs(cp: int, rank: int, src: int):
-    """(query chunk i, key chunk j, causal?) of the local chunks of ``rank`` and the K/V
-    chunks of ``src`` that the causal mask does not hide entirely. Chunk pairs with a
-    later key chunk are skipped; a chunk with itself needs the triangular mask."""
-    q_chunks, k_chunks = context_parallel_chunks(cp, rank), context_parallel_chunks(cp, src)
+def _chunk_pairs(q_chunks: Tuple[int, ...], k_chunks: Tuple[int, ...]):
+    """(query chunk i, key chunk j, causal?) of the local chunks (global chunk indices
+    ``q_chunks``) and a K/V block's (``k_chunks``) that the causal mask does not hide
+    entirely. Chunk pairs with a later key chunk are skipped; a chunk with itself needs
+    the triangular mask."""
     return [(i, j, qc == kc) for i, qc in enumerate(q_chunks) for j, kc in enumerate(k_chunks) if qc >= kc]
 
 
-def _dropout_keep(seed: int, step: int, i: int, j: int, shape, p: float, device) -> Optional[torch.Tensor]:
-    """The keep mask of one block, drawn from a generator seeded by (seed, block), so the
-    backward draws the same mask without storing it. None without dropout."""
+def _dropout_keep(seed: int, step: int, i: int, j: int, n: int, shape, p: float, device) -> Optional[torch.Tensor]:
+    """The keep mask of one block (step, query chunk i, key chunk j of n each), drawn from a
+    generator seeded by (seed, block), so the backward draws the same mask without storing
+    it. None without dropout."""
     if p == 0.0:
         return None
     generator = torch.Generator(device=device)
-    generator.manual_seed((seed * 1_000_003 + (step * 4 + i * 2 + j)) % (2 ** 63))
+    generator.manual_seed((seed * 1_000_003 + (step * n + i) * n + j) % (2 ** 63))
     return torch.rand(shape, generator=generator, device=device) >= p
 
 
@@ -302,16 +350,19 @@ def _weighted(p, v):
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention. Internally in at least fp32, with the queries as [b, G, P, 2c, d] so that GQA
-    never expands K/V, and per local query chunk i (0, 1) a running output and
-    log-sum-exp. Merging a block (o, l) into (O, L): L' = logaddexp(L, l),
+    """Ring attention over ``group``, whose rank r holds the global chunks
+    ``ring_chunks[r]`` (c tokens each) of q, k and v: (r, 2 * cp - 1 - r) for "p2p", the
+    chunks of an a2a group for "a2a+p2p". Internally in at least fp32, with the queries as
+    [b, G, P, s, d] so that GQA never expands K/V, and per local query chunk a running
+    output and log-sum-exp. Merging a block (o, l) into (O, L): L' = logaddexp(L, l),
     O' = O * exp(L - L') + o * exp(l - L')."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, dropout_p):
+    def forward(ctx, q, k, v, group, ring_chunks, dropout_p):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         b, heads, s, d = q.shape
-        groups, c = k.shape[1], s // 2
+        n = len(ring_chunks[rank])
+        groups, c = k.shape[1], s // n
         scale = d ** -0.5
         seed = int(torch.randint(0, 2 ** 62, ()).item()) if dropout_p > 0 else 0
         acc = _accumulation_dtype(q)
@@ -319,18 +370,18 @@ class _RingAttention(torch.autograd.Function):
         qs = q5.split(c, dim=3)
         kv = torch.stack([k, v]).to(acc).contiguous()
         ring = _Ring(group)
-        out: List[Optional[torch.Tensor]] = [None, None]
-        lse: List[Optional[torch.Tensor]] = [None, None]
+        out: List[Optional[torch.Tensor]] = [None] * n
+        lse: List[Optional[torch.Tensor]] = [None] * n
         for step in range(cp):
             # Post the next block's exchange first, so it travels while this one computes.
             posted = ring.exchange(kv, _KV_TAG) if step + 1 < cp else None
             src = (rank - step) % cp
             ks, vs = kv[0].split(c, dim=2), kv[1].split(c, dim=2)
-            for i, j, causal in _chunk_pairs(cp, rank, src):
+            for i, j, causal in _chunk_pairs(ring_chunks[rank], ring_chunks[src]):
                 scores = _scores(qs[i], ks[j], scale, causal)
                 block_lse = scores.logsumexp(dim=-1)
                 probs = torch.exp(scores - block_lse.unsqueeze(-1))
-                keep = _dropout_keep(seed, step, i, j, probs.shape, dropout_p, q.device)
+                keep = _dropout_keep(seed, step, i, j, n, probs.shape, dropout_p, q.device)
                 if keep is not None:
                     probs = probs * keep / (1 - dropout_p)
                 block_out = _weighted(probs, vs[j])
@@ -346,16 +397,17 @@ class _RingAttention(torch.autograd.Function):
         # Every query chunk saw at least its own chunk (the diagonal block), so none is None.
         out_all, lse_all = torch.cat(out, dim=3), torch.cat(lse, dim=3)
         ctx.save_for_backward(q, k, v, out_all, lse_all)
-        ctx.group, ctx.dropout_p, ctx.seed = group, dropout_p, seed
+        ctx.group, ctx.ring_chunks, ctx.dropout_p, ctx.seed = group, ring_chunks, dropout_p, seed
         return out_all.reshape(b, heads, s, d).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, dropout_p, seed = ctx.group, ctx.dropout_p, ctx.seed
+        group, ring_chunks, dropout_p, seed = ctx.group, ctx.ring_chunks, ctx.dropout_p, ctx.seed
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         b, heads, s, d = q.shape
-        groups, c = k.shape[1], s // 2
+        n = len(ring_chunks[rank])
+        groups, c = k.shape[1], s // n
         scale = d ** -0.5
         acc = _accumulation_dtype(q)
         q5 = q.to(acc).reshape(b, groups, heads // groups, s, d)
@@ -376,11 +428,11 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = kv[0].split(c, dim=2), kv[1].split(c, dim=2)
             dkv = torch.zeros_like(kv)  # this rank's share of the held block's dK, dV
             dks, dvs = dkv[0].split(c, dim=2), dkv[1].split(c, dim=2)
-            for i, j, causal in _chunk_pairs(cp, rank, src):
+            for i, j, causal in _chunk_pairs(ring_chunks[rank], ring_chunks[src]):
                 scores = _scores(qs[i], ks[j], scale, causal)
                 probs = torch.exp(scores - lses[i].unsqueeze(-1))  # the final softmax (masked -> 0)
                 dprobs = _weighted_t(douts[i], vs[j])
-                keep = _dropout_keep(seed, step, i, j, probs.shape, dropout_p, q.device)
+                keep = _dropout_keep(seed, step, i, j, n, probs.shape, dropout_p, q.device)
                 if keep is None:
                     dvs[j].add_(_transposed_weighted(probs, douts[i]))
                 else:
@@ -400,7 +452,7 @@ class _RingAttention(torch.autograd.Function):
         if dkv_posted is not None:
             dkv = _Ring.wait(dkv_posted)
         dq = dq.reshape(b, heads, s, d).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:

@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from .context_parallel import check_cp_comm_type
+from .context_parallel import check_cp_comm_type, check_heads_divisible, check_hierarchical_groups
 from .moe.config import check_moe_config
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -128,10 +128,13 @@ class TransformerConfig:
     tp_group: Any = field(default=None, repr=False, compare=False)  # a ProcessGroup of that size
     # Context parallelism (context_parallel.py): each rank of ``cp_group`` holds 2 of the
     # 2 * context_parallel_size chunks of every sequence; attention exchanges keys/values by
-    # ``cp_comm_type`` ("p2p", "all_gather", "a2a"; or a list of them, one per layer).
+    # ``cp_comm_type`` ("p2p", "all_gather", "a2a", "a2a+p2p"; or a list, one per layer).
     context_parallel_size: int = 1
     cp_group: Any = field(default=None, repr=False, compare=False)  # a ProcessGroup of that size
     cp_comm_type: Union[str, List[str]] = "p2p"
+    # "a2a+p2p" only: (a2a group, p2p group), Megatron's --hierarchical-context-parallel-sizes
+    # (low level first): a2a groups of consecutive CP ranks, their sizes multiplying to the CP size.
+    hierarchical_cp_groups: Any = field(default=None, repr=False, compare=False)
     # Mixture of experts (megatron/core/transformer/moe/; Megatron-LM's fields and defaults,
     # checked by moe/config.py). num_moe_experts None: every layer has a dense MLP.
     num_moe_experts: Optional[int] = None
@@ -293,14 +296,13 @@ class TransformerConfig:
                 f"context_parallel_size {cp} needs cp_group, a process group of {cp} ranks "
                 "(the ranks that hold the pieces of the same sequences)."
             )
+        tp = self.tensor_model_parallel_size
+        heads, groups = self.num_attention_heads // tp, self.num_query_groups // tp
         if "a2a" in comm_types:
-            tp = self.tensor_model_parallel_size
-            for name in ("num_attention_heads", "num_query_groups"):
-                if (getattr(self, name) // tp) % cp:
-                    raise ValueError(
-                        f"cp_comm_type 'a2a' scatters heads over CP: {name} per TP rank ({getattr(self, name) // tp}) "
-                        f"must be divisible by context_parallel_size ({cp}); use 'p2p' or 'all_gather'."
-                    )
+            check_heads_divisible(heads, groups, cp, "a2a")
+        if "a2a+p2p" in comm_types:
+            check_hierarchical_groups(self.hierarchical_cp_groups, self.cp_group)
+            check_heads_divisible(heads, groups, dist.get_world_size(self.hierarchical_cp_groups[0]), "a2a+p2p")
 
     def layer_cp_comm_type(self, layer_number: int) -> str:
         """The CP communication type of layer ``layer_number`` (1-based, as in Megatron)."""

@@ -10,7 +10,7 @@ cp=2 (two groups of two); a plain pytest run: cp=1.
 import pytest
 import torch
 import torch.distributed as dist
-from _cp_helpers import CP_SIZES, cp_group
+from _cp_helpers import CP_SIZES, HIERARCHIES, cp_group, default_a2a_size, hierarchical_groups
 from _dist_helpers import check
 
 from megatron.core.transformer.context_parallel import (
@@ -45,9 +45,11 @@ def global_inputs(groups, dtype=torch.float32, heads=HEADS):
     return q, k, v, weight
 
 
-def run_cp(q, k, v, weight, cp, comm_type, **kwargs):
+def run_cp(q, k, v, weight, cp, comm_type, a2a_size=None, **kwargs):
     """Output and q/k/v gradients of this rank's split."""
     group = cp_group(cp)
+    if comm_type == "a2a+p2p":
+        kwargs["hierarchical_groups"] = hierarchical_groups(cp, a2a_size or default_a2a_size(cp))
     rank = dist.get_rank(group)
     local = [split_for_context_parallel(t, cp, rank, seq_dim=2).clone().requires_grad_() for t in (q, k, v)]
     out = context_parallel_attention(*local, group, comm_type, **kwargs)
@@ -60,12 +62,21 @@ def run_cp(q, k, v, weight, cp, comm_type, **kwargs):
 @pytest.mark.parametrize("comm_type", SUPPORTED_CP_COMM_TYPES)
 def test_matches_full_causal_attention(comm_type, heads, groups, cp):
     # GQA: 2 query heads per group, and 4 groups, so that 'a2a' can scatter them at cp=4.
+    compare_with_reference(comm_type, heads, groups, cp)
+
+
+@pytest.mark.parametrize("cp, a2a_size", HIERARCHIES)
+def test_hierarchical_matches_full_causal_attention(cp, a2a_size):
+    compare_with_reference("a2a+p2p", 2 * HEADS, HEADS, cp, a2a_size)
+
+
+def compare_with_reference(comm_type, heads, groups, cp, a2a_size=None):
     q, k, v, weight = global_inputs(groups, heads=heads)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = reference_attention(*leaves)
     (expected * weight).sum().backward()
 
-    out, grads, group, rank = run_cp(q, k, v, weight, cp, comm_type)
+    out, grads, group, rank = run_cp(q, k, v, weight, cp, comm_type, a2a_size)
     errors = []
     for name, got, want in [("out", out, expected.detach())] + list(zip(("dq", "dk", "dv"), grads,
                                                                           (t.grad for t in leaves))):
@@ -79,7 +90,8 @@ def test_matches_full_causal_attention(comm_type, heads, groups, cp):
 
 
 @pytest.mark.parametrize("cp", CP_SIZES)
-def test_p2p_dropout_backward_replays_the_forward_masks(cp):
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a+p2p"])
+def test_ring_dropout_backward_replays_the_forward_masks(comm_type, cp):
     """With dropout the output is a function of the seed; its gradient must be the
     derivative of that same function: compare the autograd directional derivative with a
     central finite difference (fp64, same RNG state for every evaluation)."""
@@ -90,11 +102,14 @@ def test_p2p_dropout_backward_replays_the_forward_masks(cp):
     split = [split_for_context_parallel(t, cp, rank, seq_dim=2) for t in (q, k, v)]
     dsplit = [split_for_context_parallel(t, cp, rank, seq_dim=2) for t in direction]
     w = split_for_context_parallel(weight, cp, rank, seq_dim=2)
+    kwargs = {}
+    if comm_type == "a2a+p2p":
+        kwargs["hierarchical_groups"] = hierarchical_groups(cp, default_a2a_size(cp))
 
     def value(eps):
         torch.manual_seed(99)
         inputs = [(t + eps * dt).requires_grad_() for t, dt in zip(split, dsplit)]
-        out = context_parallel_attention(*inputs, group, "p2p", dropout_p=0.3)
+        out = context_parallel_attention(*inputs, group, comm_type, dropout_p=0.3, **kwargs)
         return (out * w).sum(), inputs, out
 
     loss, inputs, out = value(0.0)
@@ -106,7 +121,7 @@ def test_p2p_dropout_backward_replays_the_forward_masks(cp):
     dist.all_reduce(totals, group=group)  # the loss is the sum over the CP ranks
     check(torch.allclose(totals[0], totals[1], rtol=1e-7, atol=1e-7), f"autograd {totals[0]} vs numeric {totals[1]}")
     # ... and the dropout is real: about 30% of the probabilities are gone.
-    no_dropout = context_parallel_attention(*split, group, "p2p")
+    no_dropout = context_parallel_attention(*split, group, comm_type, **kwargs)
     check(bool((out.detach() - no_dropout).abs().max() > 1e-2), "dropout changed nothing")
 
 
@@ -116,14 +131,28 @@ def test_a2a_needs_heads_divisible_by_cp():
         pytest.skip("every head count is divisible by 1")
     q = torch.randn(B, cp + 1, 4, D)
     k = torch.randn(B, cp + 1, 4, D)
-    with pytest.raises(ValueError, match="must be divisible by context_parallel_size"):
+    message = rf"cp_comm_type 'a2a' scatters heads over {cp} ranks: attention heads \({cp + 1}\) and query groups"
+    with pytest.raises(ValueError, match=message):
         context_parallel_attention(q, k, k, cp_group(cp), "a2a")
+    with pytest.raises(ValueError, match="'a2a\\+p2p' scatters heads over 2 ranks"):
+        context_parallel_attention(q, k, k, cp_group(cp), "a2a+p2p", hierarchical_groups=hierarchical_groups(cp, 2))
 
 
-@pytest.mark.parametrize("comm_type", ["a2a+p2p", "ring"])
+def test_hierarchical_needs_groups_that_tile_the_cp_group():
+    cp = CP_SIZES[0]
+    q = torch.randn(B, HEADS, 4, D)
+    with pytest.raises(ValueError, match="'a2a\\+p2p' needs the hierarchical CP groups"):
+        context_parallel_attention(q, q, q, cp_group(cp), "a2a+p2p")
+    if cp == 1:
+        return
+    with pytest.raises(ValueError, match=f"do not tile the CP group of {cp}"):
+        context_parallel_attention(q, q, q, cp_group(cp), "a2a+p2p", hierarchical_groups=(cp_group(cp),) * 2)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p+a2a", "allgather"])
 def test_unsupported_comm_type(comm_type):
     q = torch.randn(B, HEADS, 4, D)
-    with pytest.raises(ValueError, match="use one of p2p, all_gather, a2a"):
+    with pytest.raises(ValueError, match="use one of p2p, all_gather, a2a, a2a\\+p2p"):
         context_parallel_attention(q, q, q, cp_group(CP_SIZES[0]), comm_type)
 
 

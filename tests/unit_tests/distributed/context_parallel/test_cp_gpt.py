@@ -10,7 +10,7 @@ MHA); every communication type; selective recompute of the attention core.
 import pytest
 import torch
 import torch.distributed as dist
-from _cp_helpers import CP_SIZES, WORLD, cp_group
+from _cp_helpers import CP_SIZES, WORLD, cp_config, cp_group, hierarchical_groups
 from _dist_helpers import check
 
 from megatron.core.global_slices import global_slices_of
@@ -44,7 +44,7 @@ def run_pair(arch, cp, comm_type, **config_kwargs):
     group = cp_group(cp)
     rank = dist.get_rank(group)
     reference = build(arch, **config_kwargs)
-    model = build(arch, context_parallel_size=cp, cp_group=group, cp_comm_type=comm_type, **config_kwargs)
+    model = build(arch, **cp_config(cp, comm_type), **config_kwargs)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, VOCAB, (B, S), generator=g)
     labels = torch.randint(0, VOCAB, (B, S), generator=g)
@@ -93,13 +93,12 @@ def test_selective_recompute_replays_attention_dropout(comm_type):
     positions = split_for_context_parallel(torch.arange(S).expand(B, S), cp, rank)
     grads = []
     for recompute in (None, "selective"):
-        model = build("llama", attention_dropout=0.3, recompute_granularity=recompute, context_parallel_size=cp,
-                      cp_group=group, cp_comm_type=comm_type)
+        model = build("llama", attention_dropout=0.3, recompute_granularity=recompute, **cp_config(cp, comm_type))
         torch.manual_seed(8)
         model(tokens, positions, labels=tokens).sum().backward()
         grads.append([p.grad for p in model.parameters()])
     check(all(torch.equal(a, b) for a, b in zip(*grads)), "recompute changed the gradients")
-    dropout_free = build("llama", context_parallel_size=cp, cp_group=group, cp_comm_type=comm_type)
+    dropout_free = build("llama", **cp_config(cp, comm_type))
     dropout_free(tokens, positions, labels=tokens).sum().backward()
     check(not all(torch.allclose(a, p.grad) for a, p in zip(grads[0], dropout_free.parameters())),
           "the dropout did nothing")
@@ -121,7 +120,7 @@ def tp_cp_groups():
 
 
 @pytest.mark.skipif(WORLD != 4, reason="TP=2 x CP=2 needs 4 ranks")
-@pytest.mark.parametrize("comm_type", SUPPORTED_CP_COMM_TYPES)
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
 def test_tensor_parallel_times_context_parallel(comm_type):
     """TP=2 x CP=2: each rank's TP piece of every gradient, summed over CP, is the piece of
     the single-process model's gradient; the un-split losses are its losses."""
@@ -172,7 +171,7 @@ def test_attention_mask_is_refused():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(context_parallel_size=0), "context_parallel_size must be a positive integer"),
     (dict(context_parallel_size=WORLD + 1), f"context_parallel_size {WORLD + 1} needs cp_group"),
-    (dict(cp_comm_type="a2a+p2p"), "use one of p2p, all_gather, a2a"),
+    (dict(cp_comm_type="p2p+a2a"), "use one of p2p, all_gather, a2a, a2a\\+p2p"),
     (dict(cp_comm_type=["p2p"]), "cp_comm_type lists 1 types for 2 layers"),
 ])
 def test_config_errors(kwargs, message):
@@ -184,9 +183,25 @@ def test_config_a2a_needs_divisible_heads():
     cp = max(CP_SIZES)
     if cp == 1:
         pytest.skip("every head count is divisible by 1")
-    with pytest.raises(ValueError, match=r"num_query_groups per TP rank \(1\) must be divisible"):
+    with pytest.raises(ValueError, match=rf"attention heads \({2 * cp}\) and query groups \(1\) per rank must be "
+                                         rf"divisible by {cp}"):
         TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2 * cp, num_query_groups=1,
                           context_parallel_size=cp, cp_group=cp_group(cp), cp_comm_type="a2a")
+    with pytest.raises(ValueError, match="'a2a\\+p2p' scatters heads over 2 ranks"):
+        TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2 * cp, num_query_groups=1,
+                          **cp_config(cp, "a2a+p2p", a2a_size=2))
+
+
+def test_config_a2a_p2p_needs_hierarchical_groups():
+    cp = max(CP_SIZES)
+    if cp == 1:
+        pytest.skip("a world of one rank has no context parallelism")
+    with pytest.raises(ValueError, match="'a2a\\+p2p' needs the hierarchical CP groups"):
+        TransformerConfig(**ARCHITECTURES["gpt2"], context_parallel_size=cp, cp_group=cp_group(cp),
+                          cp_comm_type="a2a+p2p")
+    with pytest.raises(ValueError, match=f"do not tile the CP group of {cp}"):
+        TransformerConfig(**ARCHITECTURES["gpt2"], context_parallel_size=cp, cp_group=cp_group(cp),
+                          cp_comm_type="a2a+p2p", hierarchical_cp_groups=(cp_group(cp), cp_group(cp)))
 
 
 def test_per_layer_comm_types():
