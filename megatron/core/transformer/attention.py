@@ -97,7 +97,7 @@ class SelfAttention(nn.Module):
         """core_attention when the sequence is split over CP ranks: q, k, v hold this rank's
         tokens, attention covers the whole sequence (context_parallel.py; causal by global
         position, so attn_mask / is_causal are unused). core_attention is the local kernel of
-        'all_gather' and 'a2a'; 'p2p' has its own."""
+        'all_gather' and 'a2a'; 'p2p' and 'a2a+p2p' have their own."""
         return context_parallel_attention(
             q, k, v, self.config.cp_group, self.config.layer_cp_comm_type(self.layer_number),
             dropout_p=self.config.attention_dropout if self.training else 0.0, local_attention=self.core_attention,
