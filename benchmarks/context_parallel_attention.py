@@ -43,8 +43,10 @@ def main():
         p2p_groups = [dist.new_group(list(range(i, cp, 2))) for i in range(2)]
         hierarchical = (a2a_groups[rank // 2], p2p_groups[rank % 2])
     for comm_type in SUPPORTED_CP_COMM_TYPES:
-        if comm_type == "a2a+p2p" and hierarchical is None:
+        if comm_type == "a2a+p2p" and (hierarchical is None or args.groups % 2):
             continue
+        if comm_type == "a2a" and (args.heads % cp or args.groups % cp):
+            continue  # Ulysses scatters whole heads and query groups
         times = []
         for _ in range(args.reps + 1):
             leaves = [t.clone().requires_grad_() for t in local]
