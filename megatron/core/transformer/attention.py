@@ -41,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .context_parallel import context_parallel_attention
 from .layers import build_parallel_linear, output_init_std
 from .rope import apply_rotary_pos_emb
 from .transformer_config import TransformerConfig
@@ -92,6 +93,17 @@ class SelfAttention(nn.Module):
             )
         return context.to(out_dtype)
 
+    def context_parallel_core_attention(self, q, k, v, attn_mask, is_causal) -> torch.Tensor:
+        """core_attention when the sequence is split over CP ranks: q, k, v hold this rank's
+        tokens, attention covers the whole sequence (context_parallel.py; causal by global
+        position, so attn_mask / is_causal are unused). core_attention is the local kernel of
+        'all_gather' and 'a2a'; 'p2p' and 'a2a+p2p' have their own."""
+        return context_parallel_attention(
+            q, k, v, self.config.cp_group, self.config.layer_cp_comm_type(self.layer_number),
+            dropout_p=self.config.attention_dropout if self.training else 0.0, local_attention=self.core_attention,
+            hierarchical_groups=self.config.hierarchical_cp_groups,
+        )
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """hidden_states [b, s, h] -> [b, s, h].
@@ -109,6 +121,10 @@ class SelfAttention(nn.Module):
         # SDPA wants [b, heads, s, d].
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
 
+        context_parallel = self.config.context_parallel_size > 1
+        if context_parallel and attention_mask is not None:
+            raise ValueError("attention_mask is not supported with context parallelism (the causal mask comes from "
+                             "the tokens' global positions); pass None, or use context_parallel_size=1.")
         if attention_mask is None:
             attn_mask, is_causal = None, True
         else:
@@ -116,13 +132,14 @@ class SelfAttention(nn.Module):
             causal = torch.ones(s, s, dtype=torch.bool, device=hidden_states.device).tril()
             attn_mask, is_causal = causal & ~attention_mask.to(torch.bool), False
 
+        attend = self.context_parallel_core_attention if context_parallel else self.core_attention
         if self.config.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
             # Keep q, k, v only; the attention probabilities ([b, heads, s, s] on kernels
             # that materialize them) are recomputed in backward. Dropout masks are replayed
             # from the saved RNG state.
-            context = checkpoint(self.core_attention, q, k, v, attn_mask, is_causal, use_reentrant=False)
+            context = checkpoint(attend, q, k, v, attn_mask, is_causal, use_reentrant=False)
         else:
-            context = self.core_attention(q, k, v, attn_mask, is_causal)
+            context = attend(q, k, v, attn_mask, is_causal)
         context = context.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return self.linear_proj(context)
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, List, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from .context_parallel import check_cp_comm_type, check_heads_divisible, check_hierarchical_groups
 from .moe.config import check_moe_config
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -125,6 +126,15 @@ class TransformerConfig:
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False
     tp_group: Any = field(default=None, repr=False, compare=False)  # a ProcessGroup of that size
+    # Context parallelism (context_parallel.py): each rank of ``cp_group`` holds 2 of the
+    # 2 * context_parallel_size chunks of every sequence; attention exchanges keys/values by
+    # ``cp_comm_type`` ("p2p", "all_gather", "a2a", "a2a+p2p"; or a list, one per layer).
+    context_parallel_size: int = 1
+    cp_group: Any = field(default=None, repr=False, compare=False)  # a ProcessGroup of that size
+    cp_comm_type: Union[str, List[str]] = "p2p"
+    # "a2a+p2p" only: (a2a group, p2p group), Megatron's --hierarchical-context-parallel-sizes
+    # (low level first): a2a groups of consecutive CP ranks, their sizes multiplying to the CP size.
+    hierarchical_cp_groups: Any = field(default=None, repr=False, compare=False)
     # Mixture of experts (megatron/core/transformer/moe/; Megatron-LM's fields and defaults,
     # checked by moe/config.py). num_moe_experts None: every layer has a dense MLP.
     num_moe_experts: Optional[int] = None
@@ -242,6 +252,7 @@ class TransformerConfig:
         if self.attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
         self._check_tensor_parallel()
+        self._check_context_parallel()
         check_moe_config(self)
 
     def _check_tensor_parallel(self) -> None:
@@ -265,6 +276,39 @@ class TransformerConfig:
             if getattr(self, name) % tp:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be divisible by tensor_model_parallel_size "
                                  f"({tp}); pick a TP size that divides it.")
+
+    def _check_context_parallel(self) -> None:
+        cp = self.context_parallel_size
+        if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+            raise ValueError(f"context_parallel_size must be a positive integer, got {cp!r}.")
+        comm_types = self.cp_comm_type if isinstance(self.cp_comm_type, (list, tuple)) else [self.cp_comm_type]
+        if isinstance(self.cp_comm_type, (list, tuple)) and len(comm_types) != self.num_layers:
+            raise ValueError(f"cp_comm_type lists {len(comm_types)} types for {self.num_layers} layers; "
+                             "give one per layer or a single type for all.")
+        for comm_type in comm_types:
+            check_cp_comm_type(comm_type)
+        if cp == 1:
+            return
+        import torch.distributed as dist
+
+        if self.cp_group is None or dist.get_world_size(self.cp_group) != cp:
+            raise ValueError(
+                f"context_parallel_size {cp} needs cp_group, a process group of {cp} ranks "
+                "(the ranks that hold the pieces of the same sequences)."
+            )
+        tp = self.tensor_model_parallel_size
+        heads, groups = self.num_attention_heads // tp, self.num_query_groups // tp
+        if "a2a" in comm_types:
+            check_heads_divisible(heads, groups, cp, "a2a")
+        if "a2a+p2p" in comm_types:
+            check_hierarchical_groups(self.hierarchical_cp_groups, self.cp_group)
+            check_heads_divisible(heads, groups, dist.get_world_size(self.hierarchical_cp_groups[0]), "a2a+p2p")
+
+    def layer_cp_comm_type(self, layer_number: int) -> str:
+        """The CP communication type of layer ``layer_number`` (1-based, as in Megatron)."""
+        if isinstance(self.cp_comm_type, (list, tuple)):
+            return self.cp_comm_type[layer_number - 1]
+        return self.cp_comm_type
 
     @property
     def rotary_dim(self) -> int:
