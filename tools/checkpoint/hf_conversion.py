@@ -7,6 +7,9 @@ Two model styles convert:
   transposed, ``[in, out]``). Models without linear biases get zero biases (exact).
 * Llama style -- RoPE, RMSNorm, SwiGLU MLP, any number of query groups
   -> ``LlamaForCausalLM``.
+* Qwen3 style -- Llama style with ``--qk-layernorm`` and no linear biases
+  -> ``Qwen3ForCausalLM`` (our ``self_attention.q_layernorm`` / ``k_layernorm`` are its
+  ``self_attn.q_norm`` / ``k_norm``: RMSNorm over each head, before RoPE, in both).
 * Mixtral style -- Llama style with a mixture of SwiGLU experts in every layer (top-k
   softmax routing, no biases) -> ``MixtralForCausalLM``, in the file format Hugging Face
   writes (``block_sparse_moe.gate.weight`` = our ``mlp.router.weight``; expert j's rows of
@@ -63,6 +66,7 @@ class ModelConfig:
     num_experts: Optional[int] = None  # a mixture of experts in every layer (Mixtral style)
     moe_ffn_hidden_size: Optional[int] = None
     moe_router_topk: int = 2
+    qk_layernorm: bool = False  # q/k norms (Qwen3 style)
 
     @property
     def style(self) -> str:
@@ -70,8 +74,16 @@ class ModelConfig:
                 and not self.gated_linear_unit and self.activation in ("gelu", "gelu_tanh"))
         llama = (self.position_embedding_type == "rope" and self.normalization == "RMSNorm"
                  and self.gated_linear_unit and self.activation == "silu")
-        if gpt2 and not self.num_experts:
+        if gpt2 and not self.num_experts and not self.qk_layernorm:
             return "gpt2"
+        if llama and self.qk_layernorm and not self.num_experts:
+            if self.add_bias_linear:
+                raise ConversionError("Qwen3 has no MLP biases; this model with --qk-layernorm has linear biases "
+                                      "(convert it --to safetensors instead).")
+            return "qwen3"
+        if self.qk_layernorm:
+            raise ConversionError("q/k norms (--qk-layernorm) convert only in a Llama-style dense model (Qwen3); "
+                                  "convert this model --to safetensors instead.")
         if llama and self.num_experts:
             if self.add_bias_linear:
                 raise ConversionError("Mixtral has no linear biases; this MoE model has them (convert it "
@@ -111,6 +123,7 @@ class ModelConfig:
             "rotary_base": self.rotary_base,
             **({"num_experts": self.num_experts, "moe_ffn_hidden_size": self.moe_ffn_hidden_size,
                 "moe_router_topk": self.moe_router_topk} if self.num_experts else {}),
+            **({"qk_layernorm": True} if self.qk_layernorm else {}),
         }
 
     def command_line(self) -> list:
@@ -129,6 +142,8 @@ class ModelConfig:
             flags.append("--normalization RMSNorm")
         if self.gated_linear_unit:
             flags.append("--swiglu")
+        if self.qk_layernorm:
+            flags.append("--qk-layernorm")
         if self.activation == "gelu_tanh":
             flags.append("--openai-gelu")
         if not self.add_bias_linear:
@@ -161,6 +176,9 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         raise ConversionError("this checkpoint was trained with --apply-layernorm-1p (norm weights stored "
                               "as gamma - 1), which Hugging Face GPT-2/Llama cannot express; convert a model "
                               "trained without it.")
+    if args.get("attention_output_gate"):
+        raise ConversionError("this checkpoint was trained with --attention-output-gate (gated attention), which "
+                              "Hugging Face GPT-2/Llama/Qwen3 cannot express; convert it --to safetensors instead.")
     if float(args.get("rotary_percent", 1.0) or 1.0) != 1.0:
         raise ConversionError(f"this checkpoint uses --rotary-percent {args['rotary_percent']} (partial RoPE), "
                               "which Hugging Face Llama cannot express; convert a model trained with 1.0.")
@@ -206,6 +224,7 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         unpadded_vocab_size=args.get("unpadded_vocab_size"),
         hidden_dropout=float(args.get("hidden_dropout", 0.0)),
         attention_dropout=float(args.get("attention_dropout", 0.0)),
+        qk_layernorm="decoder.layers.0.self_attention.q_layernorm.weight" in shapes,
         **moe,
     )
 
@@ -333,6 +352,9 @@ def to_hf(ours: Tensors, cfg: ModelConfig, vocab_size: Optional[int] = None) -> 
             out[o + "mlp.down_proj." + kind] = ours[m + "mlp.linear_fc2." + kind]
         out[o + "input_layernorm.weight"] = ours[m + "input_layernorm.weight"]
         out[o + "post_attention_layernorm.weight"] = ours[m + "pre_mlp_layernorm.weight"]
+        if style == "qwen3":
+            out[o + "self_attn.q_norm.weight"] = ours[m + "self_attention.q_layernorm.weight"]
+            out[o + "self_attn.k_norm.weight"] = ours[m + "self_attention.k_layernorm.weight"]
     return out
 
 
@@ -371,6 +393,13 @@ def hf_config(cfg: ModelConfig, vocab_size: Optional[int] = None, base: Optional
                        "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
                        "intermediate_size": cfg.moe_ffn_hidden_size, "sliding_window": None,
                        "router_jitter_noise": 0.0, "output_router_logits": False})
+        config.update(_attention_fields(cfg, vocab, dtype_name))
+        return config
+    if cfg.style == "qwen3":
+        config.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                       "intermediate_size": cfg.ffn_hidden_size, "attention_bias": False,
+                       "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers,
+                       "layer_types": ["full_attention"] * cfg.num_layers})
         config.update(_attention_fields(cfg, vocab, dtype_name))
         return config
     config.update({
@@ -432,6 +461,14 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
         return dataclasses.replace(dense, num_experts=config["num_local_experts"],
                                    moe_ffn_hidden_size=config["intermediate_size"],
                                    moe_router_topk=config.get("num_experts_per_tok", 2))
+    if kind == "qwen3":
+        if config.get("attention_bias"):
+            raise ConversionError("Qwen3 with attention_bias has biases in attention but not in the MLP; this model "
+                                  "has one switch for all linear biases (add_bias_linear).")
+        if config.get("use_sliding_window") or any(t != "full_attention" for t in config.get("layer_types") or ()):
+            raise ConversionError("Qwen3 with sliding-window attention is not supported (full causal attention only).")
+        dense = config_from_hf(dict(config, model_type="llama", attention_bias=False, mlp_bias=False))
+        return dataclasses.replace(dense, qk_layernorm=True)
     if kind == "llama":
         if config.get("hidden_act", "silu") != "silu":
             raise ConversionError(f"Llama with hidden_act {config['hidden_act']!r} is not supported (silu only).")
@@ -456,7 +493,7 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
             attention_dropout=float(config.get("attention_dropout", 0.0)),
         )
     raise ConversionError(f"Hugging Face model_type {kind!r} is not supported; GPT-2 ('gpt2'), Llama "
-                          "('llama') and Mixtral ('mixtral') models convert.")
+                          "('llama'), Qwen3 ('qwen3') and Mixtral ('mixtral') models convert.")
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -520,6 +557,9 @@ def from_hf(theirs: Tensors, cfg: ModelConfig, padded_vocab: Optional[int] = Non
             out[m + "mlp.linear_fc2." + kind] = _need(theirs, o + "mlp.down_proj." + kind)
         out[m + "input_layernorm.weight"] = _need(theirs, o + "input_layernorm.weight")
         out[m + "pre_mlp_layernorm.weight"] = _need(theirs, o + "post_attention_layernorm.weight")
+        if cfg.style == "qwen3":
+            out[m + "self_attention.q_layernorm.weight"] = _need(theirs, o + "self_attn.q_norm.weight")
+            out[m + "self_attention.k_layernorm.weight"] = _need(theirs, o + "self_attn.k_norm.weight")
     return out
 
 
