@@ -194,3 +194,36 @@ def test_shared_expert_gate_needs_a_shared_expert():
         _config(num_moe_experts=2, moe_shared_expert_gate=True)
     with pytest.raises(ValueError, match="num_moe_experts"):
         _config(moe_shared_expert_gate=True)
+
+
+ARGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 --lr 1e-3 "
+        "--train-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 64")
+
+
+def _parse(extra):
+    from megatron.training.arguments import parse_args
+
+    return parse_args((ARGS + " " + extra).split(), world_size=1, cuda_available=False)
+
+
+def test_flags_reach_the_model_config():
+    from pretrain_gpt import core_transformer_config_from_args
+
+    args = _parse("--qk-layernorm --attention-output-gate --num-experts 2 --moe-shared-expert-intermediate-size 8 "
+                  "--moe-shared-expert-gate --disable-bias-linear")
+    config = core_transformer_config_from_args(args)
+    assert config.qk_layernorm and config.attention_output_gate and config.moe_shared_expert_gate
+    plain = core_transformer_config_from_args(_parse(""))
+    assert not (plain.qk_layernorm or plain.attention_output_gate or plain.moe_shared_expert_gate)
+
+
+@pytest.mark.parametrize("extra,match", [
+    ("--moe-shared-expert-gate", "--moe-shared-expert-gate gates the shared expert; add --num-experts and "
+                                 "--moe-shared-expert-intermediate-size"),
+    ("--num-experts 2 --moe-shared-expert-gate", "add --num-experts and --moe-shared-expert-intermediate-size"),
+    ("--qk-layernorm --apply-wd-to-qk-layernorm", "--apply-wd-to-qk-layernorm is not supported: weight decay on the "
+                                                  "q/k norms is not wired into the trainer yet"),
+])
+def test_parse_time_errors(extra, match):
+    with pytest.raises(ValueError, match=match):
+        _parse(extra)
