@@ -4,7 +4,8 @@
 A rank's q/k norm gradient covers only its own heads: without sequence parallelism the
 model sums it over TP itself, with it the trainer's ``all_reduce_sequence_parallel_grads``
 does. Two SGD steps with active clipping: losses, gradient norms and every rank's piece of
-every weight (the q/k norms included) must agree with the reference.
+every weight (the q/k norms included) must agree with the reference, and so must the
+global tensors of the TP=2 checkpoint (the gate rows at their offsets in linear_qkv).
 """
 
 import pytest
@@ -25,6 +26,8 @@ from _tp_models import (
     wrap_tp,
 )
 
+from megatron.core.distributed.mfsdp_v2.checkpoint import MODEL_PREFIX, load_tensors, save_checkpoint
+from megatron.core.global_slices import global_slices_by_name
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import all_reduce_sequence_parallel_grads
 from megatron.core.transformer import TransformerConfig
@@ -48,7 +51,7 @@ def _build(state=None, sequence_parallel=False):
 
 @pytest.mark.skipif(dist.get_world_size() % 2 != 0, reason="needs an even world size for TP 2")
 @pytest.mark.parametrize("sequence_parallel", (False, True))
-def test_qk_norm_and_output_gate_under_tensor_parallelism(sequence_parallel):
+def test_qk_norm_and_output_gate_under_tensor_parallelism(sequence_parallel, tmp_path):
     state = parallel_state(2)
     batches = global_batches(2)
     reference = _build()
@@ -69,6 +72,14 @@ def test_qk_norm_and_output_gate_under_tensor_parallelism(sequence_parallel):
     torch.testing.assert_close(torch.stack(norms).float(), torch.stack(ref_norms).float(), rtol=1e-4, atol=1e-6)
     check(all(float(n) > MAX_NORM for n in ref_norms), "clipping was not active; lower MAX_NORM")
     assert_pieces_match(model, reference)
+    directory = [str(tmp_path)]
+    dist.broadcast_object_list(directory, src=0)  # rank 0's directory on every rank
+    save_checkpoint(model, opt, directory[0], process_group=dist.group.WORLD, pieces=global_slices_by_name(model))
+    if dist.get_rank() == 0:
+        names = [name for name, _ in reference.named_parameters()]
+        loaded = load_tensors(directory[0], [MODEL_PREFIX + n for n in names])
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(loaded[MODEL_PREFIX + name], param.detach(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(dist.get_world_size() % 2 != 0, reason="needs an even world size for TP 2")
