@@ -80,14 +80,15 @@ class SelfAttention(nn.Module):
         qkv_size = config.query_projection_size + config.gate_projection_size + 2 * config.kv_projection_size
         self.linear_qkv = build_parallel_linear(config, config.hidden_size, qkv_size, bias=config.add_bias_linear,
                                                 init_std=config.init_method_std, split="column")
-        self.q_layernorm = self.k_layernorm = None
-        # Without sequence parallelism nothing else sums TP-replicated gradients (every rank
-        # normally has the whole one), but a rank's q/k norm gradient covers only its own
-        # heads: the norms take their weights through copy_to_tensor_model_parallel_region
-        # (its backward sums them over TP). With sequence parallelism finalize_grads sums
-        # every replicated gradient already, and these are no exception.
-        self.qk_norm_group = config.tp_group if tp > 1 and not config.sequence_parallel else None
+        self.q_layernorm = self.k_layernorm = self.qk_norm_group = None
         if config.qk_layernorm:
+            # Without sequence parallelism nothing else sums TP-replicated gradients (every
+            # rank normally has the whole one), but a rank's q/k norm gradient covers only its
+            # own heads: the norms take their weights through copy_to_tensor_model_parallel_region
+            # (its backward sums them over TP). With sequence parallelism finalize_grads sums
+            # every replicated gradient already, and these are no exception.
+            if tp > 1 and not config.sequence_parallel:
+                self.qk_norm_group = config.tp_group
             self.q_layernorm = build_norm(config, self.head_dim)
             self.k_layernorm = build_norm(config, self.head_dim)
         self.linear_proj = build_parallel_linear(config, config.query_projection_size, config.hidden_size,
