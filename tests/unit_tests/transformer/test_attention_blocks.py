@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.optimizer import get_param_groups
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_param_groups
 from megatron.core.transformer import RotaryEmbedding, SelfAttention, TransformerConfig
 from megatron.core.transformer.initialization import initialize_parameters_
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
@@ -183,6 +183,9 @@ def test_qk_layernorm_weight_decay_follows_upstream():
     for apply, decayed in ((False, False), (True, True)):
         groups = {g["name"]: {id(p) for p in g["params"]} for g in get_param_groups(model.named_parameters(), apply)}
         assert (qk <= groups["decay"]) is decayed and (qk <= groups["no_decay"]) is not decayed
+    optimizer = get_megatron_optimizer(OptimizerConfig(weight_decay=0.1, apply_wd_to_qk_layernorm=True), model)
+    decayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert qk <= decayed
     # The other norms stay undecayed.
     other = id(model.decoder.layers[0].input_layernorm.weight)
     assert other in {id(p) for g in get_param_groups(model.named_parameters(), True) if g["name"] == "no_decay"
