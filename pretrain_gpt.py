@@ -56,6 +56,8 @@ def core_transformer_config_from_args(args):
         apply_layernorm_1p=getattr(args, "apply_layernorm_1p", False),
         attention_softmax_in_fp32=getattr(args, "attention_softmax_in_fp32", False),
         attention_backend=getattr(args, "attention_backend", "auto"),
+        qk_layernorm=getattr(args, "qk_layernorm", False),
+        attention_output_gate=getattr(args, "attention_output_gate", False),
         gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", True),
         **tensor_parallel_config_from_args(args),
         **moe_config_kwargs(args),

@@ -37,6 +37,12 @@ Deviations worth knowing:
   `mem-max-allocated-bytes`, `mem-allocated-count`.
 - `--attention-softmax-in-fp32` runs the whole attention (scores, softmax, weighted sum) in
   fp32 when its inputs are bf16/fp16, then casts back.
+- `--qk-layernorm` works with `--transformer-impl local` too (upstream needs Transformer
+  Engine's norm or a spec); with `--apply-layernorm-1p` the q/k norms are zero-centered as
+  well. Their weights are not decayed (upstream's default); `--apply-wd-to-qk-layernorm` is
+  refused until the trainer passes it to the optimizer (`OptimizerConfig` has the rule).
+- `--attention-output-gate` lays the gate rows out as upstream does (per query group, after
+  the group's query rows); Hugging Face conversion refuses such checkpoints.
 - `--apply-layernorm-1p` stores `gamma - 1` in `weight`: a checkpoint of such a model is not
   a plain LayerNorm checkpoint (add 1 when converting).
 - The fp16 loss scale is saved with the optimizer state (`grad_scaler` in common.json).

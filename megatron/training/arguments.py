@@ -633,6 +633,12 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
                    help="with --bf16/--fp16: attention scores and softmax in fp32")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="SDPA kernel: flash, fused (memory-efficient/cuDNN), unfused/local (math), auto (torch picks)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="a --normalization norm on each head's queries and keys (size --kv-channels, shared by "
+                        "the heads) after the QKV projection, before RoPE (Qwen3)")
+    g.add_argument("--attention-output-gate", action="store_true",
+                   help="Qwen3-Next gated attention: linear_qkv also outputs a gate; the attention output is "
+                        "multiplied by its sigmoid before linear_proj")
     g.add_argument("--squared-relu", action="store_true", help="squared ReLU activation in the MLP")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                    help="linear layers return their weight gradient to autograd, which MFSDP then copies into "

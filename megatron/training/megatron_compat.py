@@ -91,7 +91,6 @@ REJECTED: Dict[str, str] = {
     "--wgrad-deferral-limit": _TP,
     "--cp-comm-type": "context parallelism is not supported yet; drop it",
     "--hierarchical-context-parallel-sizes": "context parallelism is not supported yet; drop it",
-    "--moe-shared-expert-gate": "a gated shared expert is not implemented; drop it (the shared expert is ungated)",
     "--fp8-format": _FP8,
     "--fp8-recipe": _FP8,
     "--fp8-param-gather": _FP8,
@@ -101,7 +100,8 @@ REJECTED: Dict[str, str] = {
     "--use-checkpoint-args": "pass the model flags explicitly (the checkpoint's common.json lists them)",
     "--decoupled-lr": "a separate LR for the embeddings is not supported; use --lr",
     "--decoupled-min-lr": "a separate LR for the embeddings is not supported; use --min-lr",
-    "--qk-layernorm": "QK LayerNorm is not implemented; drop it",
+    "--apply-wd-to-qk-layernorm": "weight decay on the q/k norms is not wired into the trainer yet; drop it "
+                                  "(they are not decayed, Megatron's default)",
     "--multi-latent-attention": "multi-latent attention is not implemented; use standard attention (GQA via --num-query-groups)",
     "--rotary-interleaved": "only rotate-half RoPE is implemented; drop it",
     "--use-mup": "muP is not implemented; drop it",

@@ -40,6 +40,8 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
                    help="run each layer's experts with torch's grouped matmul instead of a loop")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="FFN size of a shared expert every token goes through")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="Qwen2-MoE: scale the shared expert's output by sigmoid(x @ gate_weight), a [1, hidden] weight")
     g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"), default="alltoall",
                    help="alltoall (allgather runs it too: same results); flex is not implemented")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
@@ -69,6 +71,7 @@ def moe_config_kwargs(args) -> dict:
         moe_pad_expert_input_to_capacity=get("moe_pad_expert_input_to_capacity", False),
         moe_grouped_gemm=get("moe_grouped_gemm", False),
         moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=get("moe_shared_expert_gate", False),
         moe_token_dispatcher_type="alltoall",  # allgather gives the same results
         expert_model_parallel_size=get("expert_model_parallel_size", 1),
         expert_tensor_parallel_size=get("expert_tensor_parallel_size"),
@@ -79,6 +82,9 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     """Parse-time checks (ValueError with the fix). Needs the model shape and MFSDP fields."""
     if args.moe_token_dispatcher_type == "flex":
         raise ValueError("--moe-token-dispatcher-type flex (DeepEP) is not supported; use alltoall.")
+    if args.moe_shared_expert_gate and args.moe_shared_expert_intermediate_size is None:
+        raise ValueError("--moe-shared-expert-gate gates the shared expert; add --num-experts and "
+                         "--moe-shared-expert-intermediate-size, or drop it.")
     fields = moe_config_kwargs(args)
     fields.update(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                   tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),

@@ -4,7 +4,8 @@
     # MFSDP (any world size / strategy) -> one consolidated safetensors file (our names)
     python tools/checkpoint/convert.py --input checkpoints/run --to safetensors --output model.safetensors
 
-    # MFSDP -> Hugging Face (GPT-2 style -> GPT2LMHeadModel, RoPE/RMSNorm/SwiGLU -> LlamaForCausalLM)
+    # MFSDP -> Hugging Face (GPT-2 style -> GPT2LMHeadModel, RoPE/RMSNorm/SwiGLU -> LlamaForCausalLM,
+    # + --qk-layernorm -> Qwen3ForCausalLM, + experts -> Mixtral, + gated shared expert -> Qwen2-MoE)
     python tools/checkpoint/convert.py --input checkpoints/run --to hf --output hf_model/
 
     # Hugging Face -> MFSDP, loadable by pretrain_gpt.py --load (weights only: fine-tuning)

@@ -7,6 +7,9 @@ Two model styles convert:
   transposed, ``[in, out]``). Models without linear biases get zero biases (exact).
 * Llama style -- RoPE, RMSNorm, SwiGLU MLP, any number of query groups
   -> ``LlamaForCausalLM``.
+* Qwen3 style -- Llama style with ``--qk-layernorm`` and no linear biases
+  -> ``Qwen3ForCausalLM`` (our ``self_attention.q_layernorm`` / ``k_layernorm`` are its
+  ``self_attn.q_norm`` / ``k_norm``: RMSNorm over each head, before RoPE, in both).
 * Mixtral style -- Llama style with a mixture of SwiGLU experts in every layer (top-k
   softmax routing, no biases) -> ``MixtralForCausalLM``, in the file format Hugging Face
   writes (``block_sparse_moe.gate.weight`` = our ``mlp.router.weight``; expert j's rows of
@@ -14,6 +17,14 @@ Two model styles convert:
   ``w3`` (up), its rows of ``experts.linear_fc2.weight`` [E * H, F] are ``w2``). The 3-D
   in-memory names of transformers 5 (``mlp.experts.gate_up_proj`` [E, 2F, H],
   ``mlp.experts.down_proj`` [E, H, F]; our tensors reshaped) are read too.
+* Qwen2-MoE style -- the Mixtral style plus a shared expert gated by
+  ``--moe-shared-expert-gate`` -> ``Qwen2MoeForCausalLM`` without q/k/v biases
+  (``qkv_bias`` false: our linears have one bias switch). Its router's ``norm_topk_prob``
+  false is our ``--moe-router-pre-softmax`` (the top-k of the softmax over all experts),
+  true our default (the softmax of the top-k logits, the same numbers). Per-expert file
+  tensors ``mlp.experts.{j}.gate_proj`` / ``up_proj`` / ``down_proj``, ``mlp.shared_expert.*``
+  (our ``mlp.shared_experts.linear_fc1`` = [gate_proj; up_proj], ``linear_fc2`` = down_proj)
+  and ``mlp.shared_expert_gate.weight`` = our ``mlp.shared_experts.gate_weight`` ([1, H]).
 
 The QKV projection is interleaved per query group in our layout (attention.py): for each
 group g, ``P = heads / groups`` query heads, then one key head, then one value head, each
@@ -63,6 +74,9 @@ class ModelConfig:
     num_experts: Optional[int] = None  # a mixture of experts in every layer (Mixtral style)
     moe_ffn_hidden_size: Optional[int] = None
     moe_router_topk: int = 2
+    qk_layernorm: bool = False  # q/k norms (Qwen3 style)
+    moe_router_pre_softmax: bool = False
+    moe_shared_expert_intermediate_size: Optional[int] = None  # a gated shared expert (Qwen2-MoE style)
 
     @property
     def style(self) -> str:
@@ -70,13 +84,21 @@ class ModelConfig:
                 and not self.gated_linear_unit and self.activation in ("gelu", "gelu_tanh"))
         llama = (self.position_embedding_type == "rope" and self.normalization == "RMSNorm"
                  and self.gated_linear_unit and self.activation == "silu")
-        if gpt2 and not self.num_experts:
+        if gpt2 and not self.num_experts and not self.qk_layernorm:
             return "gpt2"
+        if llama and self.qk_layernorm and not self.num_experts:
+            if self.add_bias_linear:
+                raise ConversionError("Qwen3 has no MLP biases; this model with --qk-layernorm has linear biases "
+                                      "(convert it --to safetensors instead).")
+            return "qwen3"
+        if self.qk_layernorm:
+            raise ConversionError("q/k norms (--qk-layernorm) convert only in a Llama-style dense model (Qwen3); "
+                                  "convert this model --to safetensors instead.")
         if llama and self.num_experts:
             if self.add_bias_linear:
-                raise ConversionError("Mixtral has no linear biases; this MoE model has them (convert it "
-                                      "--to safetensors instead).")
-            return "mixtral"
+                raise ConversionError("Mixtral and Qwen2-MoE have no linear biases here; this MoE model has them "
+                                      "(convert it --to safetensors instead).")
+            return "qwen2_moe" if self.moe_shared_expert_intermediate_size else "mixtral"
         if llama:
             return "llama"
         raise ConversionError(
@@ -110,7 +132,11 @@ class ModelConfig:
             "norm_epsilon": self.norm_epsilon,
             "rotary_base": self.rotary_base,
             **({"num_experts": self.num_experts, "moe_ffn_hidden_size": self.moe_ffn_hidden_size,
-                "moe_router_topk": self.moe_router_topk} if self.num_experts else {}),
+                "moe_router_topk": self.moe_router_topk, "moe_router_pre_softmax": self.moe_router_pre_softmax}
+               if self.num_experts else {}),
+            **({"moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size,
+                "moe_shared_expert_gate": True} if self.moe_shared_expert_intermediate_size else {}),
+            **({"qk_layernorm": True} if self.qk_layernorm else {}),
         }
 
     def command_line(self) -> list:
@@ -129,6 +155,8 @@ class ModelConfig:
             flags.append("--normalization RMSNorm")
         if self.gated_linear_unit:
             flags.append("--swiglu")
+        if self.qk_layernorm:
+            flags.append("--qk-layernorm")
         if self.activation == "gelu_tanh":
             flags.append("--openai-gelu")
         if not self.add_bias_linear:
@@ -138,6 +166,11 @@ class ModelConfig:
         if self.num_experts:
             flags.append(f"--num-experts {self.num_experts} --moe-ffn-hidden-size {self.moe_ffn_hidden_size} "
                          f"--moe-router-topk {self.moe_router_topk}")
+            if self.moe_router_pre_softmax:
+                flags.append("--moe-router-pre-softmax")
+        if self.moe_shared_expert_intermediate_size:
+            flags.append(f"--moe-shared-expert-intermediate-size {self.moe_shared_expert_intermediate_size} "
+                         "--moe-shared-expert-gate")
         return flags
 
 
@@ -161,6 +194,9 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         raise ConversionError("this checkpoint was trained with --apply-layernorm-1p (norm weights stored "
                               "as gamma - 1), which Hugging Face GPT-2/Llama cannot express; convert a model "
                               "trained without it.")
+    if args.get("attention_output_gate"):
+        raise ConversionError("this checkpoint was trained with --attention-output-gate (gated attention), which "
+                              "Hugging Face GPT-2/Llama/Qwen3 cannot express; convert it --to safetensors instead.")
     if float(args.get("rotary_percent", 1.0) or 1.0) != 1.0:
         raise ConversionError(f"this checkpoint uses --rotary-percent {args['rotary_percent']} (partial RoPE), "
                               "which Hugging Face Llama cannot express; convert a model trained with 1.0.")
@@ -206,28 +242,37 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         unpadded_vocab_size=args.get("unpadded_vocab_size"),
         hidden_dropout=float(args.get("hidden_dropout", 0.0)),
         attention_dropout=float(args.get("attention_dropout", 0.0)),
+        qk_layernorm="decoder.layers.0.self_attention.q_layernorm.weight" in shapes,
         **moe,
     )
 
 
 def _moe_from_tensors(shapes, args, num_layers) -> Dict[str, Any]:
-    """The MoE fields ({} for a dense model); refuses what Mixtral cannot express."""
+    """The MoE fields ({} for a dense model); refuses what Mixtral / Qwen2-MoE cannot express."""
     routers = [i for i in range(num_layers) if f"decoder.layers.{i}.mlp.router.weight" in shapes]
     if not routers:
         return {}
     if len(routers) != num_layers:
-        raise ConversionError(f"only layers {routers} of {num_layers} are MoE layers; Mixtral has experts in "
-                              "every layer (convert --to safetensors instead).")
-    if any(".mlp.shared_experts." in k for k in shapes):
-        raise ConversionError("this MoE model has shared experts, which Mixtral has not (convert --to safetensors).")
-    routing = {"moe_router_pre_softmax": False, "moe_router_score_function": "softmax",
-               "moe_router_topk_scaling_factor": None}
-    for key, mixtral in routing.items():
-        if args.get(key, mixtral) not in (mixtral, None if mixtral is False else mixtral):
+        raise ConversionError(f"only layers {routers} of {num_layers} are MoE layers; Mixtral and Qwen2-MoE "
+                              "(as converted here) have experts in every layer (convert --to safetensors instead).")
+    fields = {"num_experts": shapes["decoder.layers.0.mlp.router.weight"][0],
+              "moe_router_topk": int(args.get("moe_router_topk") or 2)}
+    shared = "decoder.layers.0.mlp.shared_experts."
+    if shared + "linear_fc2.weight" in shapes:
+        if shared + "gate_weight" not in shapes:
+            raise ConversionError("this MoE model has an ungated shared expert; Qwen2-MoE gates it "
+                                  "(--moe-shared-expert-gate) and Mixtral has none (convert --to safetensors).")
+        fields["moe_shared_expert_intermediate_size"] = shapes[shared + "linear_fc2.weight"][1]
+        # Qwen2-MoE's norm_topk_prob chooses between the two softmax routings.
+        fields["moe_router_pre_softmax"] = bool(args.get("moe_router_pre_softmax", False))
+    routing = {"moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None}
+    if "moe_shared_expert_intermediate_size" not in fields:
+        routing["moe_router_pre_softmax"] = False
+    for key, expected in routing.items():
+        if args.get(key, expected) not in (expected, None if expected is False else expected):
             raise ConversionError(f"this model routes with {key} = {args[key]!r}; Mixtral routes by the softmax of "
-                                  "the top-k logits (convert --to safetensors instead).")
-    return {"num_experts": shapes["decoder.layers.0.mlp.router.weight"][0],
-            "moe_router_topk": int(args.get("moe_router_topk") or 2)}
+                                  "the top-k logits, Qwen2-MoE by softmax scores (convert --to safetensors instead).")
+    return fields
 
 
 # ----------------------------------------------------------------------------------------
@@ -317,6 +362,9 @@ def to_hf(ours: Tensors, cfg: ModelConfig, vocab_size: Optional[int] = None) -> 
             out[o + "self_attn.q_proj." + kind], out[o + "self_attn.k_proj." + kind] = q, k
             out[o + "self_attn.v_proj." + kind] = v
             out[o + "self_attn.o_proj." + kind] = ours[m + "self_attention.linear_proj." + kind]
+            if style == "qwen2_moe":
+                out.update(_qwen2_moe_to_hf(ours, cfg, m, o))
+                continue
             if style == "mixtral":
                 experts, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
                 moe = o + "block_sparse_moe."
@@ -333,6 +381,27 @@ def to_hf(ours: Tensors, cfg: ModelConfig, vocab_size: Optional[int] = None) -> 
             out[o + "mlp.down_proj." + kind] = ours[m + "mlp.linear_fc2." + kind]
         out[o + "input_layernorm.weight"] = ours[m + "input_layernorm.weight"]
         out[o + "post_attention_layernorm.weight"] = ours[m + "pre_mlp_layernorm.weight"]
+        if style == "qwen3":
+            out[o + "self_attn.q_norm.weight"] = ours[m + "self_attention.q_layernorm.weight"]
+            out[o + "self_attn.k_norm.weight"] = ours[m + "self_attention.k_layernorm.weight"]
+    return out
+
+
+def _qwen2_moe_to_hf(ours: Tensors, cfg: ModelConfig, m: str, o: str) -> Tensors:
+    """One layer's router, per-expert and shared-expert tensors, in Qwen2-MoE's file format."""
+    experts, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
+    out = {o + "mlp.gate.weight": ours[m + "mlp.router.weight"]}
+    fc1 = ours[m + "mlp.experts.linear_fc1.weight"].reshape(experts, 2 * f, h)
+    fc2 = ours[m + "mlp.experts.linear_fc2.weight"].reshape(experts, h, f)
+    for j in range(experts):
+        out[f"{o}mlp.experts.{j}.gate_proj.weight"] = fc1[j, :f].contiguous()
+        out[f"{o}mlp.experts.{j}.up_proj.weight"] = fc1[j, f:].contiguous()
+        out[f"{o}mlp.experts.{j}.down_proj.weight"] = fc2[j].contiguous()
+    gate, up = ours[m + "mlp.shared_experts.linear_fc1.weight"].chunk(2, dim=0)
+    out[o + "mlp.shared_expert.gate_proj.weight"], out[o + "mlp.shared_expert.up_proj.weight"] = (
+        gate.contiguous(), up.contiguous())
+    out[o + "mlp.shared_expert.down_proj.weight"] = ours[m + "mlp.shared_experts.linear_fc2.weight"]
+    out[o + "mlp.shared_expert_gate.weight"] = ours[m + "mlp.shared_experts.gate_weight"]
     return out
 
 
@@ -371,6 +440,25 @@ def hf_config(cfg: ModelConfig, vocab_size: Optional[int] = None, base: Optional
                        "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
                        "intermediate_size": cfg.moe_ffn_hidden_size, "sliding_window": None,
                        "router_jitter_noise": 0.0, "output_router_logits": False})
+        config.update(_attention_fields(cfg, vocab, dtype_name))
+        return config
+    if cfg.style == "qwen2_moe":
+        config.setdefault("router_aux_loss_coef", 0.0)
+        config.update({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                       "intermediate_size": cfg.ffn_hidden_size, "num_experts": cfg.num_experts,
+                       "num_experts_per_tok": cfg.moe_router_topk, "moe_intermediate_size": cfg.moe_ffn_hidden_size,
+                       "shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
+                       "norm_topk_prob": not cfg.moe_router_pre_softmax, "decoder_sparse_step": 1,
+                       "mlp_only_layers": [], "qkv_bias": False, "use_sliding_window": False,
+                       "max_window_layers": cfg.num_layers, "layer_types": ["full_attention"] * cfg.num_layers,
+                       "output_router_logits": False})
+        config.update(_attention_fields(cfg, vocab, dtype_name))
+        return config
+    if cfg.style == "qwen3":
+        config.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                       "intermediate_size": cfg.ffn_hidden_size, "attention_bias": False,
+                       "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers,
+                       "layer_types": ["full_attention"] * cfg.num_layers})
         config.update(_attention_fields(cfg, vocab, dtype_name))
         return config
     config.update({
@@ -432,6 +520,32 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
         return dataclasses.replace(dense, num_experts=config["num_local_experts"],
                                    moe_ffn_hidden_size=config["intermediate_size"],
                                    moe_router_topk=config.get("num_experts_per_tok", 2))
+    if kind == "qwen2_moe":
+        if config.get("qkv_bias", True):
+            raise ConversionError("Qwen2-MoE with qkv_bias has biases in q/k/v only; this model has one switch for "
+                                  "all linear biases (add_bias_linear), so only qkv_bias=false converts.")
+        if config.get("use_sliding_window"):
+            raise ConversionError("Qwen2-MoE with sliding-window attention is not supported (full causal attention "
+                                  "only).")
+        if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+            raise ConversionError("Qwen2-MoE with dense layers (decoder_sparse_step > 1 or mlp_only_layers) is not "
+                                  "supported; every layer must be a MoE layer.")
+        if not config.get("shared_expert_intermediate_size"):
+            raise ConversionError("Qwen2-MoE without a shared expert: convert it as Mixtral-style instead.")
+        dense = config_from_hf(dict(config, model_type="llama", attention_bias=False, mlp_bias=False))
+        return dataclasses.replace(dense, num_experts=config["num_experts"],
+                                   moe_ffn_hidden_size=config["moe_intermediate_size"],
+                                   moe_router_topk=config.get("num_experts_per_tok", 2),
+                                   moe_router_pre_softmax=not config.get("norm_topk_prob", False),
+                                   moe_shared_expert_intermediate_size=config["shared_expert_intermediate_size"])
+    if kind == "qwen3":
+        if config.get("attention_bias"):
+            raise ConversionError("Qwen3 with attention_bias has biases in attention but not in the MLP; this model "
+                                  "has one switch for all linear biases (add_bias_linear).")
+        if config.get("use_sliding_window") or any(t != "full_attention" for t in config.get("layer_types") or ()):
+            raise ConversionError("Qwen3 with sliding-window attention is not supported (full causal attention only).")
+        dense = config_from_hf(dict(config, model_type="llama", attention_bias=False, mlp_bias=False))
+        return dataclasses.replace(dense, qk_layernorm=True)
     if kind == "llama":
         if config.get("hidden_act", "silu") != "silu":
             raise ConversionError(f"Llama with hidden_act {config['hidden_act']!r} is not supported (silu only).")
@@ -456,7 +570,7 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
             attention_dropout=float(config.get("attention_dropout", 0.0)),
         )
     raise ConversionError(f"Hugging Face model_type {kind!r} is not supported; GPT-2 ('gpt2'), Llama "
-                          "('llama') and Mixtral ('mixtral') models convert.")
+                          "('llama'), Qwen3 ('qwen3'), Mixtral ('mixtral') and Qwen2-MoE ('qwen2_moe') models convert.")
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -515,11 +629,17 @@ def from_hf(theirs: Tensors, cfg: ModelConfig, padded_vocab: Optional[int] = Non
             if cfg.style == "mixtral":
                 out.update(_mixtral_moe_from_hf(theirs, cfg, m, o))
                 continue
+            if cfg.style == "qwen2_moe":
+                out.update(_qwen2_moe_from_hf(theirs, cfg, m, o))
+                continue
             out[m + "mlp.linear_fc1." + kind] = torch.cat(
                 [_need(theirs, o + "mlp.gate_proj." + kind), _need(theirs, o + "mlp.up_proj." + kind)])
             out[m + "mlp.linear_fc2." + kind] = _need(theirs, o + "mlp.down_proj." + kind)
         out[m + "input_layernorm.weight"] = _need(theirs, o + "input_layernorm.weight")
         out[m + "pre_mlp_layernorm.weight"] = _need(theirs, o + "post_attention_layernorm.weight")
+        if cfg.style == "qwen3":
+            out[m + "self_attention.q_layernorm.weight"] = _need(theirs, o + "self_attn.q_norm.weight")
+            out[m + "self_attention.k_layernorm.weight"] = _need(theirs, o + "self_attn.k_norm.weight")
     return out
 
 
@@ -540,3 +660,23 @@ def _mixtral_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str) -> T
         fc2 = torch.cat([_need(theirs, f"{legacy}experts.{j}.w2.weight") for j in range(experts)])
     return {m + "mlp.router.weight": router, m + "mlp.experts.linear_fc1.weight": fc1.contiguous(),
             m + "mlp.experts.linear_fc2.weight": fc2.contiguous()}
+
+
+def _qwen2_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str) -> Tensors:
+    """One layer's router, stacked experts and gated shared expert, from Qwen2-MoE's per-expert
+    file tensors or the 3-D in-memory ``mlp.experts.gate_up_proj`` / ``down_proj``."""
+    experts, h = cfg.num_experts, cfg.hidden_size
+    if o + "mlp.experts.gate_up_proj" in theirs:
+        fc1 = theirs[o + "mlp.experts.gate_up_proj"].reshape(-1, h)
+        fc2 = _need(theirs, o + "mlp.experts.down_proj").reshape(experts * h, -1)
+    else:
+        fc1 = torch.cat([torch.cat([_need(theirs, f"{o}mlp.experts.{j}.gate_proj.weight"),
+                                    _need(theirs, f"{o}mlp.experts.{j}.up_proj.weight")]) for j in range(experts)])
+        fc2 = torch.cat([_need(theirs, f"{o}mlp.experts.{j}.down_proj.weight") for j in range(experts)])
+    shared = o + "mlp.shared_expert."
+    return {m + "mlp.router.weight": _need(theirs, o + "mlp.gate.weight"),
+            m + "mlp.experts.linear_fc1.weight": fc1.contiguous(), m + "mlp.experts.linear_fc2.weight": fc2.contiguous(),
+            m + "mlp.shared_experts.linear_fc1.weight": torch.cat(
+                [_need(theirs, shared + "gate_proj.weight"), _need(theirs, shared + "up_proj.weight")]),
+            m + "mlp.shared_experts.linear_fc2.weight": _need(theirs, shared + "down_proj.weight"),
+            m + "mlp.shared_experts.gate_weight": _need(theirs, o + "mlp.shared_expert_gate.weight")}

@@ -45,6 +45,9 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
     clip_grad: float = 1.0
+    # Upstream's Qwen3-Next option: decay the q/k norm weights (q_layernorm, k_layernorm)
+    # although they are 1-D.
+    apply_wd_to_qk_layernorm: bool = False
 
     def __post_init__(self):
         if self.optimizer not in _OPTIMIZERS:
@@ -53,20 +56,23 @@ class OptimizerConfig:
             raise ValueError("lr and weight_decay must be non-negative.")
 
 
-def no_weight_decay(name: str, param: torch.Tensor) -> bool:
-    """Megatron's rule: biases and 1-D parameters (norm weights) are not decayed."""
+def no_weight_decay(name: str, param: torch.Tensor, apply_wd_to_qk_layernorm: bool = False) -> bool:
+    """Megatron's rule: biases and 1-D parameters (norm weights) are not decayed; with
+    ``apply_wd_to_qk_layernorm`` the q/k norms' parameters are (upstream's name match)."""
+    if apply_wd_to_qk_layernorm and ("q_layernorm." in name or "k_layernorm." in name):
+        return False
     # DTensor.shape is the global shape, so sharded parameters are classified correctly.
     return name.endswith(".bias") or len(param.shape) == 1
 
 
 def get_param_groups(
-    named_parameters: Iterable[Tuple[str, torch.Tensor]]
+    named_parameters: Iterable[Tuple[str, torch.Tensor]], apply_wd_to_qk_layernorm: bool = False
 ) -> List[Dict]:
     decay, no_decay = [], []
     for name, param in named_parameters:
         if not param.requires_grad:
             continue
-        (no_decay if no_weight_decay(name, param) else decay).append(param)
+        (no_decay if no_weight_decay(name, param, apply_wd_to_qk_layernorm) else decay).append(param)
     # wd_mult is read by OptimizerParamScheduler.step when it sets each group's decay.
     groups = [
         {"params": decay, "wd_mult": 1.0, "name": "decay"},
@@ -76,7 +82,7 @@ def get_param_groups(
 
 
 def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    groups = get_param_groups(model.named_parameters())
+    groups = get_param_groups(model.named_parameters(), config.apply_wd_to_qk_layernorm)
     if not groups:
         raise ValueError("the model has no trainable parameters; nothing to optimize.")
     for g in groups:

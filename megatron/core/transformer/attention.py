@@ -14,7 +14,17 @@ interleaved per query group exactly like Megatron-LM::
         d rows:     key head g
         d rows:     value head g
 
-The bias (when ``add_bias_linear``) follows the same order. Query head ``h`` attends with
+With ``attention_output_gate`` (Qwen3-Next's gated attention, Megatron-LM's layout) each
+group also holds the gate rows of its query heads, right after their query rows::
+
+    for g in range(G):
+        P * d rows: query heads of group g
+        P * d rows: the gate of each of those heads (one row per head element)
+        d rows:     key head g
+        d rows:     value head g
+
+so a TP rank's contiguous block of rows still holds whole groups. The bias (when
+``add_bias_linear``) follows the same order. Query head ``h`` attends with
 key/value head ``h // P``. Converting to Hugging Face:
 
 * Llama (``q_proj``, ``k_proj``, ``v_proj``): view the weight as ``[G, (P + 2) * d, hidden]``,
@@ -24,6 +34,10 @@ key/value head ``h // P``. Converting to Hugging Face:
 * GPT-2 (``c_attn``, a Conv1D whose weight is ``[hidden, 3 * hidden]``, columns q|k|v with
   heads contiguous): with ``G = H`` (P = 1), take q, k, v per head as above, concatenate all
   q heads, then all k, then all v, and transpose.
+
+``qk_layernorm`` adds ``q_layernorm`` / ``k_layernorm``: one norm of size ``d`` each, shared
+by all heads, applied to every head's query / key right after the split and before RoPE
+(Megatron-LM's and Qwen3's order; Hugging Face Qwen3's ``q_norm`` / ``k_norm``).
 
 ``linear_proj`` takes the heads concatenated in head order (``[b, s, H * d]``), the same as
 Hugging Face's ``o_proj`` / GPT-2's ``c_proj`` (transposed for Conv1D).
@@ -41,8 +55,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
 from .context_parallel import context_parallel_attention
 from .layers import build_parallel_linear, output_init_std
+from .norms import build_norm
 from .rope import apply_rotary_pos_emb
 from .transformer_config import TransformerConfig
 
@@ -60,20 +77,46 @@ class SelfAttention(nn.Module):
         self.num_query_groups = config.num_query_groups // tp
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.head_dim = config.kv_channels
-        qkv_size = config.query_projection_size + 2 * config.kv_projection_size
+        self.gated = config.attention_output_gate
+        qkv_size = config.query_projection_size + config.gate_projection_size + 2 * config.kv_projection_size
         self.linear_qkv = build_parallel_linear(config, config.hidden_size, qkv_size, bias=config.add_bias_linear,
                                                 init_std=config.init_method_std, split="column")
+        self.q_layernorm = self.k_layernorm = self.qk_norm_group = None
+        if config.qk_layernorm:
+            # Without sequence parallelism nothing else sums TP-replicated gradients (every
+            # rank normally has the whole one), but a rank's q/k norm gradient covers only its
+            # own heads: the norms take their weights through copy_to_tensor_model_parallel_region
+            # (its backward sums them over TP). With sequence parallelism finalize_grads sums
+            # every replicated gradient already, and these are no exception.
+            if tp > 1 and not config.sequence_parallel:
+                self.qk_norm_group = config.tp_group
+            self.q_layernorm = build_norm(config, self.head_dim)
+            self.k_layernorm = build_norm(config, self.head_dim)
         self.linear_proj = build_parallel_linear(config, config.query_projection_size, config.hidden_size,
                                                  bias=config.add_bias_linear, init_std=output_init_std(config),
                                                  split="row")
 
-    def split_qkv(self, mixed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[b, s, (H + 2G) * d] -> q [b, s, H, d], k [b, s, G, d], v [b, s, G, d] (layout above)."""
+    def split_qkv(self, mixed: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """[b, s, (H + 2G) * d] -> q [b, s, H, d], k [b, s, G, d], v [b, s, G, d] (layout above);
+        with the output gate ([b, s, (2H + 2G) * d]) also the gate [b, s, H, d], returned last."""
         b, s, _ = mixed.shape
-        per_group = mixed.view(b, s, self.num_query_groups, (self.heads_per_group + 2) * self.head_dim)
-        q, k, v = torch.split(per_group, [self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        q_rows = self.heads_per_group * self.head_dim
+        gate_rows = q_rows if self.gated else 0
+        per_group = mixed.view(b, s, self.num_query_groups, q_rows + gate_rows + 2 * self.head_dim)
+        q, gate, k, v = torch.split(per_group, [q_rows, gate_rows, self.head_dim, self.head_dim], dim=-1)
         q = q.reshape(b, s, self.num_heads, self.head_dim)
-        return q, k, v
+        if not self.gated:
+            return q, k, v
+        return q, k, v, gate.reshape(b, s, self.num_heads, self.head_dim)
+
+    def _head_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``norm`` on each head of ``x`` [b, s, heads, d]; its weight gradient summed over TP
+        where nothing else would (see __init__)."""
+        if self.qk_norm_group is None:
+            return norm(x)
+        params = {name: copy_to_tensor_model_parallel_region(p, self.qk_norm_group)
+                  for name, p in norm.named_parameters(recurse=False)}
+        return torch.func.functional_call(norm, params, (x,))
 
     def core_attention(self, q, k, v, attn_mask: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v on [b, heads, s, d]: what selective recompute recomputes."""
@@ -114,7 +157,10 @@ class SelfAttention(nn.Module):
         """
         mixed = self.linear_qkv(hidden_states)
         b, s, _ = mixed.shape  # the whole sequence (the input is a chunk of it under sequence parallelism)
-        q, k, v = self.split_qkv(mixed)
+        q, k, v, *gate = self.split_qkv(mixed)
+        if self.q_layernorm is not None:
+            q = self._head_norm(self.q_layernorm, q)
+            k = self._head_norm(self.k_layernorm, k)
         if rotary_pos_emb is not None:
             q = apply_rotary_pos_emb(q, rotary_pos_emb)
             k = apply_rotary_pos_emb(k, rotary_pos_emb)
@@ -140,8 +186,11 @@ class SelfAttention(nn.Module):
             context = checkpoint(attend, q, k, v, attn_mask, is_causal, use_reentrant=False)
         else:
             context = attend(q, k, v, attn_mask, is_causal)
-        context = context.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
-        return self.linear_proj(context)
+        context = context.transpose(1, 2)
+        if gate:
+            # Megatron's order: the sigmoid in fp32, the product cast back.
+            context = (context * torch.sigmoid(gate[0].float())).to(context.dtype)
+        return self.linear_proj(context.reshape(b, s, self.num_heads * self.head_dim))
 
 
 # Megatron's --attention-backend names -> SDPA kernels. "auto" leaves the choice to torch.

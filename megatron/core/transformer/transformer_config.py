@@ -117,6 +117,13 @@ class TransformerConfig:
     apply_layernorm_1p: bool = False  # LayerNorm weight stored as gamma - 1 (zero-initialized)
     attention_softmax_in_fp32: bool = False  # attention in fp32 when the inputs are bf16/fp16
     attention_backend: str = "auto"  # SDPA kernels: auto, flash, fused, unfused/local (math)
+    # Per-head norm (``normalization``'s kind, weights of size kv_channels shared by all
+    # heads) on the queries and keys after the projection, before RoPE (Qwen3, OLMo 2).
+    qk_layernorm: bool = False
+    # Qwen3-Next's gated attention: linear_qkv also outputs a gate per query-head element
+    # and the attention output is multiplied by its sigmoid before linear_proj
+    # (attention.py documents the row layout).
+    attention_output_gate: bool = False
     # Linear layers compute their weight gradient straight into the data-parallel wrapper's
     # reduction buffer where it offers one (tensor_parallel/grad_accumulation_fusion.py).
     gradient_accumulation_fusion: bool = True
@@ -153,6 +160,8 @@ class TransformerConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_grouped_gemm: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
+    # Qwen2-MoE: the shared expert's output scaled by sigmoid(x @ gate_weight^T), a [1, hidden] weight.
+    moe_shared_expert_gate: bool = False
     moe_token_dispatcher_type: str = "alltoall"
     expert_model_parallel_size: int = 1
     # Each expert's split over TP (Megatron's field): None or the TP size; other sizes are
@@ -251,6 +260,10 @@ class TransformerConfig:
             raise ValueError("apply_layernorm_1p applies to LayerNorm only; use normalization='LayerNorm' or drop it.")
         if self.attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
+        if self.moe_shared_expert_gate and (self.num_moe_experts is None
+                                            or self.moe_shared_expert_intermediate_size is None):
+            raise ValueError("moe_shared_expert_gate gates the shared expert; set num_moe_experts and "
+                             "moe_shared_expert_intermediate_size, or drop it.")
         self._check_tensor_parallel()
         self._check_context_parallel()
         check_moe_config(self)
@@ -329,3 +342,8 @@ class TransformerConfig:
     @property
     def kv_projection_size(self) -> int:
         return self.num_query_groups * self.kv_channels
+
+    @property
+    def gate_projection_size(self) -> int:
+        """Rows of linear_qkv that hold the attention output gate (0 without it)."""
+        return self.query_projection_size if self.attention_output_gate else 0

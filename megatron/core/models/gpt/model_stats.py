@@ -2,7 +2,8 @@
 
 Notation: h = hidden_size, L = num_layers, V = vocab_size, S = max_sequence_length,
 d = kv_channels, H = num_attention_heads, G = num_query_groups, q = H * d, kv = G * d,
-f = ffn_hidden_size, and [x] is 1 when x holds, else 0.
+g = q with attention_output_gate (its gate rows in linear_qkv) else 0, f = ffn_hidden_size,
+and [x] is 1 when x holds, else 0.
 """
 
 from typing import Optional
@@ -18,7 +19,8 @@ def num_parameters(config: TransformerConfig, vocab_size: int, max_sequence_leng
 
     embeddings   V*h + [learned_absolute] * S*h
     per layer    2 norms                     2 * (h + [LayerNorm] * h)
-                 linear_qkv                  h*(q + 2kv) + [bias]*(q + 2kv)
+                 linear_qkv                  h*(q + g + 2kv) + [bias]*(q + g + 2kv)
+                 q/k norms (qk_layernorm)    2 * (d + [LayerNorm] * d)
                  linear_proj                 q*h + [bias]*h
                  linear_fc1                  h*f*m + [bias]*f*m,  m = 2 if gated_linear_unit else 1
                  linear_fc2                  f*h + [bias]*h
@@ -27,7 +29,7 @@ def num_parameters(config: TransformerConfig, vocab_size: int, max_sequence_leng
 
     A MoE layer (``moe_layer_freq``) has, instead of the MLP, a router E*h + [bias]*E, E
     experts shaped like the MLP with f = moe_ffn_hidden_size, and a shared expert (an MLP
-    of moe_shared_expert_intermediate_size) when set. The count is the global model's (all
+    of moe_shared_expert_intermediate_size, plus h with moe_shared_expert_gate) when set. The count is the global model's (all
     experts), at any expert-parallel size.
     """
     if position_embedding_type is None:
@@ -35,14 +37,16 @@ def num_parameters(config: TransformerConfig, vocab_size: int, max_sequence_leng
     h = config.hidden_size
     q = config.query_projection_size
     kv = config.kv_projection_size
+    qkv = q + config.gate_projection_size + 2 * kv
     f = config.ffn_hidden_size
     bias = 1 if config.add_bias_linear else 0
     norm = h * (2 if config.normalization == "LayerNorm" else 1)
+    qk_norms = 2 * norm // h * config.kv_channels if config.qk_layernorm else 0
 
     embeddings = vocab_size * h
     if position_embedding_type == "learned_absolute":
         embeddings += max_sequence_length * h
-    attention = h * (q + 2 * kv) + bias * (q + 2 * kv) + q * h + bias * h
+    attention = h * qkv + bias * qkv + q * h + bias * h + qk_norms
     def mlp(f):
         fc1_out = f * (2 if config.gated_linear_unit else 1)
         return h * fc1_out + bias * fc1_out + f * h + bias * h
@@ -50,7 +54,7 @@ def num_parameters(config: TransformerConfig, vocab_size: int, max_sequence_leng
     experts = config.num_moe_experts or 0
     moe = experts * (h + bias) + experts * mlp(config.moe_ffn_hidden_size or f)
     if config.moe_shared_expert_intermediate_size:
-        moe += mlp(config.moe_shared_expert_intermediate_size)
+        moe += mlp(config.moe_shared_expert_intermediate_size) + (h if config.moe_shared_expert_gate else 0)
     layers = sum(2 * norm + attention + (moe if is_moe else mlp(f)) for is_moe in moe_layer_pattern(config))
     output = 0 if share_embeddings_and_output_weights else vocab_size * h
     return embeddings + layers + norm + output
@@ -61,7 +65,7 @@ def flops_per_token(config: TransformerConfig, vocab_size: int, seq_length: int)
 
     Counts matrix multiplies only, at 2 FLOPs per multiply-add; forward per token is
 
-        L * ( 2h(q + 2kv)          QKV projection
+        L * ( 2h(q + g + 2kv)      QKV projection (and the output gate)
             + 4 * seq_length * q   attention scores Q K^T and the weighted sum with V
             + 2qh                  output projection
             + 2hf*m + 2fh )        MLP (m = 2 for gated linear units)
@@ -88,7 +92,7 @@ def flops_per_token(config: TransformerConfig, vocab_size: int, seq_length: int)
     def mlp(f):
         return 2 * h * f * gated + 2 * f * h
 
-    attention = 2 * h * (q + 2 * kv) + 4 * seq_length * q + 2 * q * h
+    attention = 2 * h * (q + config.gate_projection_size + 2 * kv) + 4 * seq_length * q + 2 * q * h
     moe = 2 * h * (config.num_moe_experts or 0) + config.moe_router_topk * mlp(config.moe_ffn_hidden_size or f)
     if config.moe_shared_expert_intermediate_size:
         moe += mlp(config.moe_shared_expert_intermediate_size)

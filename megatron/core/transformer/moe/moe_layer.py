@@ -4,7 +4,8 @@
 
 Input and output are ``[b, s, h]``; the router and the dispatcher see the ``b * s`` tokens
 of this rank. ``shared_experts`` (``moe_shared_expert_intermediate_size``) is a dense MLP
-every token goes through, added to the routed output.
+every token goes through (gated with ``moe_shared_expert_gate``, shared_experts.py), added
+to the routed output.
 
 Under tensor parallelism the experts are split over TP (``experts.py``) and each TP rank
 dispatches over its own EP group (the ranks of its TP coordinate), so the layer works like
@@ -28,8 +29,6 @@ other TP-replicated parameter.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn as nn
 
@@ -40,11 +39,11 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-from ..mlp import MLP
 from .expert_parallel import ExpertParallel
 from .experts import GroupedMLP
 from .metrics import MoELayerMetrics
 from .router import TopKRouter
+from .shared_experts import SharedExpertMLP
 from .token_dispatcher import MoEAlltoAllTokenDispatcher
 
 
@@ -73,7 +72,7 @@ class MoELayer(nn.Module):
         self.token_dispatcher = MoEAlltoAllTokenDispatcher(config.num_moe_experts, expert_parallel)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
-            self.shared_experts = MLP(dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size))
+            self.shared_experts = SharedExpertMLP(config)
         self.metrics = MoELayerMetrics(config.num_moe_experts)
         self.tp_group = config.tp_group if config.tensor_model_parallel_size > 1 else None
 

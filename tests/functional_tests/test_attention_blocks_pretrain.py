@@ -1,0 +1,45 @@
+"""pretrain_gpt.py with --qk-layernorm and --attention-output-gate: TP=2 (MFSDP, 2 ranks)
+gives the losses and gradient norms of TP=1 (1 rank) on the same global batch.
+
+A Qwen3-Next-style attention in a tiny Llama-style model, fp32, no dropout, Adam (whose
+steps do not shrink with a gradient's size, so a q/k norm gradient that misses the other
+rank's heads changes the next losses). The layout-invariant initializer gives both runs
+the same global weights; they differ only by reduction order. The sequence-parallel
+variant is tested in tests/unit_tests/distributed/tensor_parallel/test_tp_attention_blocks.py.
+"""
+
+import pytest
+
+from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_torchrun
+
+ITERS = 3
+ARGS = list(MODEL_ARGS)
+ARGS[ARGS.index("--train-iters") + 1] = str(ITERS)
+ARGS[ARGS.index("--eval-interval") + 1] = "100"
+# Large first steps: a q/k norm weight moves by about lr whatever its gradient's size.
+ARGS[ARGS.index("--lr") + 1] = "3e-2"
+ARGS[ARGS.index("--lr-warmup-iters") + 1] = "0"
+ARGS += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--num-query-groups", "2",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--qk-layernorm", "--attention-output-gate",
+         "--use-mfsdp"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for name, nproc, flags in (("tp1", 1, []), ("tp2", 2, ["--tensor-model-parallel-size", "2"])):
+        log_dir = tmp_path_factory.mktemp(name) / "logs"
+        proc = run_torchrun(ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
+        out[name] = read_metrics(str(log_dir))[0], proc.stdout
+    return out
+
+
+def test_tp2_equals_tp1_with_qk_layernorm_and_output_gate(runs):
+    reference, _ = runs["tp1"]
+    train, stdout = runs["tp2"]
+    assert "tensor parallel 2 x data parallel 1" in stdout
+    assert sorted(train) == sorted(reference) == list(range(1, ITERS + 1))
+    assert reference[ITERS]["lm_loss"] != reference[1]["lm_loss"]  # it trained
+    for it in range(1, ITERS + 1):
+        assert train[it]["lm_loss"] == pytest.approx(reference[it]["lm_loss"], rel=2e-5, abs=1e-6), it
+        assert train[it]["grad_norm"] == pytest.approx(reference[it]["grad_norm"], rel=1e-4, abs=1e-6), it
