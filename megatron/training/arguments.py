@@ -509,7 +509,19 @@ def _validate_tensor_parallel_size(args, world_size: int) -> None:
             f"launch a multiple of {tp} ranks or pick a divisor of {world_size}."
         )
     if args.sequence_parallel and tp == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop it or raise the TP size.")
+        # Upstream turns it off with a warning: command lines scaled down to TP 1 keep it.
+        args.sequence_parallel = False
+        _note("--sequence-parallel is turned off: it needs --tensor-model-parallel-size > 1.")
+
+
+def _note(message: str) -> None:
+    """One line from the launch's rank 0 (parsing runs before the process group exists)."""
+    try:
+        rank = get_distributed_env().rank
+    except ValueError:
+        rank = 0
+    if rank == 0:
+        print(f"WARNING: {message}", flush=True)
 
 
 def _validate_tensor_parallel_model(args) -> None:

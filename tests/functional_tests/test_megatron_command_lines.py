@@ -1,6 +1,6 @@
 """Upstream Megatron-LM GPT command lines run here unchanged, apart from the CPU
-substitutions (nccl -> gloo, transformer_engine -> local), parallel sizes 1 (and so no
---sequence-parallel), paths into a
+substitutions (nccl -> gloo, transformer_engine -> local), parallel sizes 1 (which turn
+--sequence-parallel off, as upstream does), paths into a
 temporary directory, mock data, and a model scaled down to a tiny one.
 
 upstream_gpt_configs.json holds the MODEL_ARGS of all upstream's GPT functional-test
@@ -64,8 +64,6 @@ def command_line(name, tmp_path):
             value = SCALE[flag]
         elif flag in PARALLEL_SIZES:
             value = 1
-        elif flag == "--sequence-parallel":
-            continue  # needs tensor parallelism, which the parallel sizes of 1 turn off
         elif isinstance(value, str):
             value = paths.get(value, SUBSTITUTE.get(value, value))
         if value is True:
