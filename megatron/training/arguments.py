@@ -661,6 +661,10 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-samples", type=int, default=None, help="run length in samples (instead of --train-iters)")
     g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--lr-warmup-samples", type=int, default=None)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="the word embedding and output layer's own peak LR (same warmup and decay as --lr)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="with --decoupled-lr: their minimum LR (default --min-lr)")
     g.add_argument("--exit-signal", choices=EXIT_SIGNALS, default="SIGTERM",
                    help="the signal --exit-signal-handler catches")
     g.add_argument("--exit-interval", type=int, default=None,
@@ -722,6 +726,15 @@ def _validate_fidelity(args: argparse.Namespace) -> None:
     if (args.device_type == "cpu" and args.attention_backend == "flash" and args.attention_dropout > 0):
         raise ValueError("--attention-backend flash takes no attention dropout on CPU; add --attention-dropout 0 "
                          "or use --attention-backend unfused/auto.")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ValueError("--decoupled-min-lr needs --decoupled-lr (the embedding/output peak LR); add it or drop "
+                         "--decoupled-min-lr.")
+    if args.decoupled_lr is not None:
+        if args.decoupled_lr < 0 or (args.decoupled_min_lr or 0.0) < 0:
+            raise ValueError("--decoupled-lr and --decoupled-min-lr must be non-negative.")
+        if (args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr) > args.decoupled_lr:
+            raise ValueError(f"the embedding/output minimum LR must not exceed --decoupled-lr ({args.decoupled_lr}); "
+                             "lower --decoupled-min-lr (default --min-lr).")
     if args.manual_gc_interval < 0:
         raise ValueError("--manual-gc-interval must be non-negative (0: never during training).")
     if args.min_loss_scale > args.initial_loss_scale:

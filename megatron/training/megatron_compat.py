@@ -110,8 +110,6 @@ REJECTED: Dict[str, str] = {
     "--use-torch-fsdp2": "PyTorch FSDP2 is not wired into this trainer; use --use-mfsdp (Megatron FSDP v2)",
     "--use-legacy-models": "only the Megatron-Core GPT model exists; drop it",
     "--use-checkpoint-args": "pass the model flags explicitly (the checkpoint's common.json lists them)",
-    "--decoupled-lr": "a separate LR for the embeddings is not supported; use --lr",
-    "--decoupled-min-lr": "a separate LR for the embeddings is not supported; use --min-lr",
     "--qk-layernorm": "QK LayerNorm is not implemented; drop it",
     "--multi-latent-attention": "multi-latent attention is not implemented; use standard attention (GQA via --num-query-groups)",
     "--rotary-interleaved": "only rotate-half RoPE is implemented; drop it",

@@ -300,3 +300,12 @@ def test_tensorboard_log_interval_and_dist_ckpt_strictness_parse():
     from megatron.training.checkpointing import STRICTNESS
 
     assert sorted(STRICTNESS) == sorted(DIST_CKPT_STRICTNESS)
+
+
+def test_decoupled_lr_flags():
+    args = parse("--decoupled-lr 0.5 --decoupled-min-lr 0.01")
+    assert (args.decoupled_lr, args.decoupled_min_lr) == (0.5, 0.01)
+    with pytest.raises(ValueError, match="--decoupled-min-lr needs --decoupled-lr"):
+        parse("--decoupled-min-lr 0.01")
+    with pytest.raises(ValueError, match="must not exceed --decoupled-lr"):
+        parse("--decoupled-lr 0.001 --decoupled-min-lr 0.01")
