@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron.training.checkpoint_retention import check_retain_interval
 from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.moe_arguments import add_moe_args, validate_moe_args
@@ -152,6 +153,9 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="keep the checkpoints of iterations divisible by this (and the latest); each other one "
+                        "is deleted once the next save is complete")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true",
@@ -489,6 +493,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     # --- logging and checkpointing -----------------------------------------------------------
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save DIR to write checkpoints to.")
+    check_retain_interval(args.save_retain_interval, args.save, args.save_interval)
     if args.async_save and args.save is None:
         raise ValueError("--async-save needs --save DIR to write checkpoints to.")
     if args.wandb_exp_name and not args.wandb_project:

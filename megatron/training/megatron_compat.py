@@ -117,7 +117,6 @@ REJECTED: Dict[str, str] = {
     "--enable-cuda-graph": "CUDA graphs are not supported; drop it",
     "--cuda-graph-impl": "CUDA graphs are not supported; drop it",
     "--check-weight-hash-across-dp-replicas-interval": "not implemented; drop it",
-    "--save-retain-interval": "not implemented: every saved iteration is kept; delete old ones yourself",
     "--step-batch-size-schedule": "batch-size ramp-up is not supported; use a fixed --global-batch-size",
     "--rampup-batch-size": "batch-size ramp-up is not supported; use a fixed --global-batch-size",
     "--eval-global-batch-size": "evaluation uses --global-batch-size; drop it",

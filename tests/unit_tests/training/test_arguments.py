@@ -309,3 +309,12 @@ def test_decoupled_lr_flags():
         parse("--decoupled-min-lr 0.01")
     with pytest.raises(ValueError, match="must not exceed --decoupled-lr"):
         parse("--decoupled-lr 0.001 --decoupled-min-lr 0.01")
+
+
+def test_save_retain_interval_flags(tmp_path):
+    args = parse(f"--save {tmp_path} --save-interval 2 --save-retain-interval 6")
+    assert args.save_retain_interval == 6
+    with pytest.raises(ValueError, match=r"--save-retain-interval \(5\) must be a multiple of --save-interval \(2\)"):
+        parse(f"--save {tmp_path} --save-interval 2 --save-retain-interval 5")
+    with pytest.raises(ValueError, match="--save-retain-interval needs --save"):
+        parse("--save-retain-interval 5")
