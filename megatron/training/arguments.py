@@ -638,6 +638,8 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-channels", type=int, default=None, help="per-head dimension (default hidden / heads)")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="fraction of each head's dimensions that RoPE rotates (the rest pass through)")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="RoPE rotates dimension pairs (2i, 2i+1) (GPT-J layout) instead of (i, i + d/2)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="same as --position-embedding-type rope")
     g.add_argument("--apply-layernorm-1p", action="store_true",
@@ -724,6 +726,8 @@ def _validate_fidelity(args: argparse.Namespace) -> None:
                 f"--rotary-percent {args.rotary_percent} rotates {rotated} of {head_dim} head dimensions; "
                 "pick a fraction that gives an even number >= 2."
             )
+    if args.rotary_interleaved and args.position_embedding_type != "rope":
+        raise ValueError("--rotary-interleaved applies to RoPE; add --position-embedding-type rope or drop it.")
     if args.apply_layernorm_1p and args.normalization != "LayerNorm":
         raise ValueError("--apply-layernorm-1p applies to LayerNorm; drop it or use --normalization LayerNorm.")
     if args.device_type == "cpu" and args.attention_backend == "fused":

@@ -112,7 +112,6 @@ REJECTED: Dict[str, str] = {
     "--use-checkpoint-args": "pass the model flags explicitly (the checkpoint's common.json lists them)",
     "--qk-layernorm": "QK LayerNorm is not implemented; drop it",
     "--multi-latent-attention": "multi-latent attention is not implemented; use standard attention (GQA via --num-query-groups)",
-    "--rotary-interleaved": "only rotate-half RoPE is implemented; drop it",
     "--use-mup": "muP is not implemented; drop it",
     "--enable-cuda-graph": "CUDA graphs are not supported; drop it",
     "--cuda-graph-impl": "CUDA graphs are not supported; drop it",
