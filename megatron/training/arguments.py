@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron.training.batch_rampup import validate_rampup
 from megatron.training.checkpoint_retention import check_retain_interval
 from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
@@ -423,6 +424,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
 
     # --- run length and schedule -------------------------------------------------------------
     _validate_run_length(args)
+    validate_rampup(args)
     _require(args, "lr")
     _positive(args, "train_iters", "eval_interval", "log_interval", "save_interval", "lr_decay_iters",
               "tensorboard_log_interval")
@@ -666,6 +668,9 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("Megatron-LM schedules, exit and memory")
     g.add_argument("--train-samples", type=int, default=None, help="run length in samples (instead of --train-iters)")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="with --train-samples: start at START samples per step and add INCREMENT every "
+                        "SAMPLES / ((global - START) / INCREMENT) samples until --global-batch-size")
     g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--lr-warmup-samples", type=int, default=None)
     g.add_argument("--decoupled-lr", type=float, default=None,
