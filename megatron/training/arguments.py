@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron.training.batch_rampup import validate_rampup
+from megatron.training.batch_size_schedule import validate_batch_size_schedule, validate_step_schedule_batch
 from megatron.training.checkpoint_retention import check_retain_interval
 from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
@@ -410,6 +410,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
 
     # --- batch -------------------------------------------------------------------------------
     _require(args, "micro_batch_size")
+    validate_step_schedule_batch(args)
     _positive(args, "micro_batch_size", "global_batch_size")
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
@@ -424,7 +425,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
 
     # --- run length and schedule -------------------------------------------------------------
     _validate_run_length(args)
-    validate_rampup(args)
+    validate_batch_size_schedule(args)
     _require(args, "lr")
     _positive(args, "train_iters", "eval_interval", "log_interval", "save_interval", "lr_decay_iters",
               "tensorboard_log_interval")
@@ -671,6 +672,9 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
                    help="with --train-samples: start at START samples per step and add INCREMENT every "
                         "SAMPLES / ((global - START) / INCREMENT) samples until --global-batch-size")
+    g.add_argument("--step-batch-size-schedule", type=str, default=None, metavar="'TOKENS:BATCH ...'",
+                   help="from each threshold of consumed tokens (K/M/B/T suffixes) on, that global batch size "
+                        "(the last is the global batch size; e.g. '0:384 200B:768')")
     g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--lr-warmup-samples", type=int, default=None)
     g.add_argument("--decoupled-lr", type=float, default=None,

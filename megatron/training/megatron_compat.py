@@ -116,7 +116,6 @@ REJECTED: Dict[str, str] = {
     "--enable-cuda-graph": "CUDA graphs are not supported; drop it",
     "--cuda-graph-impl": "CUDA graphs are not supported; drop it",
     "--check-weight-hash-across-dp-replicas-interval": "not implemented; drop it",
-    "--step-batch-size-schedule": "batch-size ramp-up is not supported; use a fixed --global-batch-size",
     "--eval-global-batch-size": "evaluation uses --global-batch-size; drop it",
     "--log-straggler": "straggler detection is not implemented; drop it",
     "--straggler-minmax-count": "straggler detection is not implemented; drop it",

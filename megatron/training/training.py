@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
 from megatron.core.transformer.moe.metrics import collect_moe_metrics, format_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
-from megatron.training.batch_rampup import BatchSizeRampup
+from megatron.training.batch_size_schedule import batch_size_schedule_from_args
 from megatron.training.checkpointing import (
     exit_signal_received,
     finalize_async_save,
@@ -303,7 +303,7 @@ class _Trainer:
         # part in the collectives behind the per-iteration scalars.
         self.dashboards = bool(args.tensorboard_dir or args.wandb_project)
         self._params_norm = (None, None)  # (iteration, value): computed once per iteration
-        self.rampup = BatchSizeRampup.from_args(args)
+        self.batch_schedule = batch_size_schedule_from_args(args)
 
     def _flops_per_token(self) -> Optional[float]:
         try:
@@ -399,8 +399,8 @@ class _Trainer:
     def _train_loop(self, train_iter, iteration, interval_loss, interval_count, interval_iters, interval_start):
         args = self.args
         while iteration < args.train_iters:
-            if self.rampup is not None:
-                self.rampup.apply(args, self.consumed)  # --rampup-batch-size: this step's batch
+            if self.batch_schedule is not None:
+                self.batch_schedule.apply(args, self.consumed)  # --rampup-batch-size etc.: this step's batch
             loss, grad_norm, skipped = self.train_step(train_iter)
             iteration += 1
             self.consumed += args.global_batch_size

@@ -1,6 +1,7 @@
-"""--rampup-batch-size START INCREMENT SAMPLES: each iteration's global batch, the consumed
-samples and the learning rate follow Megatron's formula, and a run resumed mid-ramp
-continues them exactly (one process, in-process pretrain)."""
+"""--rampup-batch-size START INCREMENT SAMPLES and --step-batch-size-schedule: each
+iteration's global batch, the consumed samples and the learning rate follow Megatron's
+formulas, and a run resumed mid-ramp continues them exactly (one process, in-process
+pretrain)."""
 
 import json
 
@@ -21,6 +22,11 @@ def _records(path):
     return {r["iteration"]: r for r in map(json.loads, open(path)) if r["kind"] == "train"}
 
 
+# Thresholds in tokens / --seq-length 16: samples 0, 8, 24; until 40 samples are consumed.
+STEP = "--step-batch-size-schedule 0:2,128:4,384:8 --train-samples 40 --lr-warmup-samples 4 --lr-decay-samples 40"
+STEP_BATCHES = [2, 2, 2, 2, 4, 4, 4, 4, 8, 8]
+
+
 def _lr_after(consumed):
     # The logged LR is the scheduler's after the step, at `consumed` samples.
     if consumed <= 4:
@@ -28,12 +34,13 @@ def _lr_after(consumed):
     return LR * max(0.0, 1.0 - (consumed - 4) / (40 - 4))
 
 
-def test_batch_sizes_consumed_samples_and_lr_follow_megatron(tmp_path):
-    run(f"{RAMP} --log-dir {tmp_path}")
+@pytest.mark.parametrize("flags,batches", [(RAMP, BATCHES), (STEP, STEP_BATCHES)], ids=["rampup", "step"])
+def test_batch_sizes_consumed_samples_and_lr_follow_megatron(flags, batches, tmp_path):
+    run(f"{flags} --log-dir {tmp_path}")
     records = _records(tmp_path / "metrics.jsonl")
-    assert sorted(records) == list(range(1, len(BATCHES) + 1))
+    assert sorted(records) == list(range(1, len(batches) + 1))
     consumed = 0
-    for iteration, batch in enumerate(BATCHES, start=1):
+    for iteration, batch in enumerate(batches, start=1):
         consumed += batch
         r = records[iteration]
         assert (r["global_batch_size"], r["consumed_samples"]) == (batch, consumed), (iteration, r)
@@ -59,6 +66,9 @@ def test_resume_mid_ramp_continues_the_ramp(tmp_path):
      r"minus the start batch \(2\) must be a non-negative multiple of the increment \(4\)"),
     ("--rampup-batch-size 3 1 10 --global-batch-size 8 --train-samples 40",
      "multiple of --micro-batch-size x data-parallel size = 2"),
+    ("--step-batch-size-schedule 0:2,128:3 --train-samples 40", r"batch sizes \[3\] are not positive multiples"),
+    ("--step-batch-size-schedule 16:2 --train-samples 40", "must start at threshold 0"),
+    ("--step-batch-size-schedule 0:2,1X:4 --train-samples 40", "entry '1X:4' is not TOKENS:BATCH_SIZE"),
 ])
 def test_rampup_user_errors(extra, message):
     from megatron.training.arguments import parse_args
