@@ -63,6 +63,15 @@ def _pipeline_only(flag: str) -> bool:
     return "pipeline" in reason or "context parallelism" in reason
 
 
+def _takes_list(flag: str) -> bool:
+    from megatron.training.arguments import build_parser
+
+    if not hasattr(_takes_list, "actions"):
+        _takes_list.actions = build_parser()._option_string_actions
+    action = _takes_list.actions.get(flag)
+    return action is not None and (action.nargs in ("*", "+") or (isinstance(action.nargs, int) and action.nargs > 1))
+
+
 def load_from_mirror():
     """{name: (mode, [[flag, value], ...])} from the mirror's yaml files."""
     import yaml
@@ -147,8 +156,10 @@ def command_line(pairs, tmp, model_parallel_at_one=False):
             continue
         if value is True:
             argv.append(flag)
+        elif _takes_list(flag):
+            argv += [flag, *str(value).split()]  # "--data-path: 0.3 a 0.7 b" is several arguments
         else:
-            argv += [flag, *str(value).split()]
+            argv += [flag, str(value)]
     pp = 1 if model_parallel_at_one else _int(pairs, "--pipeline-model-parallel-size")
     cp = 1 if model_parallel_at_one else _int(pairs, "--context-parallel-size")
     world = math.lcm(8, tp * pp * cp)

@@ -85,6 +85,8 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default micro-batch-size x data-parallel size")
+    g.add_argument("--eval-global-batch-size", type=int, default=None,
+                   help="samples per evaluation step (default --global-batch-size)")
 
     g = parser.add_argument_group("optimizer and schedule")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
@@ -422,6 +424,15 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
             f"use a multiple of {per_step} such as {max(1, round(args.global_batch_size / per_step)) * per_step}."
         )
     args.num_microbatches = args.global_batch_size // per_step
+    # Evaluation's own batch (upstream's --eval-global-batch-size); fixed while a batch-size
+    # schedule changes the training batch.
+    _positive(args, "eval_global_batch_size")
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    if args.eval_global_batch_size % per_step:
+        raise ValueError(f"--eval-global-batch-size ({args.eval_global_batch_size}) must be divisible by "
+                         f"--micro-batch-size x data-parallel size = {per_step}.")
+    args.eval_num_microbatches = args.eval_global_batch_size // per_step
 
     # --- run length and schedule -------------------------------------------------------------
     _validate_run_length(args)
@@ -785,7 +796,7 @@ def _validate_run_length(args: argparse.Namespace) -> None:
         if args.lr_warmup_samples < 0:
             raise ValueError("--lr-warmup-samples must be non-negative.")
         return
-    if args.lr_decay_samples is not None or args.lr_warmup_samples is not None:
+    if args.lr_decay_samples is not None or args.lr_warmup_samples:  # upstream accepts --lr-warmup-samples 0
         raise ValueError("--lr-decay-samples/--lr-warmup-samples go with --train-samples; "
                          "with --train-iters use --lr-decay-iters/--lr-warmup-iters.")
     _require(args, "train_iters")

@@ -255,10 +255,10 @@ def _format_args(args) -> str:
 
 
 def _build_datasets(args, tokenizer, provider):
-    gbs = args.global_batch_size
+    gbs, eval_gbs = args.global_batch_size, getattr(args, "eval_global_batch_size", args.global_batch_size)
     # The validation set is evaluated from its start at every --eval-interval (so the
-    # numbers are comparable across evaluations); it needs eval_iters global batches.
-    num_samples = [args.train_iters * gbs, args.eval_iters * gbs, args.eval_iters * gbs]
+    # numbers are comparable across evaluations); it needs eval_iters evaluation batches.
+    num_samples = [args.train_iters * gbs, args.eval_iters * eval_gbs, args.eval_iters * eval_gbs]
     # Rank 0 first: it prepares corpora and writes index caches; the others then read them.
     datasets = None
     if dist.get_rank() == 0:
@@ -579,7 +579,8 @@ class _Trainer:
             with torch.no_grad(), self._autocast():
                 for _ in range(args.eval_iters):
                     reports = self.forward_backward(
-                        self.forward_step_func, data_iter, model, args.num_microbatches,
+                        self.forward_step_func, data_iter, model,
+                        getattr(args, "eval_num_microbatches", args.num_microbatches),
                         context=self.built.context, forward_only=True,
                     )
                     local = _reduce_reports(reports)
@@ -600,8 +601,8 @@ class _Trainer:
             return None
         key = id(dataset)
         if key not in self._text_sizes:  # the same samples at every evaluation: count once
-            self._text_sizes[key] = characters_and_tokens(dataset, self.args.eval_iters * self.args.global_batch_size,
-                                                          self.tokenizer)
+            samples = self.args.eval_iters * getattr(self.args, "eval_global_batch_size", self.args.global_batch_size)
+            self._text_sizes[key] = characters_and_tokens(dataset, samples, self.tokenizer)
         sizes = self._text_sizes[key]
         return bits_per_character(loss, *sizes) if sizes else None
 

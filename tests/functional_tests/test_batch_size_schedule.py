@@ -69,6 +69,7 @@ def test_resume_mid_ramp_continues_the_ramp(tmp_path):
     ("--step-batch-size-schedule 0:2,128:3 --train-samples 40", r"batch sizes \[3\] are not positive multiples"),
     ("--step-batch-size-schedule 16:2 --train-samples 40", "must start at threshold 0"),
     ("--step-batch-size-schedule 0:2,1X:4 --train-samples 40", "entry '1X:4' is not TOKENS:BATCH_SIZE"),
+    ("--eval-global-batch-size 3 --train-iters 2", r"--eval-global-batch-size \(3\) must be divisible by"),
 ])
 def test_rampup_user_errors(extra, message):
     from megatron.training.arguments import parse_args
@@ -76,3 +77,19 @@ def test_rampup_user_errors(extra, message):
 
     with pytest.raises(ValueError, match=message):
         parse_args(BASE + extra.split(), world_size=1, cuda_available=False)
+
+
+def test_evaluation_uses_its_own_batch_during_the_ramp(tmp_path):
+    import pretrain_gpt
+
+    training_flags = []
+
+    def forward_step(data_iterator, model):
+        training_flags.append(model.training)
+        return pretrain_gpt.forward_step(data_iterator, model)
+
+    # Micro-batches of 2: training takes sum(BATCHES) / 2; each evaluation (iterations 3
+    # and 6, the end, and the test set) takes --eval-iters 2 x 6 / 2, whatever the ramp's batch.
+    run(f"{RAMP} --eval-iters 2 --eval-interval 3 --eval-global-batch-size 6", forward_step=forward_step)
+    assert training_flags.count(True) == sum(BATCHES) // 2
+    assert training_flags.count(False) == 4 * 2 * 3
