@@ -127,6 +127,18 @@ def batch_size_schedule_from_args(args: argparse.Namespace) -> Optional[_Schedul
     return None
 
 
+def train_samples_needed(args: argparse.Namespace) -> int:
+    """Samples --train-iters steps consume (the training set's size): with a schedule the
+    sum of its batches, which a step schedule may make larger than iterations x the last."""
+    schedule = batch_size_schedule_from_args(args)
+    if schedule is None:
+        return args.train_iters * args.global_batch_size
+    consumed = 0
+    for _ in range(args.train_iters):
+        consumed += schedule.global_batch_size_at(consumed)
+    return consumed
+
+
 def validate_step_schedule_batch(args: argparse.Namespace) -> None:
     """Before the batch checks: the step schedule's last batch is the global batch size."""
     if args.step_batch_size_schedule is None:

@@ -46,7 +46,11 @@ def prune_after_commit(root: str, previous: Optional[int], latest: int, retain: 
     if not os.path.isdir(path) or os.path.islink(path):
         return []  # a link points at a checkpoint someone else keeps (as upstream)
     doomed = path + DELETING_SUFFIX
-    os.replace(path, doomed)
+    try:
+        os.replace(path, doomed)
+    except OSError as e:  # the new checkpoint is saved; a failed clean-up must not fail the run
+        print_rank_0(f"> WARNING: could not delete the checkpoint at iteration {previous} ({e}); delete {path} yourself")
+        return []
     shutil.rmtree(doomed, ignore_errors=True)
     print_rank_0(f"> deleted checkpoint at iteration {previous} (--save-retain-interval {retain} keeps "
                  f"multiples of {retain} and the latest, {latest})")

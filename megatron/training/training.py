@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
 from megatron.core.transformer.moe.metrics import collect_moe_metrics, format_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
-from megatron.training.batch_size_schedule import batch_size_schedule_from_args
+from megatron.training.batch_size_schedule import batch_size_schedule_from_args, train_samples_needed
 from megatron.training.checkpointing import (
     exit_signal_received,
     finalize_async_save,
@@ -255,10 +255,10 @@ def _format_args(args) -> str:
 
 
 def _build_datasets(args, tokenizer, provider):
-    gbs, eval_gbs = args.global_batch_size, getattr(args, "eval_global_batch_size", args.global_batch_size)
+    eval_gbs = getattr(args, "eval_global_batch_size", args.global_batch_size)
     # The validation set is evaluated from its start at every --eval-interval (so the
     # numbers are comparable across evaluations); it needs eval_iters evaluation batches.
-    num_samples = [args.train_iters * gbs, args.eval_iters * eval_gbs, args.eval_iters * eval_gbs]
+    num_samples = [train_samples_needed(args), args.eval_iters * eval_gbs, args.eval_iters * eval_gbs]
     # Rank 0 first: it prepares corpora and writes index caches; the others then read them.
     datasets = None
     if dist.get_rank() == 0:

@@ -93,3 +93,12 @@ def test_evaluation_uses_its_own_batch_during_the_ramp(tmp_path):
     run(f"{RAMP} --eval-iters 2 --eval-interval 3 --eval-global-batch-size 6", forward_step=forward_step)
     assert training_flags.count(True) == sum(BATCHES) // 2
     assert training_flags.count(False) == 4 * 2 * 3
+
+
+def test_a_shrinking_step_schedule_gets_enough_training_samples(tmp_path):
+    # 4 samples, then 2 from sample 4 on (64 tokens / 16): 4 + 2 + 2 + 2 = 10 samples for 4
+    # iterations, more than 4 x the last batch; the training set is sized for the 10.
+    run(f"--step-batch-size-schedule 0:4,64:2 --train-iters 4 --log-dir {tmp_path}")
+    records = _records(tmp_path / "metrics.jsonl")
+    assert [records[i]["global_batch_size"] for i in range(1, 5)] == [4, 2, 2, 2]
+    assert records[4]["consumed_samples"] == 10
