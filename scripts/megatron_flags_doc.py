@@ -39,7 +39,9 @@ Deviations worth knowing:
 - `--decoupled-lr` applies to `embedding.word_embeddings.weight` and an untied
   `output_layer.weight` (upstream's `is_embedding_or_output_parameter`), on the same warmup
   and decay; `--decoupled-min-lr` defaults to `--min-lr`, and without `--decoupled-lr` it
-  is an error (upstream ignores it).
+  is an error (upstream ignores it). Adding or dropping `--decoupled-lr` between a save and
+  a resume changes the optimizer's parameter groups: the load refuses with that message
+  (resume with `--no-load-optim`).
 - `--save-retain-interval N` deletes, once a save is complete and tracked, the previously
   tracked checkpoint unless its iteration is a multiple of N (upstream's rule; the latest
   one is never deleted); it is renamed to `iter_XXXXXXX.del` before removal, so a kill
