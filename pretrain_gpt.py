@@ -53,6 +53,7 @@ def core_transformer_config_from_args(args):
         # checkpoints, read back by tools/generate.py) mean the defaults.
         kv_channels=getattr(args, "kv_channels", None),
         rotary_percent=getattr(args, "rotary_percent", 1.0),
+        rotary_interleaved=getattr(args, "rotary_interleaved", False),
         apply_layernorm_1p=getattr(args, "apply_layernorm_1p", False),
         attention_softmax_in_fp32=getattr(args, "attention_softmax_in_fp32", False),
         attention_backend=getattr(args, "attention_backend", "auto"),

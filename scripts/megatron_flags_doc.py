@@ -22,15 +22,39 @@ with the code; regenerate it with `python scripts/megatron_flags_doc.py`.
 Counts: **{honoured} honoured**, **{mapped} mapped** ({sizes} of them parallel sizes, accepted
 at 1), **{rejected} rejected**.
 
-Upstream command lines: `tests/functional_tests/upstream_gpt_configs.json` holds 14 of
-upstream's GPT functional-test configurations; all parse here after the CPU substitutions
-(nccl -> gloo, transformer_engine -> local, parallel sizes 1, tiny model, mock data), and two
-train on 2 ranks (`tests/functional_tests/test_megatron_command_lines.py`). Of upstream's 206
-GPT test configurations, 91 use no flag outside the honoured and mapped tables; the others
-use inference/RL flags, MoE, pipeline stages, recomputation options or other rejected
-features.
+Upstream command lines: `python scripts/replay_upstream_configs.py` parses every GPT
+functional-test configuration of upstream (from the mirror, or from its snapshot
+`tests/functional_tests/upstream_gpt_configs.json`) after the CPU substitutions (nccl ->
+gloo, transformer_engine -> local, FP8 / NCCL user-buffer / TP-comm-overlap flags dropped,
+tiny model, mock data) at each line's own TP/PP/CP sizes, and prints the accepted count and
+the remaining rejections by flag. Of the 161 training configurations (44 inference/RL ones
+are skipped), 29 parse as they are and 90 more once pipeline/context-parallel sizes are 1
+(`tests/functional_tests/test_upstream_replay.py` keeps these counts from dropping); two
+train on 2 ranks (`tests/functional_tests/test_megatron_command_lines.py`).
 
 Deviations worth knowing:
+
+- `--sequence-parallel` with `--tensor-model-parallel-size 1` is turned off with one
+  warning line, as upstream does.
+- `--decoupled-lr` applies to `embedding.word_embeddings.weight` and an untied
+  `output_layer.weight` (upstream's `is_embedding_or_output_parameter`), on the same warmup
+  and decay; `--decoupled-min-lr` defaults to `--min-lr`, and without `--decoupled-lr` it
+  is an error (upstream ignores it). Adding or dropping `--decoupled-lr` between a save and
+  a resume changes the optimizer's parameter groups: the load refuses with that message
+  (resume with `--no-load-optim`).
+- `--save-retain-interval N` deletes, once a save is complete and tracked, the previously
+  tracked checkpoint unless its iteration is a multiple of N (upstream's rule; the latest
+  one is never deleted); it is renamed to `iter_XXXXXXX.del` before removal, so a kill
+  mid-deletion leaves nothing half-deleted under a loadable name.
+- `--rotary-interleaved` checkpoints do not convert to Hugging Face (Llama/Mixtral rotate
+  halves); `tools/checkpoint/convert.py --to safetensors` keeps them, flag recorded.
+- `--rampup-batch-size` needs `--train-samples` (as upstream); `--step-batch-size-schedule`
+  thresholds are tokens (divided by `--seq-length`). Every batch size of either schedule
+  must be a multiple of micro-batch x data-parallel size, checked at parse time (upstream
+  checks the current one at each step). Evaluation keeps `--eval-global-batch-size`
+  (default: the final global batch) throughout.
+- A user error under torchrun: ranks other than 0 wait (up to 30 s, through torchrun's
+  store) until rank 0 has printed the one line, so torchrun cannot kill rank 0 first.
 
 - `--log-memory-to-tensorboard` on CPU writes `mem-rss-bytes` and `mem-max-rss-bytes` (there
   is no CUDA allocator); on CUDA Megatron's `mem-reserved-bytes`, `mem-allocated-bytes`,

@@ -15,6 +15,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron.training.batch_size_schedule import validate_batch_size_schedule, validate_step_schedule_batch
+from megatron.training.checkpoint_retention import check_retain_interval
 from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.moe_arguments import add_moe_args, validate_moe_args
@@ -84,6 +86,8 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default micro-batch-size x data-parallel size")
+    g.add_argument("--eval-global-batch-size", type=int, default=None,
+                   help="samples per evaluation step (default --global-batch-size)")
 
     g = parser.add_argument_group("optimizer and schedule")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
@@ -153,6 +157,9 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="keep the checkpoints of iterations divisible by this (and the latest); each other one "
+                        "is deleted once the next save is complete")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true",
@@ -408,6 +415,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
 
     # --- batch -------------------------------------------------------------------------------
     _require(args, "micro_batch_size")
+    validate_step_schedule_batch(args)
     _positive(args, "micro_batch_size", "global_batch_size")
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
@@ -419,10 +427,20 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
             f"use a multiple of {per_step} such as {max(1, round(args.global_batch_size / per_step)) * per_step}."
         )
     args.num_microbatches = args.global_batch_size // per_step
+    # Evaluation's own batch (upstream's --eval-global-batch-size); fixed while a batch-size
+    # schedule changes the training batch.
+    _positive(args, "eval_global_batch_size")
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    if args.eval_global_batch_size % per_step:
+        raise ValueError(f"--eval-global-batch-size ({args.eval_global_batch_size}) must be divisible by "
+                         f"--micro-batch-size x data-parallel size = {per_step}.")
+    args.eval_num_microbatches = args.eval_global_batch_size // per_step
     validate_pipeline_args(args)
 
     # --- run length and schedule -------------------------------------------------------------
     _validate_run_length(args)
+    validate_batch_size_schedule(args)
     _require(args, "lr")
     _positive(args, "train_iters", "eval_interval", "log_interval", "save_interval", "lr_decay_iters",
               "tensorboard_log_interval")
@@ -493,6 +511,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     # --- logging and checkpointing -----------------------------------------------------------
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save DIR to write checkpoints to.")
+    check_retain_interval(args.save_retain_interval, args.save, args.save_interval)
     if args.async_save and args.save is None:
         raise ValueError("--async-save needs --save DIR to write checkpoints to.")
     if args.wandb_exp_name and not args.wandb_project:
@@ -513,7 +532,19 @@ def _validate_tensor_parallel_size(args, world_size: int) -> None:
             f"launch a multiple of {tp} ranks or pick a divisor of {world_size}."
         )
     if args.sequence_parallel and tp == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop it or raise the TP size.")
+        # Upstream turns it off with a warning: command lines scaled down to TP 1 keep it.
+        args.sequence_parallel = False
+        _note("--sequence-parallel is turned off: it needs --tensor-model-parallel-size > 1.")
+
+
+def _note(message: str) -> None:
+    """One line from the launch's rank 0 (parsing runs before the process group exists)."""
+    try:
+        rank = get_distributed_env().rank
+    except ValueError:
+        rank = 0
+    if rank == 0:
+        print(f"WARNING: {message}", flush=True)
 
 
 def _validate_tensor_parallel_model(args) -> None:
@@ -625,6 +656,8 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-channels", type=int, default=None, help="per-head dimension (default hidden / heads)")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="fraction of each head's dimensions that RoPE rotates (the rest pass through)")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="RoPE rotates dimension pairs (2i, 2i+1) (GPT-J layout) instead of (i, i + d/2)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="same as --position-embedding-type rope")
     g.add_argument("--apply-layernorm-1p", action="store_true",
@@ -636,6 +669,8 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--qk-layernorm", action="store_true",
                    help="a --normalization norm on each head's queries and keys (size --kv-channels, shared by "
                         "the heads) after the QKV projection, before RoPE (Qwen3)")
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                   help="apply weight decay to the q/k norm weights (1-D, so not decayed by default)")
     g.add_argument("--attention-output-gate", action="store_true",
                    help="Qwen3-Next gated attention: linear_qkv also outputs a gate; the attention output is "
                         "multiplied by its sigmoid before linear_proj")
@@ -657,8 +692,18 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("Megatron-LM schedules, exit and memory")
     g.add_argument("--train-samples", type=int, default=None, help="run length in samples (instead of --train-iters)")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="with --train-samples: start at START samples per step and add INCREMENT every "
+                        "SAMPLES / ((global - START) / INCREMENT) samples until --global-batch-size")
+    g.add_argument("--step-batch-size-schedule", type=str, default=None, metavar="'TOKENS:BATCH ...'",
+                   help="from each threshold of consumed tokens (K/M/B/T suffixes) on, that global batch size "
+                        "(the last is the global batch size; e.g. '0:384 200B:768')")
     g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--lr-warmup-samples", type=int, default=None)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="the word embedding and output layer's own peak LR (same warmup and decay as --lr)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="with --decoupled-lr: their minimum LR (default --min-lr)")
     g.add_argument("--exit-signal", choices=EXIT_SIGNALS, default="SIGTERM",
                    help="the signal --exit-signal-handler catches")
     g.add_argument("--exit-interval", type=int, default=None,
@@ -713,6 +758,8 @@ def _validate_fidelity(args: argparse.Namespace) -> None:
                 f"--rotary-percent {args.rotary_percent} rotates {rotated} of {head_dim} head dimensions; "
                 "pick a fraction that gives an even number >= 2."
             )
+    if args.rotary_interleaved and args.position_embedding_type != "rope":
+        raise ValueError("--rotary-interleaved applies to RoPE; add --position-embedding-type rope or drop it.")
     if args.apply_layernorm_1p and args.normalization != "LayerNorm":
         raise ValueError("--apply-layernorm-1p applies to LayerNorm; drop it or use --normalization LayerNorm.")
     if args.device_type == "cpu" and args.attention_backend == "fused":
@@ -720,6 +767,15 @@ def _validate_fidelity(args: argparse.Namespace) -> None:
     if (args.device_type == "cpu" and args.attention_backend == "flash" and args.attention_dropout > 0):
         raise ValueError("--attention-backend flash takes no attention dropout on CPU; add --attention-dropout 0 "
                          "or use --attention-backend unfused/auto.")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ValueError("--decoupled-min-lr needs --decoupled-lr (the embedding/output peak LR); add it or drop "
+                         "--decoupled-min-lr.")
+    if args.decoupled_lr is not None:
+        if args.decoupled_lr < 0 or (args.decoupled_min_lr or 0.0) < 0:
+            raise ValueError("--decoupled-lr and --decoupled-min-lr must be non-negative.")
+        if (args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr) > args.decoupled_lr:
+            raise ValueError(f"the embedding/output minimum LR must not exceed --decoupled-lr ({args.decoupled_lr}); "
+                             "lower --decoupled-min-lr (default --min-lr).")
     if args.manual_gc_interval < 0:
         raise ValueError("--manual-gc-interval must be non-negative (0: never during training).")
     if args.min_loss_scale > args.initial_loss_scale:
@@ -752,7 +808,7 @@ def _validate_run_length(args: argparse.Namespace) -> None:
         if args.lr_warmup_samples < 0:
             raise ValueError("--lr-warmup-samples must be non-negative.")
         return
-    if args.lr_decay_samples is not None or args.lr_warmup_samples is not None:
+    if args.lr_decay_samples is not None or args.lr_warmup_samples:  # upstream accepts --lr-warmup-samples 0
         raise ValueError("--lr-decay-samples/--lr-warmup-samples go with --train-samples; "
                          "with --train-iters use --lr-decay-iters/--lr-warmup-iters.")
     _require(args, "train_iters")

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.mfsdp_v2 import checkpoint as engine
 from megatron.core.distributed.mfsdp_v2.checkpoint import manifest
+from megatron.training.checkpoint_retention import prune_after_commit
 from megatron.training.log_utils import print_rank_0
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -400,12 +401,12 @@ def save_checkpoint(
         async_save=use_async, extra_metadata={"iteration": int(iteration)},
     )
     if not use_async:
-        _commit(root, iteration, tmp, final, common, rng_entry, group=None)
+        _commit(root, iteration, tmp, final, common, rng_entry, group=None, retain=_retain(args))
         return final
 
     def finish() -> str:
         result.result()
-        _commit(root, iteration, tmp, final, common, rng_entry, group=group)
+        _commit(root, iteration, tmp, final, common, rng_entry, group=group, retain=_retain(args))
         return final
 
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-async-save")
@@ -426,8 +427,14 @@ def _commit_delay(iteration: int) -> float:
     return float(seconds)
 
 
-def _commit(root: str, iteration: int, tmp: str, final: str, common: Dict[str, Any], rng_entry, group) -> None:
-    """All data is in ``tmp``: write common.json, rename into place, update the tracker."""
+def _retain(args) -> Optional[int]:
+    return getattr(args, "save_retain_interval", None)
+
+
+def _commit(root: str, iteration: int, tmp: str, final: str, common: Dict[str, Any], rng_entry, group,
+            retain: Optional[int] = None) -> None:
+    """All data is in ``tmp``: write common.json, rename into place, update the tracker,
+    then (--save-retain-interval) delete the previous checkpoint unless it is kept."""
     entries = _all_gather(rng_entry, group)
     if _rank() == 0:
         common = dict(common, rng_files={k: v for part in entries for k, v in part.items()})
@@ -447,7 +454,9 @@ def _commit(root: str, iteration: int, tmp: str, final: str, common: Dict[str, A
         manifest.fsync_dir(root)
         if os.path.isdir(old):
             shutil.rmtree(old)
+        previous = read_tracker(root) if os.path.isfile(os.path.join(root, TRACKER_FILENAME)) else None
         write_tracker(root, iteration)
+        prune_after_commit(root, previous, iteration, retain)
     _barrier(group)
 
 

@@ -327,6 +327,9 @@ def build_optimizer(args, built: BuiltModel):
         adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum,
         clip_grad=args.clip_grad,
+        decoupled_lr=getattr(args, "decoupled_lr", None),
+        decoupled_min_lr=getattr(args, "decoupled_min_lr", None),
+        apply_wd_to_qk_layernorm=getattr(args, "apply_wd_to_qk_layernorm", False),
     )
     # Named parameters of the unwrapped model: DDP's "module." prefix does not matter to
     # the bias rule, and with MFSDP these are the sharded DTensor parameters.

@@ -26,6 +26,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
 from megatron.core.transformer.moe.metrics import collect_moe_metrics, format_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
+from megatron.training.batch_size_schedule import batch_size_schedule_from_args, train_samples_needed
 from megatron.training.checkpointing import (
     exit_signal_received,
     finalize_async_save,
@@ -285,10 +286,10 @@ def _format_args(args) -> str:
 
 
 def _build_datasets(args, tokenizer, provider):
-    gbs = args.global_batch_size
+    eval_gbs = getattr(args, "eval_global_batch_size", args.global_batch_size)
     # The validation set is evaluated from its start at every --eval-interval (so the
-    # numbers are comparable across evaluations); it needs eval_iters global batches.
-    num_samples = [args.train_iters * gbs, args.eval_iters * gbs, args.eval_iters * gbs]
+    # numbers are comparable across evaluations); it needs eval_iters evaluation batches.
+    num_samples = [train_samples_needed(args), args.eval_iters * eval_gbs, args.eval_iters * eval_gbs]
     # Rank 0 first: it prepares corpora and writes index caches; the others then read them.
     datasets = None
     if dist.get_rank() == 0:
@@ -336,6 +337,7 @@ class _Trainer:
         # part in the collectives behind the per-iteration scalars.
         self.dashboards = bool(args.tensorboard_dir or args.wandb_project)
         self._params_norm = (None, None)  # (iteration, value): computed once per iteration
+        self.batch_schedule = batch_size_schedule_from_args(args)
 
     def _flops_per_token(self) -> Optional[float]:
         try:
@@ -433,6 +435,8 @@ class _Trainer:
     def _train_loop(self, train_iter, iteration, interval_loss, interval_count, interval_iters, interval_start):
         args = self.args
         while iteration < args.train_iters:
+            if self.batch_schedule is not None:
+                self.batch_schedule.apply(args, self.consumed)  # --rampup-batch-size etc.: this step's batch
             loss, grad_norm, skipped = self.train_step(train_iter)
             iteration += 1
             self.consumed += args.global_batch_size
@@ -611,7 +615,8 @@ class _Trainer:
             with torch.no_grad(), self._autocast():
                 for _ in range(args.eval_iters):
                     reports = self.forward_backward(
-                        self.forward_step_func, data_iter, model, args.num_microbatches,
+                        self.forward_step_func, data_iter, model,
+                        getattr(args, "eval_num_microbatches", args.num_microbatches),
                         context=self.built.context, forward_only=True, seq_length=args.seq_length,
                         micro_batch_size=args.micro_batch_size,
                     )
@@ -633,8 +638,8 @@ class _Trainer:
             return None
         key = id(dataset)
         if key not in self._text_sizes:  # the same samples at every evaluation: count once
-            self._text_sizes[key] = characters_and_tokens(dataset, self.args.eval_iters * self.args.global_batch_size,
-                                                          self.tokenizer)
+            samples = self.args.eval_iters * getattr(self.args, "eval_global_batch_size", self.args.global_batch_size)
+            self._text_sizes[key] = characters_and_tokens(dataset, samples, self.tokenizer)
         sizes = self._text_sizes[key]
         return bits_per_character(loss, *sizes) if sizes else None
 

@@ -94,3 +94,18 @@ def test_two_ranks_print_one_line(tmp_path):
     errors = [line for _, err in outs for line in err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "--load" in errors[0], errors
     assert all("Traceback" not in err for _, err in outs)
+
+
+def test_torchrun_prints_the_line_when_rank_0_is_slowest(tmp_path):
+    """Rank 1 reaches the error seconds before rank 0 (held back at start-up by a
+    sitecustomize): it must not exit first, or torchrun kills rank 0 before it prints."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(4)\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "pretrain_gpt.py", *BASE, *NULL, "--mock-data", "--lr-decay-iter", "5"], cwd=REPO,
+                          env=_env({"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
+    assert lines == ["pretrain_gpt.py: error: unrecognized arguments: --lr-decay-iter 5 "
+                     "(did you mean --lr-decay-iters?)"], proc.stderr[-3000:]

@@ -77,9 +77,14 @@ class ModelConfig:
     qk_layernorm: bool = False  # q/k norms (Qwen3 style)
     moe_router_pre_softmax: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None  # a gated shared expert (Qwen2-MoE style)
+    rotary_interleaved: bool = False  # RoPE pairs (2i, 2i + 1): no Hugging Face style here has them
 
     @property
     def style(self) -> str:
+        if self.rotary_interleaved:
+            raise ConversionError("this model was trained with --rotary-interleaved (RoPE pairs 2i, 2i+1); Hugging "
+                                  "Face Llama/Mixtral rotate halves (i, i + d/2) and would compute something else. "
+                                  "Convert it to a consolidated safetensors file instead (--to safetensors).")
         gpt2 = (self.position_embedding_type == "learned_absolute" and self.normalization == "LayerNorm"
                 and not self.gated_linear_unit and self.activation in ("gelu", "gelu_tanh"))
         llama = (self.position_embedding_type == "rope" and self.normalization == "RMSNorm"
@@ -131,6 +136,7 @@ class ModelConfig:
             "untie_embeddings_and_output_weights": not self.tied_embeddings,
             "norm_epsilon": self.norm_epsilon,
             "rotary_base": self.rotary_base,
+            **({"rotary_interleaved": True} if self.rotary_interleaved else {}),
             **({"num_experts": self.num_experts, "moe_ffn_hidden_size": self.moe_ffn_hidden_size,
                 "moe_router_topk": self.moe_router_topk, "moe_router_pre_softmax": self.moe_router_pre_softmax}
                if self.num_experts else {}),
@@ -151,6 +157,8 @@ class ModelConfig:
             flags.append(f"--group-query-attention --num-query-groups {self.num_query_groups}")
         if self.position_embedding_type == "rope":
             flags.append(f"--position-embedding-type rope --rotary-base {self.rotary_base:g}")
+            if self.rotary_interleaved:
+                flags.append("--rotary-interleaved")
         if self.normalization == "RMSNorm":
             flags.append("--normalization RMSNorm")
         if self.gated_linear_unit:
@@ -239,6 +247,7 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         tied_embeddings="output_layer.weight" not in shapes,
         norm_epsilon=float(args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))),
         rotary_base=float(args.get("rotary_base", 10000.0)),
+        rotary_interleaved=bool(args.get("rotary_interleaved", False)) and not learned,
         unpadded_vocab_size=args.get("unpadded_vocab_size"),
         hidden_dropout=float(args.get("hidden_dropout", 0.0)),
         attention_dropout=float(args.get("attention_dropout", 0.0)),

@@ -9,7 +9,7 @@ same on plain tensors (DDP, one rank) and on the sharded DTensor parameters of M
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -48,6 +48,9 @@ class OptimizerConfig:
     # Upstream's Qwen3-Next option: decay the q/k norm weights (q_layernorm, k_layernorm)
     # although they are 1-D.
     apply_wd_to_qk_layernorm: bool = False
+    # --decoupled-lr/--decoupled-min-lr: the embedding and output layer's own schedule.
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
 
     def __post_init__(self):
         if self.optimizer not in _OPTIMIZERS:
@@ -65,24 +68,50 @@ def no_weight_decay(name: str, param: torch.Tensor, apply_wd_to_qk_layernorm: bo
     return name.endswith(".bias") or len(param.shape) == 1
 
 
+# Upstream's is_embedding_or_output_parameter: the word embedding and the untied output
+# layer (matched by name, which survives DDP's "module." prefix and MFSDP's resharding).
+_EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def is_embedding_or_output_parameter(name: str) -> bool:
+    return any(name == n or name.endswith("." + n) for n in _EMBEDDING_OR_OUTPUT)
+
+
 def get_param_groups(
-    named_parameters: Iterable[Tuple[str, torch.Tensor]], apply_wd_to_qk_layernorm: bool = False
+    named_parameters: Iterable[Tuple[str, torch.Tensor]],
+    decoupled_lr: Optional[float] = None,
+    decoupled_min_lr: Optional[float] = None,
+    apply_wd_to_qk_layernorm: bool = False,
 ) -> List[Dict]:
-    decay, no_decay = [], []
+    """Megatron's groups: decayed or not, and with ``decoupled_lr`` the embedding/output
+    weights apart, carrying their own ``max_lr`` (and ``min_lr``) for the scheduler."""
+    groups = {}
     for name, param in named_parameters:
         if not param.requires_grad:
             continue
-        (no_decay if no_weight_decay(name, param, apply_wd_to_qk_layernorm) else decay).append(param)
-    # wd_mult is read by OptimizerParamScheduler.step when it sets each group's decay.
-    groups = [
-        {"params": decay, "wd_mult": 1.0, "name": "decay"},
-        {"params": no_decay, "wd_mult": 0.0, "name": "no_decay"},
-    ]
-    return [g for g in groups if g["params"]]
+        decoupled = decoupled_lr is not None and is_embedding_or_output_parameter(name)
+        groups.setdefault((decoupled, no_weight_decay(name, param, apply_wd_to_qk_layernorm)), []).append(param)
+    out = []
+    # Non-decoupled groups first: the log's learning rate is param_groups[0]'s.
+    for decoupled in (False, True):
+        for no_decay in (False, True):
+            params = groups.get((decoupled, no_decay))
+            if not params:
+                continue
+            # wd_mult is read by OptimizerParamScheduler.step when it sets each group's decay.
+            group = {"params": params, "wd_mult": 0.0 if no_decay else 1.0,
+                     "name": ("decoupled_" if decoupled else "") + ("no_decay" if no_decay else "decay")}
+            if decoupled:
+                group["max_lr"] = decoupled_lr
+                if decoupled_min_lr is not None:
+                    group["min_lr"] = decoupled_min_lr
+            out.append(group)
+    return out
 
 
 def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    groups = get_param_groups(model.named_parameters(), config.apply_wd_to_qk_layernorm)
+    groups = get_param_groups(model.named_parameters(), config.decoupled_lr, config.decoupled_min_lr,
+                              config.apply_wd_to_qk_layernorm)
     if not groups:
         raise ValueError("the model has no trainable parameters; nothing to optimize.")
     for g in groups:

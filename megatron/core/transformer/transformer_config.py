@@ -114,6 +114,7 @@ class TransformerConfig:
     rotary_base: float = 10000
     # Megatron-LM numerics options (docs/megatron_flags.md).
     rotary_percent: float = 1.0  # fraction of each head's dimensions that RoPE rotates
+    rotary_interleaved: bool = False  # RoPE pairs (2i, 2i + 1) instead of (i, i + d/2)
     apply_layernorm_1p: bool = False  # LayerNorm weight stored as gamma - 1 (zero-initialized)
     attention_softmax_in_fp32: bool = False  # attention in fp32 when the inputs are bf16/fp16
     attention_backend: str = "auto"  # SDPA kernels: auto, flash, fused, unfused/local (math)

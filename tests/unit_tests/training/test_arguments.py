@@ -241,6 +241,14 @@ def test_tensor_parallel_sizes():
     assert (hsdp.dp_outer_size, hsdp.dp_inner_size) == (2, 2)
 
 
+def test_sequence_parallel_without_tensor_parallelism_is_turned_off(capsys):
+    # Upstream's rule: a warning and sequence_parallel False, not an error.
+    args = parse("--sequence-parallel", world_size=2)
+    assert args.sequence_parallel is False and args.tensor_model_parallel_size == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["WARNING: --sequence-parallel is turned off: it needs --tensor-model-parallel-size > 1."]
+
+
 TP_ERRORS = {
     "world size": ("--tensor-model-parallel-size 3", 4, r"--tensor-model-parallel-size \(3\) must divide the world size \(4\)"),
     "at least 1": ("--tensor-model-parallel-size 0", 1, "must be at least 1"),
@@ -252,7 +260,6 @@ TP_ERRORS = {
             r"--ffn-hidden-size \(90\) must be divisible by --tensor-model-parallel-size \(4\)"),
     "vocab": ("--tensor-model-parallel-size 4 --make-vocab-size-divisible-by 6", 4,
               r"--make-vocab-size-divisible-by \(6\) must be a multiple of --tensor-model-parallel-size \(4\).*use 12"),
-    "sp without tp": ("--sequence-parallel", 2, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     "sp seq length": ("--tensor-model-parallel-size 4 --sequence-parallel --seq-length 30 --max-position-embeddings 32",
                       4, r"--seq-length \(30\) must be divisible by --tensor-model-parallel-size \(4\)"),
     "instances": ("--tensor-model-parallel-size 2 --use-mfsdp --num-distributed-optimizer-instances 4", 4,
@@ -293,3 +300,21 @@ def test_tensorboard_log_interval_and_dist_ckpt_strictness_parse():
     from megatron.training.checkpointing import STRICTNESS
 
     assert sorted(STRICTNESS) == sorted(DIST_CKPT_STRICTNESS)
+
+
+def test_decoupled_lr_flags():
+    args = parse("--decoupled-lr 0.5 --decoupled-min-lr 0.01")
+    assert (args.decoupled_lr, args.decoupled_min_lr) == (0.5, 0.01)
+    with pytest.raises(ValueError, match="--decoupled-min-lr needs --decoupled-lr"):
+        parse("--decoupled-min-lr 0.01")
+    with pytest.raises(ValueError, match="must not exceed --decoupled-lr"):
+        parse("--decoupled-lr 0.001 --decoupled-min-lr 0.01")
+
+
+def test_save_retain_interval_flags(tmp_path):
+    args = parse(f"--save {tmp_path} --save-interval 2 --save-retain-interval 6")
+    assert args.save_retain_interval == 6
+    with pytest.raises(ValueError, match=r"--save-retain-interval \(5\) must be a multiple of --save-interval \(2\)"):
+        parse(f"--save {tmp_path} --save-interval 2 --save-retain-interval 5")
+    with pytest.raises(ValueError, match="--save-retain-interval needs --save"):
+        parse("--save-retain-interval 5")

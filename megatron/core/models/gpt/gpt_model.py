@@ -147,7 +147,7 @@ class GPTModel(nn.Module):
             self.embedding.word_embeddings = _output_projection(config, vocab_size, tied=False)
         if position_embedding_type == "rope":
             # Sized to the rotated dimensions: with rotary_percent < 1 the rest pass through.
-            self.rotary_pos_emb = RotaryEmbedding(config.rotary_dim, config.rotary_base)
+            self.rotary_pos_emb = RotaryEmbedding(config.rotary_dim, config.rotary_base, config.rotary_interleaved)
         else:
             self.rotary_pos_emb = None
         self.decoder = TransformerBlock(config, expert_parallel=expert_parallel, layer_numbers=layer_numbers,

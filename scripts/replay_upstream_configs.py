@@ -1,0 +1,245 @@
+"""How many of upstream Megatron-LM's GPT functional-test command lines this trainer accepts.
+
+Reads every ``tests/functional_tests/test_cases/gpt/*/model_config.yaml`` of the upstream
+mirror (a bare git repository, read with ``git show``), or, without the mirror, the
+snapshot of their MODEL_ARGS in tests/functional_tests/upstream_gpt_configs.json
+(``--write-snapshot`` refreshes it from the mirror). Inference and RL configurations
+(MODE inference/rl) are skipped: they do not run pretrain_gpt.py.
+
+Each line gets the CPU substitutions (gloo for nccl, the local layers for Transformer
+Engine, FP8 / NCCL user-buffer / TP-comm-overlap flags dropped), mock data and the GPT-2
+tokenizer instead of files that are not here, and a tiny model, but keeps its TP/PP/CP
+sizes; parse_args then runs at the world size upstream launches (8 ranks, or more when
+the model-parallel sizes need it). A line rejected only because of PP/CP > 1 (it parses
+with those sizes at 1 and the pipeline-only flags dropped) counts as "blocked by PP/CP".
+
+    python scripts/replay_upstream_configs.py [--verbose] [--snapshot | --write-snapshot]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+sys.path.insert(0, REPO)
+MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
+CASES = "tests/functional_tests/test_cases/gpt"
+SNAPSHOT = os.path.join(REPO, "tests", "functional_tests", "upstream_gpt_configs.json")
+SKIPPED_MODES = ("inference", "rl")
+
+# The tiny model; the parallel sizes stay upstream's.
+SCALE = {
+    "--num-layers": 4, "--hidden-size": 128, "--num-attention-heads": 8, "--seq-length": 64,
+    "--max-position-embeddings": 64, "--micro-batch-size": 1, "--ffn-hidden-size": 256,
+    "--kv-channels": 16, "--train-iters": 3, "--eval-iters": 1,
+}
+SUBSTITUTE = {"nccl": "gloo", "transformer_engine": "local"}
+PIPELINE_OR_CONTEXT = ("--pipeline-model-parallel-size", "--context-parallel-size")
+VARIABLES = {"REPEAT": "1", "WANDB_EXPERIMENT": "replay"}  # the others are paths: a temporary directory
+DATA_FLAGS = ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-model", "--tokenizer-type",
+              "--data-args-path", "--per-split-data-args-path")
+
+
+def _dropped(flag: str) -> bool:
+    """Flags for hardware this machine lacks (FP8, NCCL user buffers, TP-comm overlap)."""
+    return (flag.startswith("--fp8") or flag.startswith("--tp-comm-overlap") or "nccl-ub" in flag
+            or flag in ("--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"))
+
+
+def _pipeline_only(flag: str) -> bool:
+    from megatron.training.megatron_compat import REJECTED
+
+    reason = REJECTED.get(flag, "")
+    return "pipeline" in reason or "context parallelism" in reason
+
+
+def _takes_list(flag: str) -> bool:
+    from megatron.training.arguments import build_parser
+
+    if not hasattr(_takes_list, "actions"):
+        _takes_list.actions = build_parser()._option_string_actions
+    action = _takes_list.actions.get(flag)
+    return action is not None and (action.nargs in ("*", "+") or (isinstance(action.nargs, int) and action.nargs > 1))
+
+
+def load_from_mirror():
+    """{name: (mode, [[flag, value], ...])} from the mirror's yaml files."""
+    import yaml
+
+    names = subprocess.run(["git", "-C", MIRROR, "ls-tree", "--name-only", "HEAD", CASES + "/"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    commit = subprocess.run(["git", "-C", MIRROR, "rev-parse", "HEAD"], check=True, capture_output=True,
+                            text=True).stdout.strip()
+    configs = {}
+    for path in names:
+        show = subprocess.run(["git", "-C", MIRROR, "show", f"HEAD:{path}/model_config.yaml"],
+                              capture_output=True, text=True)
+        if show.returncode:
+            continue
+        doc = yaml.safe_load(show.stdout) or {}
+        args = doc.get("MODEL_ARGS")
+        if not isinstance(args, dict):
+            continue
+        configs[os.path.basename(path)] = (doc.get("MODE", "pretraining"), [[k, v] for k, v in args.items()])
+    return commit, configs
+
+
+def load_snapshot():
+    data = json.load(open(SNAPSHOT))
+    modes = data.get("modes", {})
+    return data["commit"], {name: (modes.get(name, "pretraining"), args) for name, args in data["configs"].items()}
+
+
+def write_snapshot(commit, configs):
+    """Keeps the snapshot's layout (name -> MODEL_ARGS pairs) that the tests read."""
+    data = {
+        "source": "NVIDIA/Megatron-LM tests/functional_tests/test_cases/gpt/<name>/model_config.yaml, MODEL_ARGS "
+                  "(scripts/replay_upstream_configs.py --write-snapshot)",
+        "commit": commit,
+        "modes": {name: mode for name, (mode, _) in sorted(configs.items()) if mode != "pretraining"},
+        "configs": {name: args for name, (_, args) in sorted(configs.items())},
+    }
+    # One line per flag: the snapshot diffs line by line when upstream changes.
+    lines = ['{', f' "source": {json.dumps(data["source"])},', f' "commit": {json.dumps(commit)},',
+             f' "modes": {json.dumps(data["modes"])},', ' "configs": {']
+    for i, (name, pairs) in enumerate(data["configs"].items()):
+        body = ",\n".join(f"   {json.dumps(pair)}" for pair in pairs)
+        lines.append(f'  {json.dumps(name)}: [\n{body}\n  ]' + ("," if i < len(data["configs"]) - 1 else ""))
+    lines += [' }', '}']
+    with open(SNAPSHOT, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _int(pairs, flag, default=1):
+    for k, v in pairs:
+        if k == flag:
+            return int(v)
+    return default
+
+
+def command_line(pairs, tmp, model_parallel_at_one=False):
+    """The substituted argv and the world size to parse it at."""
+    from megatron.core.tokenizer import default_gpt2_vocab_files
+
+    vocab, merges = default_gpt2_vocab_files()
+    tp = _int(pairs, "--tensor-model-parallel-size")
+    heads = max(SCALE["--num-attention-heads"], tp)
+    argv = ["--mock-data", "--num-workers", "0"]
+    if ["--tokenizer-type", "NullTokenizer"] not in pairs:
+        argv += ["--vocab-file", vocab, "--merge-file", merges]
+    for flag, value in pairs:
+        if (flag in DATA_FLAGS and value != "NullTokenizer") or _dropped(flag):
+            continue
+        if model_parallel_at_one and (flag in PIPELINE_OR_CONTEXT or _pipeline_only(flag)):
+            continue
+        if flag == "--num-attention-heads":
+            value = heads
+        elif flag == "--num-query-groups":
+            value = max(2, tp)
+        elif flag in SCALE:
+            value = SCALE[flag]
+        elif flag == "--global-batch-size":
+            value = None  # set below from the data-parallel size
+        elif isinstance(value, str):
+            value = re.sub(r"\$\{([A-Z_]+)\}", lambda m: VARIABLES.get(m.group(1), tmp), SUBSTITUTE.get(value, value))
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif _takes_list(flag):
+            argv += [flag, *str(value).split()]  # "--data-path: 0.3 a 0.7 b" is several arguments
+        else:
+            argv += [flag, str(value)]
+    pp = 1 if model_parallel_at_one else _int(pairs, "--pipeline-model-parallel-size")
+    cp = 1 if model_parallel_at_one else _int(pairs, "--context-parallel-size")
+    world = math.lcm(8, tp * pp * cp)
+    dp = world // (tp * pp * cp)
+    if any(flag == "--global-batch-size" for flag, _ in pairs):
+        argv += ["--global-batch-size", str(2 * dp)]
+    return argv, world
+
+
+def try_parse(argv, world):
+    from megatron.training.arguments import parse_args
+
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            parse_args(argv, world_size=world, cuda_available=False)
+    except (ValueError, SystemExit) as e:
+        return str(e) or repr(e)
+    return None
+
+
+def rejection_key(message: str) -> str:
+    match = re.search(r"--[a-z0-9][a-z0-9_-]*", message)
+    return match.group(0) if match else message[:60]
+
+
+def replay(configs, verbose=False):
+    """(counts, {flag: [config names]}) over the training configurations."""
+    counts = collections.Counter()
+    rejections = collections.defaultdict(list)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (mode, pairs) in sorted(configs.items()):
+            if mode in SKIPPED_MODES:
+                counts["skipped (MODE inference/rl)"] += 1
+                continue
+            counts["training lines"] += 1
+            argv, world = command_line(pairs, tmp)
+            error = try_parse(argv, world)
+            if error is None:
+                counts["accepted"] += 1
+                continue
+            pp_or_cp = _int(pairs, "--pipeline-model-parallel-size") > 1 or _int(pairs, "--context-parallel-size") > 1
+            if pp_or_cp:
+                argv1, world1 = command_line(pairs, tmp, model_parallel_at_one=True)
+                error1 = try_parse(argv1, world1)
+                if error1 is None:
+                    counts["blocked by PP/CP"] += 1
+                    continue
+                error = error1
+            counts["rejected"] += 1
+            rejections[rejection_key(error)].append(name)
+            if verbose:
+                print(f"{name}: {error}")
+    return counts, rejections
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--verbose", action="store_true", help="print every rejection's message")
+    p.add_argument("--write-snapshot", action="store_true", help="refresh upstream_gpt_configs.json from the mirror")
+    p.add_argument("--snapshot", action="store_true", help="read the snapshot even where the mirror exists")
+    p.add_argument("--top", type=int, default=25)
+    opts = p.parse_args(argv)
+    if os.path.isdir(MIRROR) and not opts.snapshot:
+        commit, configs = load_from_mirror()
+        source = f"mirror {MIRROR} at {commit[:12]}"
+        if opts.write_snapshot:
+            write_snapshot(commit, configs)
+    else:
+        commit, configs = load_snapshot()
+        source = f"snapshot {os.path.relpath(SNAPSHOT, REPO)} ({commit[:12]})"
+    counts, rejections = replay(configs, opts.verbose)
+    print(f"source: {source}; {len(configs)} GPT configurations")
+    for key in ("skipped (MODE inference/rl)", "training lines", "accepted", "blocked by PP/CP", "rejected"):
+        print(f"{key}: {counts[key]}")
+    print("\nremaining rejections (flag -> lines):")
+    for flag, names in sorted(rejections.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:opts.top]:
+        print(f"  {len(names):4d}  {flag}")
+    return counts, rejections
+
+
+if __name__ == "__main__":
+    main()
