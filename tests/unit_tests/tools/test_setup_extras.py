@@ -18,7 +18,9 @@ DISTRIBUTIONS = {"torch": "torch", "numpy": "numpy", "regex": "regex", "tqdm": "
                  "transformers": "transformers", "safetensors": "safetensors", "tensorboard": "tensorboard",
                  "wandb": "wandb", "psutil": "psutil", "pytest": "pytest", "matplotlib": "matplotlib",
                  "sentencepiece": "sentencepiece"}
-LOCAL = {"megatron", "tools", "pretrain_gpt", "benchmarks"}
+# The repository's own packages, and the scripts/ modules tests import by name.
+LOCAL = {"megatron", "tools", "pretrain_gpt", "benchmarks"} | {
+    os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(REPO, "scripts", "*.py"))}
 
 
 def _setup_kwargs(monkeypatch):

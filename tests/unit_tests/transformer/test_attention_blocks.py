@@ -181,14 +181,16 @@ def test_qk_layernorm_weight_decay_follows_upstream():
     qk = {id(p) for n, p in model.named_parameters() if "_layernorm." in n and "self_attention" in n}
     assert len(qk) == 8  # weight and bias of two norms, two layers
     for apply, decayed in ((False, False), (True, True)):
-        groups = {g["name"]: {id(p) for p in g["params"]} for g in get_param_groups(model.named_parameters(), apply)}
+        groups = {g["name"]: {id(p) for p in g["params"]} for g in get_param_groups(model.named_parameters(),
+                                                                               apply_wd_to_qk_layernorm=apply)}
         assert (qk <= groups["decay"]) is decayed and (qk <= groups["no_decay"]) is not decayed
     optimizer = get_megatron_optimizer(OptimizerConfig(weight_decay=0.1, apply_wd_to_qk_layernorm=True), model)
     decayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     assert qk <= decayed
     # The other norms stay undecayed.
     other = id(model.decoder.layers[0].input_layernorm.weight)
-    assert other in {id(p) for g in get_param_groups(model.named_parameters(), True) if g["name"] == "no_decay"
+    assert other in {id(p) for g in get_param_groups(model.named_parameters(), apply_wd_to_qk_layernorm=True)
+                                        if g["name"] == "no_decay"
                      for p in g["params"]}
 
 
@@ -216,6 +218,7 @@ def test_flags_reach_the_model_config():
                   "--moe-shared-expert-gate --disable-bias-linear")
     config = core_transformer_config_from_args(args)
     assert config.qk_layernorm and config.attention_output_gate and config.moe_shared_expert_gate
+    assert _parse("--qk-layernorm --apply-wd-to-qk-layernorm").apply_wd_to_qk_layernorm
     plain = core_transformer_config_from_args(_parse(""))
     assert not (plain.qk_layernorm or plain.attention_output_gate or plain.moe_shared_expert_gate)
 
@@ -224,8 +227,6 @@ def test_flags_reach_the_model_config():
     ("--moe-shared-expert-gate", "--moe-shared-expert-gate gates the shared expert; add --num-experts and "
                                  "--moe-shared-expert-intermediate-size"),
     ("--num-experts 2 --moe-shared-expert-gate", "add --num-experts and --moe-shared-expert-intermediate-size"),
-    ("--qk-layernorm --apply-wd-to-qk-layernorm", "--apply-wd-to-qk-layernorm is not supported: weight decay on the "
-                                                  "q/k norms is not wired into the trainer yet"),
 ])
 def test_parse_time_errors(extra, match):
     with pytest.raises(ValueError, match=match):

@@ -22,6 +22,7 @@ from .state import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
     check_optimizer_belongs,
+    group_key,
     model_state,
     named_tensors,
     optimizer_params,
@@ -183,26 +184,29 @@ def _optimizer_mismatch(saved_optimizer, optimizer, names, saved, pieces, skippe
     if saved_optimizer["class"] != type(optimizer).__name__:
         return (f"the checkpoint holds {saved_optimizer['class']} state but the optimizer is "
                 f"{type(optimizer).__name__}; use the same optimizer class or load without the optimizer.")
-    groups = comm.all_gather([[names[id(p)] for p in group["params"]] for group in optimizer.param_groups])
+    groups: Dict[Any, set] = {}  # group_key -> the parameter names all ranks hold in it
+    for rank_groups in comm.all_gather([(group_key(g, i), [names[id(p)] for p in g["params"]])
+                                        for i, g in enumerate(optimizer.param_groups)]):
+        for key, group_names in rank_groups:
+            groups.setdefault(key, set()).update(group_names)
     error = _check_param_groups(saved_optimizer["param_groups"], groups, skipped)
     if error is not None:
         return error
     wanted = {k: v for k, v in comm.union(_optimizer_keys_after_init(optimizer, names, saved, pieces)).items()
               if k[len(OPTIMIZER_PREFIX):].rsplit(".", 1)[0] not in skipped}
-    in_optimizer = {name for rank_groups in groups for group in rank_groups for name in group} - set(skipped)
+    in_optimizer = set().union(*groups.values()) - set(skipped)
     return _compare({k: v for k, v in saved.items() if k.startswith(OPTIMIZER_PREFIX)
                      and k[len(OPTIMIZER_PREFIX):].rsplit(".", 1)[0] in in_optimizer},
                     wanted, OPTIMIZER_PREFIX, "optimizer")
 
 
-def _check_param_groups(saved_groups, groups_per_rank, skipped=frozenset()) -> Optional[str]:
-    """``groups_per_rank``: each rank's parameter names per group of its optimizer."""
-    counts = {len(groups) for groups in groups_per_rank}
-    if counts != {len(saved_groups)}:
+def _check_param_groups(saved_groups, groups: Dict[Any, set], skipped=frozenset()) -> Optional[str]:
+    """``groups``: group_key -> the parameter names the ranks hold in that group together."""
+    if len(saved_groups) != len(groups) or {group_key(g, i) for i, g in enumerate(saved_groups)} != set(groups):
         return (f"the checkpoint's optimizer has {len(saved_groups)} parameter groups but this one has "
-                f"{' or '.join(str(c) for c in sorted(counts))}; build the optimizer the same way as when saving.")
+                f"{len(groups)}; build the optimizer the same way as when saving.")
     for index, saved in enumerate(saved_groups):
-        current = sorted({n for groups in groups_per_rank for n in groups[index] if n not in skipped})
+        current = sorted(n for n in groups[group_key(saved, index)] if n not in skipped)
         if sorted(n for n in saved["params"] if n not in skipped) != current:
             diff = sorted(set(saved["params"]) ^ set(current))
             return (f"optimizer parameter group {index} holds different parameters than in the checkpoint "

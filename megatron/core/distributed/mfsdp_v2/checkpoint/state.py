@@ -197,28 +197,34 @@ def optimizer_json(optimizer, names: Dict[int, str], scalars: Dict[str, Dict[str
     return {"class": type(optimizer).__name__, "param_groups": groups, "scalar_state": scalars}
 
 
+def group_key(group: Dict[str, Any], index: int) -> Any:
+    """Which parameter group this is across ranks: its ``name`` where it has one (a
+    pipeline stage may lack some of the model's groups, e.g. the embedding's), else its index."""
+    return group.get("name", index)
+
+
 def merge_optimizer_json(entries: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """One ``optimizer`` entry from every rank's: each group's parameters are the union, in
-    rank order (pipeline stages hold different parameters; data-parallel ranks the same),
-    its hyper-parameters the first rank's; the scalar state of every parameter."""
-    merged = {"class": entries[0]["class"], "param_groups": [], "scalar_state": {}}
-    if any(len(e["param_groups"]) != len(entries[0]["param_groups"]) for e in entries):
-        raise ValueError("the ranks' optimizers have different numbers of parameter groups; build every rank's "
-                         "optimizer with the same groups (an empty group where a rank has no such parameter).")
-    for index, group in enumerate(entries[0]["param_groups"]):
-        params = []
-        for entry in entries:
-            params += [n for n in entry["param_groups"][index]["params"] if n not in params]
-        merged["param_groups"].append(dict(group, params=params))
+    """One ``optimizer`` entry from every rank's: groups matched by ``group_key``, each
+    with the union of the ranks' parameters in rank order (pipeline stages hold different
+    parameters; data-parallel ranks the same) and its first holder's hyper-parameters;
+    the scalar state of every parameter."""
+    groups: Dict[Any, Dict[str, Any]] = {}
+    for entry in entries:
+        for index, group in enumerate(entry["param_groups"]):
+            merged_group = groups.setdefault(group_key(group, index), dict(group, params=[]))
+            merged_group["params"] += [n for n in group["params"] if n not in merged_group["params"]]
+    scalars: Dict[str, Any] = {}
     for entry in entries:
         for fqn, state in entry.get("scalar_state", {}).items():
-            merged["scalar_state"].setdefault(fqn, state)
-    return merged
+            scalars.setdefault(fqn, state)
+    return {"class": entries[0]["class"], "param_groups": list(groups.values()), "scalar_state": scalars}
 
 
 def restore_optimizer_json(optimizer, names: Dict[int, str], saved_optimizer: Dict[str, Any]) -> None:
     """Put the manifest's hyper-parameters and non-tensor state back into ``optimizer``."""
-    for saved, group in zip(saved_optimizer["param_groups"], optimizer.param_groups):
+    saved_groups = {group_key(g, i): g for i, g in enumerate(saved_optimizer["param_groups"])}
+    for index, group in enumerate(optimizer.param_groups):
+        saved = saved_groups[group_key(group, index)]
         for key, value in saved.items():
             if key == "params":
                 continue
