@@ -166,3 +166,35 @@ def test_global_aux_loss_with_a_dense_first_layer_trains_the_same_at_every_ep_si
     assert epn[0] == pytest.approx(ep1[0], rel=2e-5)
     assert epn[1] == pytest.approx(ep1[1], rel=2e-5)
     assert ep1[0][-1] < ep1[0][0]
+
+
+@pytest.mark.skipif(WORLD < 2, reason="needs two ranks or more")
+def test_sequence_parallel_router_statistics_match_the_reference():
+    """TP=2 with sequence parallelism (EP = the data-parallel size): each TP rank routes its
+    sequence chunk, and the per-sequence counts of seq_aux_loss, the global counts of
+    global_aux_loss (at DP=1, where one micro-batch per rank is the reference's) and the
+    expert-bias counts are those of the whole sequences."""
+    from _trainer_models import trainer_args
+    from test_moe_tensor_parallel import tensor_parallel
+    from test_moe_tensor_parallel import train as train_tp
+
+    dp = WORLD // 2
+    types = ["seq_aux_loss", "global_aux_loss"] if dp == 1 else ["seq_aux_loss"]
+    flags = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--clip-grad", "0",
+             "--moe-router-load-balancing-type", *types, "--moe-aux-loss-coeff", *["0.1"] * len(types),
+             "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+             "--moe-router-bias-update-rate", "0.01"]
+    with tensor_parallel(2) as state:
+        args = trainer_args("gpt2", *flags, "--use-mfsdp", "--expert-model-parallel-size", str(dp),
+                            "--tensor-model-parallel-size", "2", "--sequence-parallel")
+        built = build_model(gpt_provider, args, torch.device("cpu"))
+        reference = reference_with(trainer_args("gpt2", *flags, world_size=1))
+        mine_, ref, norms, ref_norms = train_tp(args, built, reference, state, True)
+    if dist.get_rank() == 0:
+        print(f"\nTP=2 SP EP={dp} {types} + expert bias: losses {mine_} reference {ref}")
+    assert mine_ == pytest.approx(ref, rel=2e-5)
+    assert norms == pytest.approx(ref_norms, rel=2e-5)
+    got, expected = biases(built.unwrapped), biases(reference)
+    assert any(float(b.abs().sum()) > 0 for b in expected)
+    for b, r in zip(got, expected):
+        torch.testing.assert_close(b, r, rtol=0, atol=1e-7)
