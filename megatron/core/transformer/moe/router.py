@@ -289,8 +289,9 @@ class TopKRouter(nn.Module):
         self.data_parallel_groups = data_parallel_groups(expert_parallel)
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
-            self.register_buffer("local_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
-                                 persistent=False)
+            # The counts since the last update: a plain attribute, not a buffer, because DDP
+            # broadcasts rank 0's buffers before every forward.
+            self.local_tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32)
             _track_expert_bias(self)
         else:
             self.expert_bias = None
@@ -366,7 +367,7 @@ class TopKRouter(nn.Module):
         if with_losses and self.expert_bias is not None:
             # Once per forward with gradients: a recompute counts every micro-batch again,
             # which leaves the sign rule unchanged.
-            self.local_tokens_per_expert += routing_map.sum(dim=0)
+            self.local_tokens_per_expert = self.local_tokens_per_expert.to(routing_map.device) + routing_map.sum(dim=0)
         return probs, routing_map
 
     def _attach_load_balancing_losses(self, probs, logits, num_sequences: int, chunks: int) -> torch.Tensor:
@@ -443,13 +444,13 @@ def _update_biases(routers) -> None:
         by_groups.setdefault(tuple(id(g) for g in groups), (groups, []))[1].append(router)
     with torch.no_grad():
         for groups, members in by_groups.values():
-            counts = torch.stack([r.local_tokens_per_expert for r in members])
+            counts = torch.stack([r.local_tokens_per_expert.to(r.expert_bias.device) for r in members])
             for group in groups:
                 dist.all_reduce(counts, group=group)
             for router, row in zip(members, counts):
                 router.expert_bias.copy_(expert_bias_update(row, router.expert_bias,
                                                             router.config.moe_router_bias_update_rate))
-                router.local_tokens_per_expert.zero_()
+                router.local_tokens_per_expert = torch.zeros_like(router.expert_bias)
 
 
 _BIASED_ROUTERS = weakref.WeakSet()

@@ -100,6 +100,22 @@ def test_expert_bias_update_counts_every_data_parallel_rank(ep):
     assert float(router.expert_bias.abs().sum()) > 0
 
 
+def test_expert_bias_counts_survive_ddp_buffer_broadcasts():
+    """Under DDP, which broadcasts rank 0's buffers before a forward that follows a
+    synchronised backward, two forwards per update still count every rank's own tokens."""
+    router = router_on_every_rank(1, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                  moe_router_bias_update_rate=0.5, moe_aux_loss_coeff=0.0)
+    ddp = torch.nn.parallel.DistributedDataParallel(router)
+    batches = [global_tokens(4), global_tokens(5)]
+    for batch in batches:
+        ddp(mine(batch))[0].sum().backward()
+    update_expert_biases(router)
+    scores = torch.sigmoid(F.linear(torch.cat(batches), router.weight.detach()))
+    chosen = scores.argsort(dim=1, descending=True)[:, :K]
+    counts = torch.tensor([float((chosen == e).sum()) for e in range(E)])
+    torch.testing.assert_close(router.expert_bias, 0.5 * torch.sign(counts.mean() - counts))
+
+
 def reference_with(ref_args):
     """The single-process EP=1 model: all experts local, statistics of its own tokens only."""
     model = gpt_provider(ref_args)
