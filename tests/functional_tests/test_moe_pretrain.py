@@ -80,7 +80,8 @@ def test_checkpoint_saved_at_tp2_ep2_resumes_at_tp1_ep1(layouts, tmp_path):
 
 
 ROUTER = ["--expert-model-parallel-size", "2", "--moe-router-score-function", "sigmoid",
-          "--moe-router-load-balancing-type", "seq_aux_loss", "global_aux_loss", "--moe-aux-loss-coeff", "0.01", "0.001",
+          "--moe-router-load-balancing-type", "seq_aux_loss", "global_aux_loss",
+          "--moe-aux-loss-coeff", "0.01", "0.001",
           "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01"]
 
 

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.expert_bias import update_expert_biases
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import (
-    TopKRouter, set_aux_loss_backward_scale, sinkhorn, update_expert_biases)
+    TopKRouter, group_limited_topk, set_aux_loss_backward_scale, sinkhorn)
 from megatron.training.arguments import parse_args
 
 E, H = 8, 16
@@ -404,7 +405,6 @@ def test_groups_of_all_sizes_agree_with_the_reference():
     """Group-limited routing over every (groups, group_topk, k) that fits 8 experts."""
     torch.manual_seed(5)
     scores = torch.rand(10, E)
-    from megatron.core.transformer.moe.router import group_limited_topk
     for groups, group_topk, k in itertools.product((1, 2, 4, 8), (1, 2, 4), (1, 2, 4)):
         if group_topk > groups or group_topk * (E // groups) < k or k < group_topk:
             continue

@@ -3,8 +3,9 @@
     router -> token_dispatcher.dispatch -> experts -> token_dispatcher.combine (+ shared_experts)
 
 Input and output are ``[b, s, h]``; the router and the dispatcher see the ``b * s`` tokens
-of this rank (the router knows they are ``b`` sequences, for ``seq_aux_loss``). ``shared_experts`` (``moe_shared_expert_intermediate_size``) is a dense MLP
-every token goes through, added to the routed output.
+of this rank (the router is told they are ``b`` sequences, for ``seq_aux_loss``).
+``shared_experts`` (``moe_shared_expert_intermediate_size``) is a dense MLP every token
+goes through, added to the routed output.
 
 Under tensor parallelism the experts are split over TP (``experts.py``) and each TP rank
 dispatches over its own EP group (the ranks of its TP coordinate), so the layer works like

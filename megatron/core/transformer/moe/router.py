@@ -17,7 +17,7 @@ Megatron-LM's ``TopKRouter`` semantics (``megatron/core/transformer/moe/router.p
   only (the weights are the unbiased scores); after each optimizer step it moves by
   ``moe_router_bias_update_rate`` towards balance, ``bias_e += rate * sign(mean - tokens_e)``
   with tokens_e the step's assignments summed over the data-parallel ranks
-  (``update_expert_biases``);
+  (``expert_bias.py``);
 * ``sinkhorn`` balancing (S-BASE): in training the k experts are the top-k of the Sinkhorn
   normalisation of exp(logits) over this rank's tokens, the weights sigmoid(logits) (k = 1)
   or the softmax over all experts, unnormalised; in evaluation the top-k of those weights;
@@ -55,7 +55,6 @@ it like the main loss.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -63,10 +62,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch.optim.optimizer import register_optimizer_step_post_hook
-
 from ..layers import normal_weight_zero_bias_
 from .config import aux_loss_coeffs
+from .expert_bias import track_expert_bias
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -188,13 +186,6 @@ def sequence_load_balancing_loss_func(scores: torch.Tensor, tokens_per_sequence_
         num_experts * coeff / (topk * sequence_length * sequence_length * num_sequences))
 
 
-def expert_bias_update(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, rate: float) -> torch.Tensor:
-    """DeepSeek-V3's aux-loss-free rule: ``bias + rate * sign(mean_e tokens - tokens_e)`` (the
-    last dimension is the experts): under-loaded experts go up, over-loaded ones down."""
-    mean = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
-    return expert_bias + torch.sign(mean - tokens_per_expert) * rate
-
-
 def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
     """ST-MoE's router z-loss: ``coeff * mean(logsumexp(logits)^2)``."""
     return torch.mean(torch.square(torch.logsumexp(logits.float(), dim=-1))) * z_loss_coeff
@@ -289,10 +280,10 @@ class TopKRouter(nn.Module):
         self.data_parallel_groups = data_parallel_groups(expert_parallel)
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
-            # The counts since the last update: a plain attribute, not a buffer, because DDP
-            # broadcasts rank 0's buffers before every forward.
+            # The counts since the last update (expert_bias.py): a plain attribute, not a
+            # buffer, because DDP broadcasts rank 0's buffers before some forwards.
             self.local_tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32)
-            _track_expert_bias(self)
+            track_expert_bias(self)
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None
@@ -420,59 +411,3 @@ def set_aux_loss_backward_scale(model: nn.Module, scale: float) -> None:
             module.aux_loss_backward_scale = float(scale)
             module.global_tokens_per_expert = torch.zeros_like(module.global_tokens_per_expert)
             module.global_aux_steps = 0
-
-
-# ---------------------------------------------------------------------------------------
-# The expert-bias update (aux-loss-free balancing)
-# ---------------------------------------------------------------------------------------
-
-
-def update_expert_biases(model: nn.Module) -> None:
-    """Apply ``expert_bias_update`` to every router of ``model`` with an expert bias, in
-    training mode, from the token counts since the last update summed over the
-    data-parallel ranks (and the sequence-parallel TP group), then zero the counts. A
-    collective over those ranks: every rank calls it, after the step's last backward.
-    Optimizers over the router weights call it on their own (``_track_expert_bias``)."""
-    _update_biases([m for m in model.modules() if isinstance(m, TopKRouter)])
-
-
-def _update_biases(routers) -> None:
-    routers = [r for r in routers if r.expert_bias is not None and r.training]
-    by_groups = {}
-    for router in routers:  # one all-reduce per set of groups, layers stacked
-        groups = router.data_parallel_groups + ((router.sequence_group,) if router.sequence_group else ())
-        by_groups.setdefault(tuple(id(g) for g in groups), (groups, []))[1].append(router)
-    with torch.no_grad():
-        for groups, members in by_groups.values():
-            counts = torch.stack([r.local_tokens_per_expert.to(r.expert_bias.device) for r in members])
-            for group in groups:
-                dist.all_reduce(counts, group=group)
-            for router, row in zip(members, counts):
-                router.expert_bias.copy_(expert_bias_update(row, router.expert_bias,
-                                                            router.config.moe_router_bias_update_rate))
-                router.local_tokens_per_expert = torch.zeros_like(router.expert_bias)
-
-
-_BIASED_ROUTERS = weakref.WeakSet()
-_STEP_HOOK = None
-
-
-def _track_expert_bias(router: TopKRouter) -> None:
-    """Update ``router``'s bias after every step of an optimizer that updates its weight:
-    one global optimizer step post-hook (torch's public API) for every such router, so that
-    the trainer needs no call of its own. Upstream updates in ``finalize_model_grads``,
-    before the step; both route the next step with the same bias. A skipped step (fp16
-    overflow) runs no hook: its counts join the next step's."""
-    global _STEP_HOOK
-    _BIASED_ROUTERS.add(router)
-    if _STEP_HOOK is None:
-        _STEP_HOOK = register_optimizer_step_post_hook(_update_biases_after_step)
-
-
-def _update_biases_after_step(optimizer, args, kwargs) -> None:
-    by_weight = {id(r.weight): r for r in list(_BIASED_ROUTERS)}
-    if not by_weight:
-        return
-    # In the optimizer's parameter order: the same on every rank, so the stacks agree.
-    routers = [by_weight[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in by_weight]
-    _update_biases(routers)

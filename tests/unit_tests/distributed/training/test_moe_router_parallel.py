@@ -23,7 +23,8 @@ from megatron.core.distributed.mfsdp_v2 import fully_shard_optimizer, microbatch
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.initialization import initialize_parameters_
 from megatron.core.transformer.moe.expert_parallel import build_expert_parallel
-from megatron.core.transformer.moe.router import TopKRouter, set_aux_loss_backward_scale, update_expert_biases
+from megatron.core.transformer.moe.expert_bias import update_expert_biases
+from megatron.core.transformer.moe.router import TopKRouter, set_aux_loss_backward_scale
 from megatron.training.model_builder import build_model, get_grad_norm_and_clip
 from test_moe_expert_parallel import EP_SIZES, WORLD, compare_weights, global_batch, moe_args, train
 
