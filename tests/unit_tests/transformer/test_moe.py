@@ -67,7 +67,7 @@ def test_capacity_dropping_counts_by_probability_and_by_position():
 
 def test_router_reports_dropped_tokens():
     torch.manual_seed(0)
-    router = TopKRouter(moe_config(moe_router_topk=1, moe_expert_capacity_factor=0.5))
+    router = TopKRouter(moe_config(moe_router_topk=1, moe_router_pre_softmax=True, moe_expert_capacity_factor=0.5))
     _, routing_map = router(torch.randn(16, 16))
     capacity = math.ceil(16 * 1 / 4 * 0.5)
     assert int(routing_map.sum(dim=0).max()) <= capacity
@@ -194,6 +194,7 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
     ("--num-experts 4 --moe-router-load-balancing-type sinkhorn --moe-expert-capacity-factor 1", 1,
      "does not work with sinkhorn routing"),
     ("--num-experts 4 --moe-aux-loss-coeff -0.1", 1, "must be non-negative"),
+    ("--num-experts 4 --moe-router-topk 1", 1, "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax"),
     ("--num-experts 4 --moe-router-enable-expert-bias", 1, "needs sigmoid scores"),
     ("--num-experts 4 --moe-router-group-topk 1", 1, "needs --moe-router-num-groups"),
     ("--num-experts 6 --moe-router-num-groups 4 --moe-router-group-topk 1", 1,

@@ -116,6 +116,11 @@ def check_moe_config(config) -> None:
         )
     _check_load_balancing(config)
     _check_router_selection(config, experts)
+    if (topk == 1 and config.moe_router_score_function == "softmax" and not config.moe_router_pre_softmax
+            and config.moe_router_load_balancing_type != "sinkhorn"):
+        # A softmax over the one chosen logit is always 1: the router would get no gradient.
+        raise ValueError("--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax over "
+                         "one logit is always 1); add it, or use sigmoid scores or sinkhorn.")
     if config.moe_z_loss_coeff is not None and config.moe_z_loss_coeff < 0:
         raise ValueError(f"--moe-z-loss-coeff must be non-negative, got {config.moe_z_loss_coeff}.")
     if config.moe_router_topk_scaling_factor is not None and config.moe_router_topk_scaling_factor <= 0:
