@@ -78,9 +78,16 @@ Deviations worth knowing:
   without upstream's `... vs samples` copies.
 - `--moe-token-dispatcher-type allgather` (upstream's default) runs the all-to-all dispatcher,
   which gives the same results; `--expert-model-parallel-size` above 1 needs `--use-mfsdp`.
-- The MoE load-balancing loss is upstream's `aux_loss` (per micro-batch per rank); the log
-  line's `load_balancing_loss` / `z_loss` are the losses divided by their coefficients, the
-  mean over MoE layers (docs/design.md, "Mixture of experts").
+- The MoE load-balancing types are upstream's (`aux_loss` per micro-batch per rank,
+  `seq_aux_loss` per sequence, `global_aux_loss` over the data-parallel ranks, `sinkhorn`,
+  `none`, or a list of aux-loss types with one `--moe-aux-loss-coeff` each); the log line's
+  `load_balancing_loss` / `seq_load_balancing_loss` / `global_load_balancing_loss` / `z_loss`
+  are the losses divided by their coefficients, the mean over MoE layers (docs/design.md,
+  "Mixture of experts").
+- `--moe-router-enable-expert-bias`: the bias is updated after every optimizer step that
+  updates the router (upstream: in `finalize_model_grads`, before the step; the next step
+  routes with the same bias). A skipped step (fp16 overflow) updates nothing; its token
+  counts join the next step's (upstream updates on skipped steps too).
 """
 
 

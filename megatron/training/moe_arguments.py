@@ -19,7 +19,7 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("mixture of experts (Megatron-LM's MoE flags)")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: a dense model)")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default --ffn-hidden-size)")
-    g.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=1,
+    g.add_argument("--moe-layer-freq", type=_layer_freq, default=1,
                    help="every k-th layer is MoE (k), or a 0/1 pattern per layer, e.g. '([1]*3+[0]*1)*2'")
     g.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
     g.add_argument("--moe-router-pre-softmax", action="store_true",
@@ -27,10 +27,20 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
     g.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None, help="routing in this precision")
-    g.add_argument("--moe-router-load-balancing-type",
+    g.add_argument("--moe-router-load-balancing-type", nargs="+",
                    choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"), default="aux_loss",
-                   help="aux_loss or none (the others are not implemented)")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="weight of the load-balancing loss")
+                   help="aux_loss (per micro-batch), seq_aux_loss (per sequence), global_aux_loss (over the "
+                        "data-parallel ranks), sinkhorn, none; several aux-loss types with one coefficient each")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0,
+                   help="weight of the load-balancing loss (one per listed type)")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="expert groups for group-limited routing")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="groups each token chooses its experts from (group-limited routing)")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert bias for the choice, updated after each step (sigmoid)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="the expert bias's step: bias += rate * sign(mean load - load)")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="weight of the router z-loss")
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
                    help="drop tokens beyond capacity = ceil(tokens * topk / experts * factor) per expert (default dropless)")
@@ -63,8 +73,12 @@ def moe_config_kwargs(args) -> dict:
         moe_router_score_function=get("moe_router_score_function", "softmax"),
         moe_router_topk_scaling_factor=get("moe_router_topk_scaling_factor"),
         moe_router_dtype=get("moe_router_dtype"),
-        moe_router_load_balancing_type=get("moe_router_load_balancing_type", "aux_loss"),
-        moe_aux_loss_coeff=get("moe_aux_loss_coeff", 0.0),
+        moe_router_load_balancing_type=_one_or_list(get("moe_router_load_balancing_type", "aux_loss")),
+        moe_aux_loss_coeff=_one_or_list(get("moe_aux_loss_coeff", 0.0)),
+        moe_router_num_groups=get("moe_router_num_groups"),
+        moe_router_group_topk=get("moe_router_group_topk"),
+        moe_router_enable_expert_bias=get("moe_router_enable_expert_bias", False),
+        moe_router_bias_update_rate=get("moe_router_bias_update_rate", 1e-3),
         moe_z_loss_coeff=get("moe_z_loss_coeff"),
         moe_expert_capacity_factor=get("moe_expert_capacity_factor"),
         moe_token_drop_policy=get("moe_token_drop_policy", "probs"),
@@ -76,6 +90,19 @@ def moe_config_kwargs(args) -> dict:
         expert_model_parallel_size=get("expert_model_parallel_size", 1),
         expert_tensor_parallel_size=get("expert_tensor_parallel_size"),
     )
+
+
+def _layer_freq(text: str):
+    """``parse_moe_layer_freq`` whose message argparse shows (it hides a ValueError's)."""
+    try:
+        return parse_moe_layer_freq(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _one_or_list(value):
+    """A one-element list (``nargs="+"``) means that element, as upstream's argument checks say."""
+    return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
 
 
 def validate_moe_args(args: argparse.Namespace) -> None:
@@ -90,6 +117,8 @@ def validate_moe_args(args: argparse.Namespace) -> None:
                   tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
                   sequence_parallel=getattr(args, "sequence_parallel", False))
     check_moe_config(types.SimpleNamespace(**fields))
+    args.moe_router_load_balancing_type = fields["moe_router_load_balancing_type"]
+    args.moe_aux_loss_coeff = fields["moe_aux_loss_coeff"]
     if args.num_experts is None:
         return
     ep = args.expert_model_parallel_size

@@ -10,6 +10,7 @@ token. (EP=2 without TP at 4 ranks is covered by the unit tests.)
 """
 
 import pytest
+import torch
 
 from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_torchrun
 
@@ -76,3 +77,33 @@ def test_checkpoint_saved_at_tp2_ep2_resumes_at_tp1_ep1(layouts, tmp_path):
     assert "resumed from" in log
     for it in (3, 4):
         assert resumed[it]["lm_loss"] == pytest.approx(ep2[it]["lm_loss"], rel=2e-5)
+
+
+ROUTER = ["--expert-model-parallel-size", "2", "--moe-router-score-function", "sigmoid",
+          "--moe-router-load-balancing-type", "seq_aux_loss", "global_aux_loss",
+          "--moe-aux-loss-coeff", "0.01", "0.001",
+          "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01"]
+
+
+def test_expert_bias_is_updated_by_the_trainer_saved_and_resumed(tmp_path):
+    """EP=2 with seq_aux_loss + global_aux_loss and the expert bias: the trainer's optimizer
+    step updates the bias (no call in the training loop), the checkpoint holds it under
+    Megatron's name, and a run resumed from iteration 2 goes on exactly (it would route
+    differently with a lost bias)."""
+    from megatron.core.distributed.mfsdp_v2.checkpoint import load_tensors
+
+    save = tmp_path / "ckpt"
+    full, log = run(tmp_path, "full", 2, *ROUTER, "--save", str(save), "--save-interval", "2")
+    assert "seq_load_balancing_loss: " in log and "global_load_balancing_loss: " in log
+    keys = [f"model.decoder.layers.{i}.mlp.router.expert_bias" for i in (0, 1)]
+    bias = torch.cat(list(load_tensors(str(save / "iter_0000002"), keys).values()))
+    # Two updates of -0.01, 0 or +0.01 per expert; the loads were not balanced everywhere.
+    steps = (bias / 0.01).round()
+    torch.testing.assert_close(bias, steps * 0.01)
+    assert steps.abs().max() <= 2 and steps.abs().max() > 0
+    resumed, log = run(tmp_path, "resumed", 2, *ROUTER, "--load", str(save / "iter_0000002"))
+    assert "resumed from" in log
+    for it in (3, 4):
+        assert resumed[it]["lm_loss"] == pytest.approx(full[it]["lm_loss"], rel=2e-5)
+        assert resumed[it]["global_load_balancing_loss"] == pytest.approx(
+            full[it]["global_load_balancing_loss"], rel=1e-5)

@@ -153,8 +153,12 @@ class TransformerConfig:
     moe_router_score_function: str = "softmax"
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_router_dtype: Optional[str] = None
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"  # a list: one coefficient each
+    moe_aux_loss_coeff: Union[float, List[float]] = 0.0
+    moe_router_num_groups: Optional[int] = None  # group-limited routing (DeepSeek-V2/V3)
+    moe_router_group_topk: Optional[int] = None
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (sigmoid scores)
+    moe_router_bias_update_rate: float = 1e-3
     moe_z_loss_coeff: Optional[float] = None
     moe_expert_capacity_factor: Optional[float] = None  # None: dropless
     moe_token_drop_policy: str = "probs"

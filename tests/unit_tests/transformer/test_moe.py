@@ -67,7 +67,7 @@ def test_capacity_dropping_counts_by_probability_and_by_position():
 
 def test_router_reports_dropped_tokens():
     torch.manual_seed(0)
-    router = TopKRouter(moe_config(moe_router_topk=1, moe_expert_capacity_factor=0.5))
+    router = TopKRouter(moe_config(moe_router_topk=1, moe_router_pre_softmax=True, moe_expert_capacity_factor=0.5))
     _, routing_map = router(torch.randn(16, 16))
     capacity = math.ceil(16 * 1 / 4 * 0.5)
     assert int(routing_map.sum(dim=0).max()) <= capacity
@@ -183,7 +183,26 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
     ("--num-experts 4 --moe-router-topk 5", 1, r"--moe-router-topk \(5\) must be between 1 and --num-experts"),
     ("--num-experts 4 --expert-model-parallel-size 2", 2, "needs --use-mfsdp"),
     ("--num-experts 4 --moe-grouped-gemm --moe-ffn-hidden-size 12", 1, "multiples of 8"),
-    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn", 1, "is not supported; use aux_loss"),
+    # Router: load-balancing types, expert bias, group-limited routing (upstream's errors).
+    ("--num-experts 4 --moe-router-load-balancing-type seq_aux_loss aux_loss --moe-aux-loss-coeff 0.1", 1,
+     "lists 2 types: give --moe-aux-loss-coeff as many coefficients"),
+    ("--num-experts 4 --moe-aux-loss-coeff 0.1 0.2", 1, "has 2 values for one load-balancing type"),
+    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0.01", 1,
+     "sinkhorn routing balances without an aux loss"),
+    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn aux_loss --moe-aux-loss-coeff 0 0.1", 1,
+     "sinkhorn is a routing, not a loss"),
+    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn --moe-expert-capacity-factor 1", 1,
+     "does not work with sinkhorn routing"),
+    ("--num-experts 4 --moe-aux-loss-coeff -0.1", 1, "must be non-negative"),
+    ("--num-experts 4 --moe-router-topk 1", 1, "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax"),
+    ("--num-experts 4 --moe-router-enable-expert-bias", 1, "needs sigmoid scores"),
+    ("--num-experts 4 --moe-router-group-topk 1", 1, "needs --moe-router-num-groups"),
+    ("--num-experts 6 --moe-router-num-groups 4 --moe-router-group-topk 1", 1,
+     r"--num-experts \(6\) must be divisible by --moe-router-num-groups \(4\)"),
+    ("--num-experts 4 --moe-router-num-groups 2 --moe-router-group-topk 3", 1,
+     r"--moe-router-group-topk \(3\) must not exceed --moe-router-num-groups \(2\)"),
+    ("--num-experts 8 --moe-router-topk 4 --moe-router-num-groups 4 --moe-router-group-topk 1", 1,
+     "hold fewer than --moe-router-topk"),
     ("--num-experts 4 --moe-layer-freq [1,0,1]", 1, "one 0/1 per layer"),
     ("--num-experts 4 --moe-pad-expert-input-to-capacity", 1, "needs --moe-expert-capacity-factor"),
     # HSDP/HFSDP: every EP group inside one instance (EP | DP / instances).

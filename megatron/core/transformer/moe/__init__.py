@@ -1,7 +1,10 @@
 """Mixture of experts with expert parallelism (Megatron-LM's MoE, names and flag meanings).
 
 * ``config.py``            checks of the MoE config fields; which layers are MoE
-* ``router.py``            ``TopKRouter``: scores, top-k, capacity dropping, aux and z losses
+* ``router.py``            ``TopKRouter``: scores, top-k (group-limited, sinkhorn), capacity dropping,
+                           the load-balancing and z losses
+* ``expert_bias.py``       aux-loss-free balancing: the expert bias's update after each optimizer
+                           step (``update_expert_biases``)
 * ``token_dispatcher.py``  permute / unpermute and the all-to-all dispatcher
 * ``experts.py``           ``GroupedMLP``: this rank's experts, stacked (loop or grouped GEMM)
 * ``moe_layer.py``         ``MoELayer`` (router -> dispatch -> experts -> combine [+ shared experts])

@@ -8,12 +8,13 @@ The fields carry Megatron-LM's names and meanings (``num_moe_experts``, ``moe_ro
 from __future__ import annotations
 
 import ast
-from typing import List, Sequence, Union
+from typing import Dict, List, Sequence, Union
 
 import torch
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-LOAD_BALANCING_TYPES = ("aux_loss", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 TOKEN_DROP_POLICIES = ("probs", "position")
 TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather")
 ROUTER_DTYPES = (None, "fp32", "fp64")
@@ -113,13 +114,13 @@ def check_moe_config(config) -> None:
         raise ValueError(
             f"--moe-router-score-function must be one of {SCORE_FUNCTIONS}, got {config.moe_router_score_function!r}."
         )
-    if config.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
-        raise ValueError(
-            f"--moe-router-load-balancing-type {config.moe_router_load_balancing_type!r} is not supported; use "
-            "aux_loss (Switch-Transformer loss over each micro-batch) or none."
-        )
-    if config.moe_aux_loss_coeff < 0:
-        raise ValueError(f"--moe-aux-loss-coeff must be non-negative, got {config.moe_aux_loss_coeff}.")
+    _check_load_balancing(config)
+    _check_router_selection(config, experts)
+    if (topk == 1 and config.moe_router_score_function == "softmax" and not config.moe_router_pre_softmax
+            and config.moe_router_load_balancing_type != "sinkhorn"):
+        # A softmax over the one chosen logit is always 1: the router would get no gradient.
+        raise ValueError("--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax over "
+                         "one logit is always 1); add it, or use sigmoid scores or sinkhorn.")
     if config.moe_z_loss_coeff is not None and config.moe_z_loss_coeff < 0:
         raise ValueError(f"--moe-z-loss-coeff must be non-negative, got {config.moe_z_loss_coeff}.")
     if config.moe_router_topk_scaling_factor is not None and config.moe_router_topk_scaling_factor <= 0:
@@ -127,6 +128,9 @@ def check_moe_config(config) -> None:
     factor = config.moe_expert_capacity_factor
     if factor is not None and factor <= 0:
         raise ValueError(f"--moe-expert-capacity-factor must be positive, got {factor}; leave it unset for dropless.")
+    if factor is not None and config.moe_router_load_balancing_type == "sinkhorn":
+        raise ValueError("--moe-expert-capacity-factor does not work with sinkhorn routing; use aux_loss, "
+                         "seq_aux_loss, global_aux_loss or none, or drop the capacity factor.")
     if config.moe_token_drop_policy not in TOKEN_DROP_POLICIES:
         raise ValueError(f"--moe-token-drop-policy must be one of {TOKEN_DROP_POLICIES}.")
     if config.moe_pad_expert_input_to_capacity and factor is None:
@@ -169,6 +173,62 @@ def check_moe_config(config) -> None:
             )
         if not any(freq):
             raise ValueError("--moe-layer-freq makes no layer a MoE layer; put a 1 somewhere or drop --num-experts.")
+
+
+def aux_loss_coeffs(config) -> Dict[str, float]:
+    """Load-balancing loss type -> its coefficient (only the aux-loss types, coefficient > 0).
+    ``moe_router_load_balancing_type`` may be one type or a list of them (one coefficient each)."""
+    types, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    if isinstance(types, str):
+        types, coeffs = [types], [coeffs]
+    return {t: float(c) for t, c in zip(types, coeffs) if t in AUX_LOSS_TYPES and c > 0}
+
+
+def _check_load_balancing(config) -> None:
+    types, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    as_list = list(types) if isinstance(types, (list, tuple)) else [types]
+    unknown = [t for t in as_list if t not in LOAD_BALANCING_TYPES]
+    if unknown:
+        raise ValueError(f"--moe-router-load-balancing-type {unknown[0]!r} is not known; use one or more of "
+                         f"{', '.join(LOAD_BALANCING_TYPES)}.")
+    if isinstance(types, (list, tuple)):
+        if not isinstance(coeffs, (list, tuple)) or len(coeffs) != len(types):
+            raise ValueError(f"--moe-router-load-balancing-type lists {len(types)} types: give --moe-aux-loss-coeff "
+                             f"as many coefficients (one per type), got {coeffs!r}.")
+        if "sinkhorn" in types:
+            raise ValueError("--moe-router-load-balancing-type sinkhorn is a routing, not a loss, and cannot be "
+                             "listed with others; use it alone.")
+    elif isinstance(coeffs, (list, tuple)):
+        raise ValueError(f"--moe-aux-loss-coeff has {len(coeffs)} values for one load-balancing type; give one, or "
+                         "list as many types in --moe-router-load-balancing-type.")
+    coeff_list = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs]
+    if any(c < 0 for c in coeff_list):
+        raise ValueError(f"--moe-aux-loss-coeff must be non-negative, got {coeffs}.")
+    if types == "sinkhorn" and coeffs > 0:
+        raise ValueError("sinkhorn routing balances without an aux loss: set --moe-aux-loss-coeff 0 or use another "
+                         "--moe-router-load-balancing-type.")
+
+
+def _check_router_selection(config, experts: int) -> None:
+    """Expert bias (aux-loss-free balancing) and group-limited routing."""
+    if config.moe_router_enable_expert_bias and config.moe_router_score_function != "sigmoid":
+        raise ValueError("--moe-router-enable-expert-bias needs sigmoid scores: add --moe-router-score-function "
+                         "sigmoid or drop --moe-router-enable-expert-bias.")
+    group_topk, groups = config.moe_router_group_topk, config.moe_router_num_groups
+    if not group_topk:
+        return
+    if not groups:
+        raise ValueError(f"--moe-router-group-topk {group_topk} needs --moe-router-num-groups (how many groups the "
+                         "experts are split into).")
+    if groups < 1 or experts % groups:
+        raise ValueError(f"--num-experts ({experts}) must be divisible by --moe-router-num-groups ({groups}); use a "
+                         f"divisor of {experts}.")
+    if group_topk > groups:
+        raise ValueError(f"--moe-router-group-topk ({group_topk}) must not exceed --moe-router-num-groups "
+                         f"({groups}).")
+    if group_topk * (experts // groups) < config.moe_router_topk:
+        raise ValueError(f"--moe-router-group-topk {group_topk} groups of {experts // groups} experts hold fewer than "
+                         f"--moe-router-topk ({config.moe_router_topk}) experts; select more groups.")
 
 
 def _check_moe_tensor_parallel(config) -> None:

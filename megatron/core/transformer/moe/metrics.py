@@ -9,7 +9,8 @@ them. A recomputed forward (activation recompute) records again; the means are u
 Per layer (1-based ``n``): ``moe/layer{n}/max_tokens_per_expert`` and
 ``.../mean_tokens_per_expert`` (tokens of one micro-batch of the whole data-parallel
 world, i.e. summed over ranks), ``.../dropped_tokens`` with capacity dropping, and the
-losses; over all MoE layers (their mean): ``load_balancing_loss``, ``z_loss``,
+losses; over all MoE layers (their mean): ``load_balancing_loss``, ``seq_load_balancing_loss``,
+``global_load_balancing_loss`` (each of the configured types), ``z_loss``,
 ``moe_max_over_mean_load`` (the worst layer's max/mean) and ``moe_dropped_tokens``.
 """
 
@@ -20,7 +21,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-LOSS_NAMES = ("load_balancing_loss", "z_loss")
+LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
 
 
 class MoELayerMetrics:

@@ -3,9 +3,10 @@
     router -> token_dispatcher.dispatch -> experts -> token_dispatcher.combine (+ shared_experts)
 
 Input and output are ``[b, s, h]``; the router and the dispatcher see the ``b * s`` tokens
-of this rank. ``shared_experts`` (``moe_shared_expert_intermediate_size``) is a dense MLP
-every token goes through (gated with ``moe_shared_expert_gate``, shared_experts.py), added
-to the routed output.
+of this rank (the router is told they are ``b`` sequences, for ``seq_aux_loss``).
+``shared_experts`` (``moe_shared_expert_intermediate_size``) is a dense MLP every token
+goes through (gated with ``moe_shared_expert_gate``, shared_experts.py), added to the
+routed output.
 
 Under tensor parallelism the experts are split over TP (``experts.py``) and each TP rank
 dispatches over its own EP group (the ranks of its TP coordinate), so the layer works like
@@ -67,7 +68,7 @@ class MoELayer(nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.expert_parallel = expert_parallel
-        self.router = TopKRouter(config)
+        self.router = TopKRouter(config, expert_parallel)
         self.experts = GroupedMLP(config, expert_parallel)
         self.token_dispatcher = MoEAlltoAllTokenDispatcher(config.num_moe_experts, expert_parallel)
         self.shared_experts = None
@@ -78,7 +79,7 @@ class MoELayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
-        probs, routing_map = self.router(hidden_states.reshape(-1, shape[-1]))
+        probs, routing_map = self.router(hidden_states.reshape(-1, shape[-1]), num_sequences=shape[0])
         tokens, probs, routing_map = self._enter_tensor_parallel(hidden_states, probs, routing_map)
         rows, row_probs, tokens_per_expert, handle = self.token_dispatcher.dispatch(
             tokens.reshape(-1, shape[-1]), probs, routing_map)

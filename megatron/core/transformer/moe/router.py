@@ -1,6 +1,7 @@
 """The router: which experts each token goes to, with which weight, and the router losses.
 
-Megatron-LM's ``TopKRouter`` semantics (``megatron/core/transformer/moe/router.py``):
+Megatron-LM's ``TopKRouter`` semantics (``megatron/core/transformer/moe/router.py`` and
+``moe_utils.py``):
 
 * logits = x @ weight.T (+ bias) for ``weight`` [num_experts, hidden], in
   ``moe_router_dtype`` when set;
@@ -8,21 +9,41 @@ Megatron-LM's ``TopKRouter`` semantics (``megatron/core/transformer/moe/router.p
   ``moe_router_pre_softmax`` the top-k of the softmax over all experts (not renormalised);
   sigmoid scoring: top-k of sigmoid(logits), renormalised to sum 1 when k > 1; both times
   ``moe_router_topk_scaling_factor``;
+* group-limited routing (``moe_router_num_groups`` / ``moe_router_group_topk``, DeepSeek-V2/V3):
+  the experts form equal groups, each token keeps the ``group_topk`` groups whose best
+  ``topk / group_topk`` scores sum highest, and picks its k experts among those;
+* aux-loss-free balancing (``moe_router_enable_expert_bias``, DeepSeek-V3, sigmoid only): a
+  per-expert ``expert_bias`` buffer is added to the scores for the choice of the k experts
+  only (the weights are the unbiased scores); after each optimizer step it moves by
+  ``moe_router_bias_update_rate`` towards balance, ``bias_e += rate * sign(mean - tokens_e)``
+  with tokens_e the step's assignments summed over the data-parallel ranks
+  (``expert_bias.py``);
+* ``sinkhorn`` balancing (S-BASE): in training the k experts are the top-k of the Sinkhorn
+  normalisation of exp(logits) over this rank's tokens, the weights sigmoid(logits) (k = 1)
+  or the softmax over all experts, unnormalised; in evaluation the top-k of those weights;
 * with ``moe_expert_capacity_factor`` each expert keeps at most
   ``ceil(tokens * topk / num_experts * factor)`` tokens of this micro-batch (by probability,
-  or by position), the rest are dropped (their weight is zero);
-* the load-balancing loss (Switch Transformer):
-  ``coeff * E / (k * T^2) * sum_e(tokens_e * sum_t score_te)`` over the T tokens of this
-  micro-batch on this rank, with scores the softmax (sigmoid: normalised sigmoid) over all
-  experts and tokens_e the top-k choices before dropping; the z-loss
-  ``coeff * mean_t(logsumexp(logits_t)^2)``.
+  or by position), the rest are dropped (their weight is zero).
+
+The losses (``moe_router_load_balancing_type``: one type, or a list with one
+``moe_aux_loss_coeff`` each), with scores p the softmax (sigmoid: normalised sigmoid) over
+all experts and tokens_e the top-k choices of p before dropping:
+
+* ``aux_loss`` (Switch Transformer), over the T tokens of this micro-batch on this rank:
+  ``coeff * E / (k * T^2) * sum_e(tokens_e * sum_t p_te)``;
+* ``seq_aux_loss`` (DeepSeek-V2/V3), the same per sequence of S tokens, averaged over the
+  micro-batch's sequences;
+* ``global_aux_loss``: tokens_e summed over the data-parallel ranks and averaged over the
+  step's micro-batches so far, T the micro-batch's tokens of all data-parallel ranks; each
+  rank's loss is its tokens' share (Megatron's definition);
+* the z-loss ``coeff * mean_t(logsumexp(logits_t)^2)``.
 
 With sequence parallelism each TP rank routes its own chunk of the sequence, and its
-losses are its chunk's share of the micro-batch's losses: the load-balancing loss with
-the token counts and the number of tokens of the whole sequence (counts summed over TP),
-the z-loss over the whole sequence's token count. The shares add up over TP to the
-losses of the unsplit micro-batch, so no token is counted twice; ``last_stats`` holds
-the whole values.
+losses are its chunk's share of the micro-batch's losses: the token counts and numbers are
+those of the whole sequences (counts summed over TP), the z-loss over the whole sequence's
+token count. The shares add up over TP to the losses of the unsplit micro-batch, so no
+token is counted twice; ``last_stats`` holds the whole values. The data-parallel ranks are
+the ranks of the expert-parallel mesh of this TP coordinate (``data_parallel_groups``).
 
 Neither loss is returned: as in Megatron, each is attached to the graph with
 ``MoEAuxLossAutoScaler`` so that backward adds its gradient with the scale the trainer
@@ -42,6 +63,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..layers import normal_weight_zero_bias_
+from .config import aux_loss_coeffs
+from .expert_bias import track_expert_bias
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -51,19 +74,45 @@ _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 # ---------------------------------------------------------------------------------------
 
 
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int,
+                       group_topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) [T, k]: the top-k of ``scores`` [T, E] among the ``group_topk`` of
+    ``num_groups`` equal expert groups whose best ``topk // group_topk`` scores sum highest."""
+    num_tokens, num_experts = scores.shape
+    grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter(
+        1, group_scores.topk(group_topk, dim=-1).indices, True)
+    allowed = chosen.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+    return scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1)
+
+
 def topk_routing_with_score_function(logits: torch.Tensor, topk: int, use_pre_softmax: bool = False,
                                      score_function: str = "softmax",
-                                     scaling_factor: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(routing_probs [T, E], routing_map [T, E] bool): each token's k experts and weights."""
+                                     scaling_factor: Optional[float] = None, num_groups: Optional[int] = None,
+                                     group_topk: Optional[int] = None,
+                                     expert_bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(routing_probs [T, E], routing_map [T, E] bool): each token's k experts and weights.
+    ``expert_bias`` (sigmoid only) shifts the scores for the choice, not the weights."""
+
+    def choose(scores):
+        if group_topk:
+            return group_limited_topk(scores, topk, num_groups, group_topk)
+        return torch.topk(scores, k=topk, dim=1)
+
     if score_function == "softmax":
         if use_pre_softmax:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            probs, top_indices = torch.topk(scores, k=topk, dim=1)
+            probs, top_indices = choose(torch.softmax(logits, dim=-1, dtype=torch.float32))
         else:
-            top_logits, top_indices = torch.topk(logits, k=topk, dim=1)
+            top_logits, top_indices = choose(logits)
             probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
     elif score_function == "sigmoid":
-        scores, top_indices = torch.topk(torch.sigmoid(logits.float()), k=topk, dim=1)
+        scores = torch.sigmoid(logits.float())
+        if expert_bias is not None:
+            _, top_indices = choose(scores + expert_bias.float())
+            scores = scores.gather(1, top_indices)
+        else:
+            scores, top_indices = choose(scores)
         probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
     else:
         raise ValueError(f"unknown score function {score_function!r}; use softmax or sigmoid.")
@@ -73,6 +122,33 @@ def topk_routing_with_score_function(logits: torch.Tensor, topk: int, use_pre_so
     routing_probs = torch.zeros_like(logits).scatter(1, top_indices, probs)
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
     return routing_probs, routing_map
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """Sinkhorn-Knopp on exp(cost) [T, E]: row and column scalings d0, d1 with rows summing
+    to 1/T and columns to 1/E (to ``tol``, mean change of d1 per iteration)."""
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
+    eps, error, d1_old = 1e-8, float("inf"), d1
+    while error > tol:
+        d0 = (1 / d0.size(0)) / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.size(0)) / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        error = float(torch.mean(torch.abs(d1_old - d1)))
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
+def sinkhorn_routing(logits: torch.Tensor, topk: int, training: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(routing_probs, routing_map) of S-BASE routing (module docstring)."""
+    weights = torch.sigmoid(logits) if topk == 1 else torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+    if training:
+        with torch.no_grad():  # the choice carries no gradient
+            top_indices = torch.topk(sinkhorn(logits.float()), k=topk, dim=1).indices
+    else:
+        top_indices = torch.topk(weights, k=topk, dim=1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+    return weights * routing_map, routing_map
 
 
 def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +171,19 @@ def switch_load_balancing_loss_func(probs: torch.Tensor, tokens_per_expert: torc
     aggregated = probs.sum(dim=0)
     return torch.sum(aggregated * tokens_per_expert) * (
         num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens))
+
+
+def sequence_load_balancing_loss_func(scores: torch.Tensor, tokens_per_sequence_expert: torch.Tensor,
+                                      sequence_length: int, topk: int, num_experts: int,
+                                      coeff: float) -> torch.Tensor:
+    """DeepSeek's sequence-wise balance loss: the Switch loss of each sequence, averaged over the
+    B sequences. ``scores`` [B, S', E] (S' this rank's tokens of each sequence),
+    ``tokens_per_sequence_expert`` [B, E] the top-k counts of the whole sequences of
+    ``sequence_length`` tokens."""
+    aggregated = scores.sum(dim=1)  # [B, E]
+    num_sequences = scores.shape[0]
+    return torch.sum(aggregated * tokens_per_sequence_expert) * (
+        num_experts * coeff / (topk * sequence_length * sequence_length * num_sequences))
 
 
 def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
@@ -154,15 +243,31 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------
 
 
+def data_parallel_groups(expert_parallel) -> Tuple:
+    """Process groups whose successive all-reduces sum over the data-parallel ranks of this
+    TP coordinate: one per dimension of the expert-parallel mesh other than ``tp`` (size-1
+    dimensions left out); none without a mesh (one process)."""
+    mesh = getattr(expert_parallel, "mesh", None)
+    if mesh is None:
+        return ()
+    names = mesh.mesh_dim_names
+    return tuple(mesh.get_group(name) for i, name in enumerate(names) if name != "tp" and mesh.size(i) > 1)
+
+
 class TopKRouter(nn.Module):
-    """``weight`` [num_experts, hidden] (and ``bias`` with ``add_bias_linear``), Megatron's names.
+    """``weight`` [num_experts, hidden] (and ``bias`` with ``add_bias_linear``), Megatron's names;
+    with ``moe_router_enable_expert_bias`` the fp32 buffer ``expert_bias`` [num_experts]
+    (in checkpoints, Megatron's name) and the step's token counts behind its update.
 
-    ``forward(x [T, H]) -> (probs [T, E], routing_map [T, E])``. In training with a backward
-    to come, the aux and z losses are attached to the outputs. ``last_stats`` holds the last
-    call's losses divided by their coefficients (what Megatron logs) and, with capacity
-    dropping, the number of dropped (token, expert) assignments."""
+    ``forward(x [T, H], num_sequences) -> (probs [T, E], routing_map [T, E])`` for the
+    tokens of ``num_sequences`` sequences laid out sequence-major. In training with a
+    backward to come, the aux and z losses are attached to the outputs. ``last_stats`` holds
+    the last call's losses divided by their coefficients (what Megatron logs) and, with
+    capacity dropping, the number of dropped (token, expert) assignments.
+    ``data_parallel_groups``: the groups the statistics of ``global_aux_loss`` and of the
+    expert bias are summed over (from ``expert_parallel``; none for one process)."""
 
-    def __init__(self, config):
+    def __init__(self, config, expert_parallel=None):
         super().__init__()
         self.config = config
         self.num_experts = config.num_moe_experts
@@ -171,6 +276,20 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype))
         self.bias = (nn.Parameter(torch.empty(self.num_experts, dtype=config.params_dtype))
                      if config.add_bias_linear else None)
+        self.aux_loss_coeffs = aux_loss_coeffs(config)
+        self.data_parallel_groups = data_parallel_groups(expert_parallel)
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+            # The counts since the last update (expert_bias.py): a plain attribute, not a
+            # buffer, because DDP broadcasts rank 0's buffers before some forwards.
+            self.local_tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32)
+            track_expert_bias(self)
+        else:
+            self.expert_bias = None
+            self.local_tokens_per_expert = None
+        # global_aux_loss: the step's token counts so far (summed over data-parallel ranks).
+        self.global_tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float64)
+        self.global_aux_steps = 0
         # Set by the trainer before each step (set_aux_loss_backward_scale).
         self.aux_loss_backward_scale = 1.0
         self.last_stats = {}
@@ -199,8 +318,13 @@ class TopKRouter(nn.Module):
             dist.all_reduce(share, group=self.sequence_group)
         return share
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _data_parallel_size(self) -> int:
+        return math.prod(dist.get_world_size(group) for group in self.data_parallel_groups)
+
+    def forward(self, x: torch.Tensor, num_sequences: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
         config = self.config
+        if x.shape[0] % num_sequences:
+            raise ValueError(f"{x.shape[0]} tokens are not {num_sequences} sequences of equal length.")
         logits = self.gating(x)
         with_losses = self.training and torch.is_grad_enabled()
         self.last_stats = {}
@@ -210,11 +334,18 @@ class TopKRouter(nn.Module):
             z_loss = z_loss_func(logits, config.moe_z_loss_coeff) / chunks
             logits = MoEAuxLossAutoScaler.apply(logits, z_loss, self.aux_loss_backward_scale)
             self.last_stats["z_loss"] = self._whole(z_loss) / config.moe_z_loss_coeff
-        probs, routing_map = topk_routing_with_score_function(
-            logits, self.topk, use_pre_softmax=config.moe_router_pre_softmax,
-            score_function=config.moe_router_score_function,
-            scaling_factor=config.moe_router_topk_scaling_factor,
-        )
+        if config.moe_router_load_balancing_type == "sinkhorn":
+            probs, routing_map = sinkhorn_routing(logits, self.topk, self.training)
+        else:
+            if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+                self.expert_bias.data = self.expert_bias.data.float()  # a model cast must not round the bias
+            probs, routing_map = topk_routing_with_score_function(
+                logits, self.topk, use_pre_softmax=config.moe_router_pre_softmax,
+                score_function=config.moe_router_score_function,
+                scaling_factor=config.moe_router_topk_scaling_factor,
+                num_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk,
+                expert_bias=self.expert_bias,
+            )
         if config.moe_expert_capacity_factor is not None:
             chosen = routing_map
             probs, routing_map = apply_router_token_dropping(
@@ -222,22 +353,61 @@ class TopKRouter(nn.Module):
                 drop_policy=config.moe_token_drop_policy, pad_to_capacity=config.moe_pad_expert_input_to_capacity,
             )
             self.last_stats["dropped_tokens"] = (chosen & ~routing_map).sum().detach()
-        coeff = config.moe_aux_loss_coeff
-        if with_losses and coeff > 0 and config.moe_router_load_balancing_type == "aux_loss":
-            aux_map, scores = scores_for_aux_loss(logits, self.topk, config.moe_router_score_function)
+        if with_losses and self.aux_loss_coeffs:
+            probs = self._attach_load_balancing_losses(probs, logits, num_sequences, chunks)
+        if with_losses and self.expert_bias is not None:
+            # Once per forward with gradients: a recompute counts every micro-batch again,
+            # which leaves the sign rule unchanged.
+            self.local_tokens_per_expert = self.local_tokens_per_expert.to(routing_map.device) + routing_map.sum(dim=0)
+        return probs, routing_map
+
+    def _attach_load_balancing_losses(self, probs, logits, num_sequences: int, chunks: int) -> torch.Tensor:
+        """``probs`` with each configured load-balancing loss attached (module docstring)."""
+        coeffs, group = self.aux_loss_coeffs, self.sequence_group
+        aux_map, scores = scores_for_aux_loss(logits, self.topk, self.config.moe_router_score_function)
+        num_tokens = logits.shape[0]
+        losses = {}
+        if "aux_loss" in coeffs:
             tokens_per_expert = aux_map.sum(dim=0)
             if group is not None:  # the whole sequence's counts
                 dist.all_reduce(tokens_per_expert, group=group)
-            aux_loss = switch_load_balancing_loss_func(scores, tokens_per_expert, logits.shape[0] * chunks,
-                                                       self.topk, self.num_experts, coeff)
-            probs = MoEAuxLossAutoScaler.apply(probs, aux_loss, self.aux_loss_backward_scale)
-            self.last_stats["load_balancing_loss"] = self._whole(aux_loss) / coeff
-        return probs, routing_map
+            losses["load_balancing_loss"] = (coeffs["aux_loss"], switch_load_balancing_loss_func(
+                scores, tokens_per_expert, num_tokens * chunks, self.topk, self.num_experts, coeffs["aux_loss"]), 1)
+        if "seq_aux_loss" in coeffs:
+            shape = (num_sequences, num_tokens // num_sequences, self.num_experts)
+            per_sequence = aux_map.view(shape).sum(dim=1)
+            if group is not None:
+                dist.all_reduce(per_sequence, group=group)
+            losses["seq_load_balancing_loss"] = (coeffs["seq_aux_loss"], sequence_load_balancing_loss_func(
+                scores.view(shape), per_sequence, shape[1] * chunks, self.topk, self.num_experts,
+                coeffs["seq_aux_loss"]), 1)
+        if "global_aux_loss" in coeffs:
+            counts = aux_map.sum(dim=0).to(torch.float64)
+            for dp_group in self.data_parallel_groups + ((group,) if group is not None else ()):
+                dist.all_reduce(counts, group=dp_group)
+            # Upstream's running mean over the step's micro-batches (reset by
+            # set_aux_loss_backward_scale at the start of each step).
+            self.global_tokens_per_expert = self.global_tokens_per_expert.to(counts.device) + counts
+            self.global_aux_steps += 1
+            mean_counts = (self.global_tokens_per_expert / self.global_aux_steps).to(scores.dtype)
+            dp = self._data_parallel_size()
+            # Each rank's loss is its share; the log shows the whole (the mean over DP x dp).
+            losses["global_load_balancing_loss"] = (coeffs["global_aux_loss"], switch_load_balancing_loss_func(
+                scores, mean_counts, num_tokens * chunks * dp, self.topk, self.num_experts,
+                coeffs["global_aux_loss"]), dp)
+        for name, (coeff, loss, log_factor) in losses.items():
+            probs = MoEAuxLossAutoScaler.apply(probs, loss, self.aux_loss_backward_scale)
+            self.last_stats[name] = self._whole(loss) * log_factor / coeff
+        return probs
 
 
 def set_aux_loss_backward_scale(model: nn.Module, scale: float) -> None:
     """The factor the router losses' gradients get in the next backward passes: the one the
-    language-model loss of a micro-batch gets (1/num_microbatches, times the fp16 loss scale)."""
+    language-model loss of a micro-batch gets (1/num_microbatches, times the fp16 loss scale).
+    The trainer calls it at the start of every step, so it also starts the step's running
+    token counts of ``global_aux_loss``."""
     for module in model.modules():
         if isinstance(module, TopKRouter):
             module.aux_loss_backward_scale = float(scale)
+            module.global_tokens_per_expert = torch.zeros_like(module.global_tokens_per_expert)
+            module.global_aux_steps = 0
