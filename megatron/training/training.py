@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.expert_bias import update_expert_biases
 from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
 from megatron.core.transformer.moe.metrics import collect_moe_metrics, format_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
@@ -410,6 +411,7 @@ class _Trainer:
             else:
                 with timers("optimizer-inner-step", 1):
                     self.optimizer.step()
+                update_expert_biases(self.built.unwrapped)  # aux-loss-free balancing, once per step taken
                 self.scheduler.step(increment=args.global_batch_size)
         return loss, grad_norm, skipped
 

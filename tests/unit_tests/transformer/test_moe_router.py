@@ -338,23 +338,6 @@ def test_evaluation_and_no_grad_forwards_do_not_count():
     assert float(router.local_tokens_per_expert.sum()) == 0
 
 
-def test_an_optimizer_step_over_the_router_updates_its_bias():
-    """The trainer needs no call: a step of any optimizer holding the router weight updates
-    the bias; a step of an optimizer without it does not."""
-    router, x = bias_router()
-    other, _ = bias_router()
-    router_grad(router, x)
-    router_grad(other, x)
-    counts = router.local_tokens_per_expert.clone()
-    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).step()
-    assert float(router.expert_bias.abs().sum()) == 0
-    torch.optim.SGD(router.parameters(), lr=0.0).step()
-    torch.testing.assert_close(router.expert_bias, 0.1 * torch.sign(counts.mean() - counts))
-    assert float(router.expert_bias.abs().sum()) > 0
-    assert float(other.expert_bias.abs().sum()) == 0  # not in that optimizer: still counting
-    assert float(other.local_tokens_per_expert.sum()) == 40 * 2
-
-
 def test_expert_bias_is_a_checkpointed_buffer_under_megatrons_name():
     router, _ = bias_router()
     assert set(router.state_dict()) == {"weight", "expert_bias"}

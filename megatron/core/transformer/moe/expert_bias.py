@@ -4,19 +4,15 @@ A router with ``moe_router_enable_expert_bias`` adds ``expert_bias`` to its scor
 choice of experts only, and counts the assignments of every training forward
 (``local_tokens_per_expert``, router.py). After each optimizer step the bias moves by
 ``moe_router_bias_update_rate`` towards balance (``expert_bias_update``) from the counts
-summed over the data-parallel ranks, and the counts restart. ``track_expert_bias`` makes
-that happen without a call in the training loop (docs/design.md, "The expert bias");
-``update_expert_biases(model)`` does it by hand.
+summed over the data-parallel ranks, and the counts restart: the training loop calls
+``update_expert_biases(model)`` after each step it takes (docs/design.md, "The expert bias").
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 def expert_bias_update(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, rate: float) -> torch.Tensor:
@@ -30,8 +26,8 @@ def update_expert_biases(model: nn.Module) -> None:
     """Apply ``expert_bias_update`` to every router of ``model`` with an expert bias, in
     training mode, from the token counts since the last update summed over the
     data-parallel ranks (and the sequence-parallel TP group), then zero the counts. A
-    collective over those ranks: every rank calls it, after the step's last backward.
-    Optimizers over the router weights call it on their own (``track_expert_bias``)."""
+    collective over those ranks: every rank calls it, once per optimizer step taken (a
+    skipped step leaves its counts to the next)."""
     from .router import TopKRouter
 
     _update_biases([m for m in model.modules() if isinstance(m, TopKRouter)])
@@ -53,27 +49,3 @@ def _update_biases(routers) -> None:
                                                             router.config.moe_router_bias_update_rate))
                 router.local_tokens_per_expert = torch.zeros_like(router.expert_bias)
 
-
-_BIASED_ROUTERS = weakref.WeakSet()
-_STEP_HOOK = None
-
-
-def track_expert_bias(router) -> None:
-    """Update ``router``'s bias after every step of an optimizer that updates its weight:
-    one global optimizer step post-hook (torch's public API) for every such router, so that
-    the trainer needs no call of its own. Upstream updates in ``finalize_model_grads``,
-    before the step; both route the next step with the same bias. A skipped step (fp16
-    overflow) runs no hook: its counts join the next step's."""
-    global _STEP_HOOK
-    _BIASED_ROUTERS.add(router)
-    if _STEP_HOOK is None:
-        _STEP_HOOK = register_optimizer_step_post_hook(_update_biases_after_step)
-
-
-def _update_biases_after_step(optimizer, args, kwargs) -> None:
-    by_weight = {id(r.weight): r for r in list(_BIASED_ROUTERS)}
-    if not by_weight:
-        return
-    # In the optimizer's parameter order: the same on every rank, so the stacks agree.
-    routers = [by_weight[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in by_weight]
-    _update_biases(routers)

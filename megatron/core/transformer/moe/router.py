@@ -64,7 +64,6 @@ import torch.nn.functional as F
 
 from ..layers import normal_weight_zero_bias_
 from .config import aux_loss_coeffs
-from .expert_bias import track_expert_bias
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -283,7 +282,6 @@ class TopKRouter(nn.Module):
             # The counts since the last update (expert_bias.py): a plain attribute, not a
             # buffer, because DDP broadcasts rank 0's buffers before some forwards.
             self.local_tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32)
-            track_expert_bias(self)
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from _dist_helpers import full_tensors
 from _trainer_models import full_weights, gpt_provider, trainer_args
+from megatron.core.transformer.moe.expert_bias import update_expert_biases
 from megatron.core.distributed.mfsdp_v2 import fully_shard, fully_shard_optimizer, microbatch
 from megatron.core.global_slices import global_slices_by_name, global_slices_of
 from megatron.core.transformer.initialization import initialize_parameters_
@@ -78,11 +79,13 @@ def train(args, built, reference, aux: float, check_grads: bool = False):
 
         norms.append(float(get_grad_norm_and_clip(args, built)))
         optimizer.step()
+        update_expert_biases(built.unwrapped)  # the trainer's call after each step
         loss = loss.detach().clone()
         dist.all_reduce(loss)
         losses.append(float(loss) / WORLD)
         ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))))
         ref_optimizer.step()
+        update_expert_biases(reference)
         ref_losses.append(ref_loss)
     return losses, ref_losses, norms, ref_norms
 

@@ -169,6 +169,7 @@ def train_alone(args, steps=3):
             loss.backward()
         norms.append(float(get_grad_norm_and_clip(args, built)))
         optimizer.step()
+        update_expert_biases(built.unwrapped)  # the trainer's call after each step
         losses.append(float(summed(loss.detach())) / WORLD)
     return losses, norms
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from _trainer_models import gpt_provider, trainer_args
+from megatron.core.transformer.moe.expert_bias import update_expert_biases
 from megatron.core import parallel_state
 from megatron.core.distributed.mfsdp_v2 import fully_shard_optimizer, microbatch
 from megatron.core.global_slices import global_slices_by_name
@@ -105,7 +106,9 @@ def train(args, built, reference, state, losses: bool, check_grads: bool = True)
         out[2].append(float(get_grad_norm_and_clip(args, built)))
         out[3].append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))))
         optimizer.step()
+        update_expert_biases(built.unwrapped)  # the trainer's call after each step
         ref_optimizer.step()
+        update_expert_biases(reference)
         loss = loss.detach().clone()
         dist.all_reduce(loss, group=state.dp_group)
         out[0].append(float(loss) / dp)
