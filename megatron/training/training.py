@@ -143,7 +143,7 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
         optimizer, scheduler = build_optimizer(args, built)
         # Saved and loaded with the optimizer state (checkpointing.py reads this attribute).
         optimizer.grad_scaler = _build_grad_scaler(args)
-        n_params = sum(p.numel() for p in built.unwrapped.parameters())
+        n_params = _model_parameter_count(built)
         strategy = "DDP" if (not built.use_mfsdp and args.data_parallel_size > 1) else ("single rank" if not built.use_mfsdp else
                    f"MFSDP {args.data_parallel_sharding_strategy}" + (
                        f", {args.dp_outer_size} instances ({'HFSDP' if args.outer_dp_sharding_strategy == 'optim' else 'HSDP'})"
@@ -155,7 +155,6 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
             vp = args.virtual_pipeline_model_parallel_size or 1
             strategy += (f", pipeline parallel {args.pipeline_model_parallel_size}"
                          + (f" x {vp} virtual stages (interleaved 1F1B)" if vp > 1 else " (1F1B)"))
-            n_params = int(_all_reduce_sum([_stage_parameters(built)], device)[0])
         print_rank_0(
             f"> model: {n_params:,} parameters ({n_params / 1e6:.2f}M), {strategy}, world size {_world()}, "
             f"device {device.type}, {args.num_microbatches} microbatch(es) of {args.micro_batch_size} per rank per step"
@@ -246,18 +245,21 @@ def _initialize_parallel_state(args, device):
         expert_model_parallel_size=args.expert_model_parallel_size if args.num_experts else None)
 
 
-def _stage_parameters(built: BuiltModel) -> int:
-    """This stage's parameters, the last stage's copy of a tied embedding not counted (so
-    that the sum over the pipeline is the model's; each TP/DP rank of a stage counts the
-    same, and the caller sums over the whole world: divide by TP x DP)."""
-    from megatron.training.model_builder import tied_embedding_module
+def _model_parameter_count(built: BuiltModel) -> int:
+    """The whole model's parameters, whatever the layout: each name once (the tied
+    embedding's two pipeline copies, replicas), at its global size (TP and EP pieces, and
+    MFSDP's DTensors, which are global over the data-parallel ranks)."""
+    from megatron.core.global_slices import global_slices_by_name
 
-    state = parallel_state.get_parallel_state()
-    skip = set()
-    if not state.is_first_stage:
-        skip = {id(m.weight) for m in map(tied_embedding_module, built.chunks) if m is not None}
-    local = sum(p.numel() for p in built.unwrapped.parameters() if id(p) not in skip)
-    return local / (state.tp_size * state.dp_size)
+    pieces = global_slices_by_name(built.unwrapped)
+    sizes = {name: (math.prod(pieces[name].global_shape) if name in pieces else p.numel())
+             for name, p in built.unwrapped.named_parameters()}
+    if _world() > 1:
+        gathered = [None] * _world()
+        dist.all_gather_object(gathered, sizes)
+        for part in gathered:
+            sizes.update(part)
+    return sum(sizes.values())
 
 
 def _checkpointed(built: BuiltModel) -> torch.nn.Module:

@@ -1,0 +1,94 @@
+"""pretrain_gpt.py end to end with pipeline parallelism: every layout gives the losses and
+gradient norms of the unpipelined model on the same global batch, and checkpoints move
+between pipeline layouts.
+
+A GPT whose layers alternate dense and MoE (4 experts, top 2), fp32, no dropout, tied
+embeddings (the word embedding then lives on the first and the last stage): initial global
+weights do not depend on the layout (seeded per parameter name), every stage reads its
+data-parallel rank's samples, and the loss is normalized over the global batch, so the runs
+differ only by reduction order. Layouts: PP=2 x DP=2 with EP=2 (ZeRO-3), interleaved PP=2 x
+2 virtual stages x TP=2 with sequence parallelism, PP=2 x HSDP with uneven stages; the
+PP=2 checkpoint of iteration 2 resumed at PP=4 without MFSDP and at PP=1 (ZeRO-1)
+continues the curve. Untied embeddings: interleaved PP=2 from an explicit layout string.
+"""
+
+import pytest
+
+from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_torchrun
+
+ITERS = 4
+BASE = list(MODEL_ARGS)
+for flag, value in (("--train-iters", str(ITERS)), ("--eval-interval", str(ITERS)), ("--eval-iters", "1"),
+                    ("--num-layers", "4"), ("--micro-batch-size", "1"), ("--hidden-size", "32")):
+    BASE[BASE.index(flag) + 1] = value
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+       "--moe-layer-freq", "([0]*1+[1]*1)*2"]
+UNTIED = ["--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--normalization", "RMSNorm"]
+
+SAVE = "{save}"
+RUNS = {
+    # name: (ranks, flags); "ref" runs are the unpipelined references
+    "ref": (1, MOE + ["--use-mfsdp"]),
+    "pp2-dp2-ep2": (4, MOE + ["--use-mfsdp", "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size",
+                              "2", "--save", SAVE + "/pp2", "--save-interval", "2"]),
+    "pp2-vp2-tp2-sp": (4, MOE + ["--use-mfsdp", "--pipeline-model-parallel-size", "2",
+                                 "--num-layers-per-virtual-pipeline-stage", "1", "--tensor-model-parallel-size", "2",
+                                 "--sequence-parallel"]),
+    "pp2-hsdp-uneven": (4, MOE + ["--use-mfsdp", "--pipeline-model-parallel-size", "2",
+                                  "--num-distributed-optimizer-instances", "2",
+                                  "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"]),
+    "pp4-plain-resumed": (4, MOE + ["--pipeline-model-parallel-size", "4", "--load", SAVE + "/pp2/iter_0000002"]),
+    "pp1-zero1-resumed": (2, MOE + ["--use-mfsdp", "--data-parallel-sharding-strategy", "optim",
+                                    "--load", SAVE + "/pp2/iter_0000002"]),
+    "ref-untied": (1, UNTIED + ["--use-mfsdp"]),
+    "pp2-vp2-layout-untied": (2, UNTIED + ["--use-mfsdp", "--pipeline-model-parallel-size", "2",
+                                           "--pipeline-model-parallel-layout", "Et|t|t|tL"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    save = str(tmp_path_factory.mktemp("checkpoints"))
+    for name, (nproc, flags) in RUNS.items():
+        log_dir = tmp_path_factory.mktemp(name) / "logs"
+        flags = [f.replace(SAVE, save) for f in flags]
+        proc = run_torchrun(BASE + flags + ["--log-dir", str(log_dir)], nproc=nproc)
+        out[name] = read_metrics(str(log_dir)) + (proc.stdout,)
+    return out
+
+
+def _same_curve(runs, name, reference, first=1):
+    train, valid, _ = runs[name]
+    ref_train, ref_valid, _ = runs[reference]
+    assert sorted(train) == list(range(first, ITERS + 1)), name
+    for it in range(first, ITERS + 1):
+        assert train[it]["lm_loss"] == pytest.approx(ref_train[it]["lm_loss"], rel=1e-5), (name, it)
+        assert train[it]["grad_norm"] == pytest.approx(ref_train[it]["grad_norm"], rel=1e-4), (name, it)
+        assert train[it]["consumed_samples"] == 8 * it
+    assert valid[ITERS]["lm_loss"] == pytest.approx(ref_valid[ITERS]["lm_loss"], rel=1e-5), name
+
+
+@pytest.mark.parametrize("name", ["pp2-dp2-ep2", "pp2-vp2-tp2-sp", "pp2-hsdp-uneven"])
+def test_pipeline_layouts_give_the_unpipelined_losses(runs, name):
+    ref_train = runs["ref"][0]
+    assert ref_train[ITERS]["lm_loss"] != ref_train[1]["lm_loss"]  # the model trained
+    _same_curve(runs, name, "ref")
+
+
+def test_untied_interleaved_layout_gives_the_unpipelined_losses(runs):
+    _same_curve(runs, "pp2-vp2-layout-untied", "ref-untied")
+    assert "pipeline parallel 2 x 2 virtual stages (interleaved 1F1B)" in runs["pp2-vp2-layout-untied"][2]
+
+
+@pytest.mark.parametrize("name", ["pp4-plain-resumed", "pp1-zero1-resumed"])
+def test_pipeline_checkpoint_resumes_at_another_layout(runs, name):
+    assert "resumed from" in runs[name][2]
+    _same_curve(runs, name, "ref", first=3)
+
+
+def test_the_log_line_names_the_layout_and_counts_every_parameter(runs):
+    stdout = runs["pp2-dp2-ep2"][2]
+    assert "pipeline parallel 2 (1F1B)" in stdout
+    count = [line for line in runs["ref"][2].splitlines() if line.startswith("> model:")][0].split(" parameters")[0]
+    assert count + " parameters" in stdout  # the stages' parameters add up to the model's, tied weight once
