@@ -60,7 +60,8 @@ def _pipeline_only(flag: str) -> bool:
     from megatron.training.megatron_compat import REJECTED
 
     reason = REJECTED.get(flag, "")
-    return "pipeline" in reason or "context parallelism" in reason
+    # The pipeline flags (all named "...pipeline...", or the p2p overlap) mean nothing at PP 1.
+    return "pipeline" in flag or "p2p" in flag or "pipeline" in reason or "context parallelism" in reason
 
 
 def _takes_list(flag: str) -> bool:
@@ -146,6 +147,8 @@ def command_line(pairs, tmp, model_parallel_at_one=False):
             value = heads
         elif flag == "--num-query-groups":
             value = max(2, tp)
+        elif flag == "--num-layers" and _int(pairs, "--pipeline-model-parallel-size") > 1 and not model_parallel_at_one:
+            pass  # the pipeline's layer split (virtual stages, uneven stages) is upstream's: keep its layers
         elif flag in SCALE:
             value = SCALE[flag]
         elif flag == "--global-batch-size":
@@ -165,7 +168,12 @@ def command_line(pairs, tmp, model_parallel_at_one=False):
     world = math.lcm(8, tp * pp * cp)
     dp = world // (tp * pp * cp)
     if any(flag == "--global-batch-size" for flag, _ in pairs):
-        argv += ["--global-batch-size", str(2 * dp)]
+        # Two microbatches per step, or what the interleaved schedule needs: whole groups of
+        # (by default) the pipeline size per virtual stage.
+        group = _int(pairs, "--microbatch-group-size-per-virtual-pipeline-stage") if any(
+            flag == "--microbatch-group-size-per-virtual-pipeline-stage" for flag, _ in pairs) else pp
+        microbatches = 2 if pp == 1 else 2 * group
+        argv += ["--global-batch-size", str(microbatches * dp)]
     return argv, world
 
 

@@ -109,10 +109,9 @@ def validate_pipeline_args(args: argparse.Namespace) -> None:
         vp = args.num_virtual_stages_per_pipeline_rank or 1
         if vp < 1:
             raise ValueError(f"--num-virtual-stages-per-pipeline-rank must be at least 1, got {vp}.")
+    # One virtual stage is the 1F1B schedule, where a microbatch group size means nothing
+    # (upstream ignores it too: its command lines pass it with one virtual stage).
     args.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
-    if vp == 1 and args.microbatch_group_size_per_virtual_pipeline_stage is not None:
-        raise ValueError("--microbatch-group-size-per-virtual-pipeline-stage applies to the interleaved schedule; "
-                         "add virtual stages or drop it.")
     pipeline_layout_from_args(args)  # every layer-split error, now
     if vp > 1:
         from megatron.core.pipeline_parallel.schedules import pipeline_order

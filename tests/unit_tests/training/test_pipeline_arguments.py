@@ -50,8 +50,6 @@ def test_pipeline_sizes_and_virtual_stages():
      4, "must split evenly"),
     ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 2", 4,
      r"must lie in \[pipeline size 2, microbatches 1\]"),
-    ("--pipeline-model-parallel-size 2 --microbatch-group-size-per-virtual-pipeline-stage 2", 4,
-     "applies to the interleaved schedule"),
     ("--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 "
      "--num-virtual-stages-per-pipeline-rank 4", 4, "disagree"),
 ])

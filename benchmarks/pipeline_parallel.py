@@ -1,0 +1,147 @@
+"""Pipeline layouts at 4 ranks (CPU, gloo): DP=4 vs PP=2 x DP=2 vs PP=4, 1F1B vs interleaved.
+
+One layout per torchrun launch (each has its processes, and their peak RSS, to itself)::
+
+    for layout in dp4 pp2_dp2 pp4 pp4_vp2; do
+        for m in 4 8 16; do
+            python -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/pipeline_parallel.py \\
+                --layout $layout --microbatches-per-rank $m --out /tmp/pp_bench
+        done
+    done
+    python benchmarks/pipeline_parallel.py --report /tmp/pp_bench
+
+The trainer's own model build (meta device, MFSDP ZeRO-3, one context for all chunks) and
+its schedules, on the same GPT and the same global batch per layout (the global batch is
+``--microbatches-per-rank`` microbatches per pipeline, times the data-parallel size).
+Per stage: step time (median of the measured steps), the time the stage spent blocked in
+a pipeline receive (its idle time: the bubble, plus waits caused by slower peers), and the
+peak RSS. The bubble formulas: 1F1B idles ``(p - 1) / (m + p - 1)`` of the step, the
+interleaved schedule with ``v`` chunks ``(p - 1) / (v m + p - 1)``. Two cores run four
+ranks here, so stages also wait for the CPU; the measured fractions carry that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+LAYOUTS = {"dp4": (1, 1), "pp2_dp2": (2, 1), "pp4": (4, 1), "pp4_vp2": (4, 2)}  # (pp, virtual stages)
+MODEL = ("--num-layers 8 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "
+         "--lr 1e-4 --train-iters 100 --mock-data --tokenizer-type NullTokenizer --vocab-size 2048 "
+         "--hidden-dropout 0 --attention-dropout 0 --use-mfsdp")
+WARMUP, STEPS = 2, 4
+
+
+def run(layout: str, microbatches: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import pretrain_gpt
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import PipelineP2P
+    from megatron.training.arguments import parse_args
+    from megatron.training.model_builder import build_model, build_optimizer, finalize_model_grads
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    pp, vp = LAYOUTS[layout]
+    dp = world // pp
+    flags = MODEL + f" --global-batch-size {2 * microbatches * dp} --pipeline-model-parallel-size {pp}"
+    if vp > 1:
+        flags += f" --num-virtual-stages-per-pipeline-rank {vp}"
+    args = parse_args(flags.split(), world_size=world, cuda_available=False)
+    args.padded_vocab_size = args.unpadded_vocab_size = 2048
+    state = parallel_state.initialize_model_parallel(
+        1, 1, "cpu", pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
+    torch.manual_seed(0)
+    built = build_model(pretrain_gpt.model_provider, args, torch.device("cpu"))
+    optimizer, _ = build_optimizer(args, built)
+    generator = torch.Generator().manual_seed(1 + state.dp_rank)
+
+    def batch():
+        tokens = torch.randint(0, 2048, (2, 129), generator=generator)
+        return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 128),
+                "position_ids": torch.arange(128).expand(2, 128)}
+
+    class TimedP2P(PipelineP2P):
+        blocked = 0.0
+
+        def recv(self, kind):
+            start = time.perf_counter()
+            try:
+                return super().recv(kind)
+            finally:
+                TimedP2P.blocked += time.perf_counter() - start
+
+    schedule = get_forward_backward_func()
+    times, idle = [], []
+    for step in range(WARMUP + STEPS):
+        data = iter([batch() for _ in range(microbatches)])
+        kwargs = dict(seq_length=128, micro_batch_size=2, dp_group=state.dp_group)
+        if pp > 1:
+            kwargs["p2p"] = TimedP2P(state.pp_group, state.pp_grad_group, (2, 128, 128), torch.float32,
+                                     torch.device("cpu"))
+        dist.barrier()
+        TimedP2P.blocked = 0.0
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        schedule(pretrain_gpt.forward_step, data, built.model, microbatches, built.context, **kwargs)
+        finalize_model_grads(args, built)
+        optimizer.step()
+        elapsed = time.perf_counter() - start
+        if step >= WARMUP:
+            times.append(elapsed)
+            idle.append(TimedP2P.blocked / elapsed)
+    record = dict(layout=layout, pp=pp, vp=vp, dp=dp, microbatches=microbatches, rank=dist.get_rank(),
+                  stage=state.pp_rank, step_s=statistics.median(times), idle_fraction=statistics.median(idle),
+                  peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{layout}_m{microbatches}_rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(record, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bubble(pp: int, vp: int, m: int) -> float:
+    return (pp - 1) / (vp * m + pp - 1) if pp > 1 else 0.0
+
+
+def report(out: str) -> None:
+    rows = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "*.json")))]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["layout"], r["microbatches"]), []).append(r)
+    print("| layout | microbatches per pipeline | step (s, slowest stage) | idle per stage (measured) | "
+          "bubble formula | peak RSS per stage (MB) |")
+    print("|---|---|---|---|---|---|")
+    for (layout, m), rs in sorted(groups.items(), key=lambda kv: (list(LAYOUTS).index(kv[0][0]), kv[0][1])):
+        stages = {}
+        for r in rs:
+            stages.setdefault(r["stage"], []).append(r)
+        idle = " / ".join(f"{max(x['idle_fraction'] for x in stages[s]):.2f}" for s in sorted(stages))
+        rss = " / ".join(f"{max(x['peak_rss_mb'] for x in stages[s]):.0f}" for s in sorted(stages))
+        pp, vp = rs[0]["pp"], rs[0]["vp"]
+        print(f"| {layout} | {m} | {max(r['step_s'] for r in rs):.3f} | {idle} | {bubble(pp, vp, m):.2f} | {rss} |")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layout", choices=LAYOUTS)
+    parser.add_argument("--microbatches-per-rank", type=int, default=8)
+    parser.add_argument("--out", default="/tmp/pp_bench")
+    parser.add_argument("--report", metavar="DIR")
+    options = parser.parse_args()
+    if options.report:
+        report(options.report)
+    else:
+        run(options.layout, options.microbatches_per_rank, options.out)
