@@ -1,13 +1,14 @@
 """Upstream Megatron-LM GPT command lines run here unchanged, apart from the CPU
-substitutions (nccl -> gloo, transformer_engine -> local), parallel sizes 1 (which turn
---sequence-parallel off, as upstream does), paths into a
-temporary directory, mock data, and a model scaled down to a tiny one.
+substitutions (nccl -> gloo, transformer_engine -> local), tensor, context and expert
+parallel sizes 1 (which turn --sequence-parallel off, as upstream does; the pipeline size
+stays the line's own), paths into a temporary directory, mock data, and a model scaled
+down to a tiny one.
 
 upstream_gpt_configs.json holds the MODEL_ARGS of all upstream's GPT functional-test
 configurations (source and commit inside; scripts/replay_upstream_configs.py counts how
 many parse). Every one of the representative set TESTED must parse and validate; two of
-them train 3 iterations on 2 ranks, and their TensorBoard files hold the scalars the
-logging flags ask for.
+them train 3 iterations at their pipeline sizes (1, 2 and 4 stages), and their
+TensorBoard files hold the scalars the logging flags ask for.
 """
 
 import glob
@@ -37,14 +38,19 @@ TESTED = (
 
 # Tiny CPU model and run length; everything else is the upstream value.
 SCALE = {
-    "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--seq-length": 32,
+    "--num-layers": 4, "--hidden-size": 64, "--num-attention-heads": 4, "--seq-length": 32,
     "--max-position-embeddings": 32, "--micro-batch-size": 2, "--global-batch-size": 8,
     "--train-iters": 3, "--eval-interval": 2, "--eval-iters": 1, "--ffn-hidden-size": 256,
     "--num-query-groups": 2, "--kv-channels": 16,
 }
 SUBSTITUTE = {"nccl": "gloo", "transformer_engine": "local"}
-PARALLEL_SIZES = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+PARALLEL_SIZES = ("--tensor-model-parallel-size", "--context-parallel-size",
                   "--expert-model-parallel-size", "--expert-tensor-parallel-size")
+
+
+def ranks_for(name) -> int:
+    """2 ranks, or the line's pipeline size if larger."""
+    return max(2, int(dict(CONFIGS[name]).get("--pipeline-model-parallel-size", 1)))
 
 
 def command_line(name, tmp_path):
@@ -75,8 +81,8 @@ def command_line(name, tmp_path):
 
 @pytest.mark.parametrize("name", TESTED)
 def test_upstream_command_line_parses(name, tmp_path):
-    args = parse_args(command_line(name, tmp_path), world_size=2, cuda_available=False)
-    assert args.num_layers == 2 and args.distributed_backend == "gloo" and args.transformer_impl == "local"
+    args = parse_args(command_line(name, tmp_path), world_size=ranks_for(name), cuda_available=False)
+    assert args.num_layers == 4 and args.distributed_backend == "gloo" and args.transformer_impl == "local"
     flags = {flag for flag, _ in CONFIGS[name]}
     if "--use-distributed-optimizer" in flags and "--use-megatron-fsdp" not in flags:
         # Upstream's DDP + distributed optimizer is ZeRO-1 on this engine.
@@ -87,9 +93,9 @@ def test_upstream_example_names_the_unsupported_flag(tmp_path):
     # examples/gpt3/train_gpt3_175b_distributed.sh uses a batch-size schedule (whose last batch is the global one).
     argv = command_line("gpt3_mcore_tp1_pp2_fp16", tmp_path)
     with pytest.raises(ValueError, match=r"pass only one of --step-batch-size-schedule and --global-batch-size"):
-        parse_args(argv + ["--step-batch-size-schedule", "0:16 2.4B:320"], world_size=1, cuda_available=False)
-    with pytest.raises(ValueError, match=r"--pipeline-model-parallel-size 2 is not supported yet"):
-        parse_args(argv + ["--pipeline-model-parallel-size", "2"], world_size=1, cuda_available=False)
+        parse_args(argv + ["--step-batch-size-schedule", "0:16 2.4B:320"], world_size=2, cuda_available=False)
+    with pytest.raises(ValueError, match=r"--context-parallel-size 2 is not supported yet"):
+        parse_args(argv + ["--context-parallel-size", "2"], world_size=2, cuda_available=False)
 
 
 def _tensorboard_tags(tb_dir):
@@ -102,12 +108,13 @@ def _tensorboard_tags(tb_dir):
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.parametrize("name", ["gpt3_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files", "gpt3_mcore_tp1_pp2_fp16"])
-def test_upstream_command_line_trains_on_two_ranks(name, tmp_path):
+@pytest.mark.parametrize("name", ["gpt3_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files", "gpt3_mcore_tp1_pp2_fp16",
+                                  "gpt3_mcore_te_tp1_pp4_untie_embeddings_and_outputs"])
+def test_upstream_command_line_trains_at_its_pipeline_size(name, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=REPO)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks_for(name)),
            "pretrain_gpt.py", *command_line(name, tmp_path), "--log-interval", "1"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=240)
