@@ -174,6 +174,12 @@ def main(argv=None):
         raise SystemExit("estimate_memory.py: error: plans of a mixture of experts with "
                          "--tensor-model-parallel-size > 1 and full recompute are not supported yet; "
                          "plan it without --recompute-granularity full.")
+    if args.pipeline_model_parallel_size > 1:
+        # A stage's weights and its 1F1B activations in flight are not modelled yet; a plan of
+        # the whole model over world / TP ranks would be wrong for every stage.
+        raise SystemExit("estimate_memory.py: error: plans with --pipeline-model-parallel-size > 1 are not "
+                         "supported yet; plan the model at --pipeline-model-parallel-size 1 (an upper bound on "
+                         "each stage's weights at the same data-parallel size).")
     if needs_process_groups(args) and dist.is_initialized():
         # The planning world is a process group of its own; this process already has one.
         raise SystemExit("estimate_memory.py: error: plans with TP or EP > 1 build the model in a fake world; "

@@ -14,7 +14,7 @@ continues the curve. Untied embeddings: interleaved PP=2 from an explicit layout
 
 import pytest
 
-from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_torchrun
+from test_pretrain_gpt import MODEL_ARGS, SAVE, run_layouts
 
 ITERS = 4
 BASE = list(MODEL_ARGS)
@@ -25,7 +25,6 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
        "--moe-layer-freq", "([0]*1+[1]*1)*2"]
 UNTIED = ["--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--normalization", "RMSNorm"]
 
-SAVE = "{save}"
 RUNS = {
     # name: (ranks, flags); "ref" runs are the unpipelined references
     "ref": (1, MOE + ["--use-mfsdp"]),
@@ -48,14 +47,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
-    save = str(tmp_path_factory.mktemp("checkpoints"))
-    for name, (nproc, flags) in RUNS.items():
-        log_dir = tmp_path_factory.mktemp(name) / "logs"
-        flags = [f.replace(SAVE, save) for f in flags]
-        proc = run_torchrun(BASE + flags + ["--log-dir", str(log_dir)], nproc=nproc)
-        out[name] = read_metrics(str(log_dir)) + (proc.stdout,)
-    return out
+    return run_layouts(BASE, RUNS, tmp_path_factory)
 
 
 def _same_curve(runs, name, reference, first=1):

@@ -61,6 +61,24 @@ def run_torchrun(args, nproc=2):
                                  text=True, timeout=TIMEOUT))
 
 
+SAVE = "{save}"  # in run_layouts' flags: replaced by the checkpoints' directory
+
+
+def run_layouts(base_args, runs, tmp_path_factory):
+    """``{name: (ranks, flags)}`` -> ``{name: (train, valid, stdout)}``, each run launched
+    with ``base_args + flags``, in order (later runs may load earlier ones' checkpoints
+    under ``SAVE``); ``"checkpoints"`` is that directory."""
+    out = {}
+    save = str(tmp_path_factory.mktemp("checkpoints"))
+    for name, (nproc, flags) in runs.items():
+        log_dir = tmp_path_factory.mktemp(name) / "logs"
+        flags = [f.replace(SAVE, save) for f in flags]
+        proc = run_torchrun(base_args + flags + ["--log-dir", str(log_dir)], nproc=nproc)
+        out[name] = read_metrics(str(log_dir)) + (proc.stdout,)
+    out["checkpoints"] = save
+    return out
+
+
 def read_metrics(log_dir):
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from test_pretrain_gpt import MODEL_ARGS, REPO, read_metrics, run_torchrun
+from test_pretrain_gpt import MODEL_ARGS, REPO, SAVE, run_layouts
 
 ITERS = 4
 ARGS = list(MODEL_ARGS)
@@ -27,7 +27,6 @@ ARGS[ARGS.index("--eval-iters") + 1] = "1"
 ARGS += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--num-query-groups", "2",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
 
-SAVE = "{save}"  # replaced by the checkpoints' directory
 RUNS = {
     "tp1-dp2-mfsdp": (2, ["--use-mfsdp"]),
     "tp2-dp2-mfsdp-sp": (4, ["--use-mfsdp", "--tensor-model-parallel-size", "2", "--sequence-parallel",
@@ -39,15 +38,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
-    save = str(tmp_path_factory.mktemp("checkpoints"))
-    for name, (nproc, flags) in RUNS.items():
-        log_dir = tmp_path_factory.mktemp(name) / "logs"
-        flags = [f.replace(SAVE, save) for f in flags]
-        proc = run_torchrun(ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
-        out[name] = read_metrics(str(log_dir)) + (proc.stdout,)
-    out["checkpoints"] = save
-    return out
+    return run_layouts(ARGS, RUNS, tmp_path_factory)
 
 
 def test_tensor_parallel_losses_equal_tp1(runs):

@@ -462,6 +462,8 @@ def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
     with pytest.raises(SystemExit, match="tensor-model-parallel-size > 1 and full recompute"):
         main(["--world-size", "4", *small, "--use-mfsdp", "--num-experts", "4", "--tensor-model-parallel-size", "2",
               *RECOMPUTE])
+    with pytest.raises(SystemExit, match="--pipeline-model-parallel-size > 1 are not supported yet"):
+        main(["--world-size", "4", *small, "--pipeline-model-parallel-size", "2"])
     # TP/EP plans need a fake world of their own (tool_units runs them in a fresh process).
     with pytest.raises(SystemExit, match="not under torchrun"):
         main(["--world-size", "4", *small, "--tensor-model-parallel-size", "2"])
