@@ -49,9 +49,9 @@ CASES = {
     "checkpoint": (lambda t: NULL + ["--mock-data", "--load", _corrupt_checkpoint(t)], 1, "--load"),
     "save path": (lambda t: NULL + ["--mock-data", "--save", str(t / "file" / "ckpt")], 2, "--save"),
     "unknown flag": (lambda t: NULL + ["--mock-data", "--lr-decay-iter", "5"], 2, "did you mean --lr-decay-iters"),
-    "rejected flag": (lambda t: NULL + ["--mock-data", "--moe-shared-expert-gate"], 2,
-                      "--moe-shared-expert-gate is not supported"),
-    "parallel size": (lambda t: NULL + ["--mock-data", "--pipeline-model-parallel-size", "2"], 2, "not supported yet"),
+    "rejected flag": (lambda t: NULL + ["--mock-data", "--tp-comm-overlap"], 2, "--tp-comm-overlap is not supported"),
+    "parallel size": (lambda t: NULL + ["--mock-data", "--pipeline-model-parallel-size", "2"], 2,
+                      "--pipeline-model-parallel-size (2) must divide the world size (1)"),
 }
 
 
