@@ -121,9 +121,9 @@ def report(out: str) -> None:
     groups = {}
     for r in rows:
         groups.setdefault((r["layout"], r["microbatches"]), []).append(r)
-    print("| layout | microbatches per pipeline | step (s, slowest stage) | idle per stage (measured) | "
+    print("| layout | microbatches per pipeline | step (s, slowest stage) | ms per sample | idle per stage (measured) | "
           "bubble formula | peak RSS per stage (MB) |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for (layout, m), rs in sorted(groups.items(), key=lambda kv: (list(LAYOUTS).index(kv[0][0]), kv[0][1])):
         stages = {}
         for r in rs:
@@ -131,7 +131,10 @@ def report(out: str) -> None:
         idle = " / ".join(f"{max(x['idle_fraction'] for x in stages[s]):.2f}" for s in sorted(stages))
         rss = " / ".join(f"{max(x['peak_rss_mb'] for x in stages[s]):.0f}" for s in sorted(stages))
         pp, vp = rs[0]["pp"], rs[0]["vp"]
-        print(f"| {layout} | {m} | {max(r['step_s'] for r in rs):.3f} | {idle} | {bubble(pp, vp, m):.2f} | {rss} |")
+        step = max(r["step_s"] for r in rs)
+        samples = 2 * m * rs[0]["dp"]  # micro batch 2, m microbatches per pipeline, dp pipelines
+        print(f"| {layout} | {m} | {step:.3f} | {1000 * step / samples:.1f} | {idle} | {bubble(pp, vp, m):.2f} "
+              f"| {rss} |")
 
 
 if __name__ == "__main__":
