@@ -79,9 +79,9 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
                      "only disabled: no re-run state machine here"),
 }
 
-PARALLEL_SIZES = (
-    "--context-parallel-size",
-)
+# Parallel sizes accepted at 1 only (none left: --context-parallel-size is honoured,
+# context_parallel_arguments.py).
+PARALLEL_SIZES: tuple = ()
 
 # flag -> what to do instead. Registered so that they are recognised (and named in the
 # error), whatever value follows them.
@@ -93,8 +93,6 @@ REJECTED: Dict[str, str] = {
     "--tp-comm-overlap-cfg": _TP,
     "--defer-embedding-wgrad-compute": _TP,
     "--wgrad-deferral-limit": _TP,
-    "--cp-comm-type": "context parallelism is not supported yet; drop it",
-    "--hierarchical-context-parallel-sizes": "context parallelism is not supported yet; drop it",
     "--fp8-format": _FP8,
     "--fp8-recipe": _FP8,
     "--fp8-param-gather": _FP8,
