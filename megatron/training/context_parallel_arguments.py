@@ -23,8 +23,13 @@ def add_context_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
                    help=f"attention's exchange under CP: {', '.join(SUPPORTED_CP_COMM_TYPES)}; one type, or one "
                         "per layer")
-    g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
+    g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=_size, default=None,
                    help="a2a size and p2p size (multiplying to the CP size) for --cp-comm-type a2a+p2p")
+
+
+def _size(text: str) -> int:
+    # Upstream's own test configurations also spell the list "[2 2]".
+    return int(text.strip("[]"))
 
 
 def validate_context_parallel_size(args: argparse.Namespace, world_size: int) -> None:

@@ -294,7 +294,7 @@ def _forward_backward_pipelined(
             raise ValueError("pipelined schedules need seq_length and micro_batch_size (the shape of the hidden "
                              "states that stages exchange).")
         # The CP split comes first (each rank's 2 chunks), then SP cuts the local sequence over TP.
-        sequence = seq_length // config.context_parallel_size
+        sequence = seq_length // getattr(config, "context_parallel_size", 1)
         sequence //= config.tensor_model_parallel_size if config.sequence_parallel else 1
         p2p = PipelineP2P(state.pp_group, state.pp_grad_group, (micro_batch_size, sequence, config.hidden_size),
                           config.params_dtype, _comm_device(state.pp_group))
