@@ -151,7 +151,8 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
         # Saved and loaded with the optimizer state (checkpointing.py reads this attribute).
         optimizer.grad_scaler = _build_grad_scaler(args)
         n_params = _model_parameter_count(built)
-        strategy = "DDP" if (not built.use_mfsdp and args.data_parallel_size * args.context_parallel_size > 1) else ("single rank" if not built.use_mfsdp else
+        replicas = args.data_parallel_size * args.context_parallel_size  # DDP averages over DP x CP
+        strategy = "DDP" if (not built.use_mfsdp and replicas > 1) else ("single rank" if not built.use_mfsdp else
                    f"MFSDP {args.data_parallel_sharding_strategy}" + (
                        f", {args.dp_outer_size} instances ({'HFSDP' if args.outer_dp_sharding_strategy == 'optim' else 'HSDP'})"
                        if args.dp_outer_size > 1 else ""))

@@ -27,7 +27,8 @@ BASE += ["--position-embedding-type", "rope", "--num-query-groups", "2", "--swig
 RUNS = {
     # name: (ranks, flags)
     "ref": (1, ["--use-mfsdp"]),
-    "cp2-dp2-p2p": (4, ["--use-mfsdp", "--context-parallel-size", "2", "--save", SAVE + "/cp2", "--save-interval", "2"]),
+    "cp2-dp2-p2p": (4, ["--use-mfsdp", "--context-parallel-size", "2", "--save", SAVE + "/cp2",
+                        "--save-interval", "2"]),
     "cp4-all_gather-a2a+p2p": (4, ["--use-mfsdp", "--context-parallel-size", "4", "--cp-comm-type", "all_gather",
                                    "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]),
     "cp2-tp2-sp-ddp": (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),

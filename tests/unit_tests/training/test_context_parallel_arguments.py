@@ -18,7 +18,8 @@ def parse(extra="", world_size=1):
 
 def test_defaults_and_data_parallel_size():
     args = parse()
-    assert (args.context_parallel_size, args.cp_comm_type, args.hierarchical_context_parallel_sizes) == (1, ["p2p"], None)
+    assert args.context_parallel_size == 1 and args.cp_comm_type == ["p2p"]
+    assert args.hierarchical_context_parallel_sizes is None
     args = parse("--context-parallel-size 2 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
                  world_size=16)
     assert args.data_parallel_size == 2  # 16 / (tp 2 x pp 2 x cp 2)
@@ -57,9 +58,9 @@ ERRORS = {
     "a2a+p2p without sizes": ("--context-parallel-size 2 --cp-comm-type a2a+p2p", 2,
                               r"--cp-comm-type a2a\+p2p needs --hierarchical-context-parallel-sizes A P"),
     "hierarchical product": ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes "
-                             "2 1", 4, r"--hierarchical-context-parallel-sizes 2 1 must be two sizes \(a2a, p2p\) whose "
-                                       r"product is --context-parallel-size \(4\), e\.g\. "
-                                       r"--hierarchical-context-parallel-sizes 4 1\."),
+                             "2 1", 4,
+                             r"--hierarchical-context-parallel-sizes 2 1 must be two sizes \(a2a, p2p\) whose "
+                             r"product is --context-parallel-size \(4\), e\.g\. --hierarchical-context-parallel-sizes 4 1\."),
     "hierarchical levels": ("--context-parallel-size 4 --hierarchical-context-parallel-sizes 4", 4,
                             r"--hierarchical-context-parallel-sizes 4 must be two sizes"),
     "moe": ("--context-parallel-size 2 --num-experts 4", 2,
