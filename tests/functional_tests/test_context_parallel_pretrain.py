@@ -7,8 +7,8 @@ same samples and keep their 2 of the 2*cp chunks; the engine averages gradients 
 dp x cp and the loss is normalized over the whole global batch, so the runs differ only by
 reduction order. Layouts: CP=2 x DP=2 (p2p, ZeRO-3), CP=4 with one type per layer
 (all_gather, then a2a+p2p as 2 x 2), CP=2 x TP=2 with sequence parallelism (DDP),
-CP=2 x PP=2 with --calculate-per-token-loss (the schedule's normalization; the others use
-Megatron's default per-microbatch mean). The CP=2 x DP=2 checkpoint of iteration 2 resumed
+CP=2 x PP=2 with a2a (Ulysses) and --calculate-per-token-loss (the schedule's
+normalization; the others use Megatron's default per-microbatch mean). The CP=2 x DP=2 checkpoint of iteration 2 resumed
 on one rank continues the curve.
 """
 
@@ -32,8 +32,8 @@ RUNS = {
     "cp4-all_gather-a2a+p2p": (4, ["--use-mfsdp", "--context-parallel-size", "4", "--cp-comm-type", "all_gather",
                                    "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]),
     "cp2-tp2-sp-ddp": (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    "cp2-pp2-per-token": (4, ["--use-mfsdp", "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                              "--calculate-per-token-loss"]),
+    "cp2-pp2-a2a-per-token": (4, ["--use-mfsdp", "--context-parallel-size", "2", "--pipeline-model-parallel-size",
+                                  "2", "--cp-comm-type", "a2a", "--calculate-per-token-loss"]),
     "cp1-resumed": (1, ["--use-mfsdp", "--load", SAVE + "/cp2/iter_0000002"]),
 }
 
@@ -54,7 +54,7 @@ def _same_curve(runs, name, first=1):
     assert valid[ITERS]["lm_loss"] == pytest.approx(ref_valid[ITERS]["lm_loss"], rel=1e-5), name
 
 
-@pytest.mark.parametrize("name", ["cp2-dp2-p2p", "cp4-all_gather-a2a+p2p", "cp2-tp2-sp-ddp", "cp2-pp2-per-token"])
+@pytest.mark.parametrize("name", ["cp2-dp2-p2p", "cp4-all_gather-a2a+p2p", "cp2-tp2-sp-ddp", "cp2-pp2-a2a-per-token"])
 def test_context_parallel_layouts_give_the_cp1_losses(runs, name):
     ref_train = runs["ref"][0]
     assert ref_train[ITERS]["lm_loss"] != ref_train[1]["lm_loss"]  # the model trained
