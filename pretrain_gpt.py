@@ -25,6 +25,7 @@ from megatron.training import pretrain, print_rank_0  # noqa: E402
 
 def core_transformer_config_from_args(args):
     from megatron.core.transformer import TransformerConfig
+    from megatron.training.context_parallel_arguments import context_parallel_config_kwargs
     from megatron.training.model_builder import activation_from_args
     from megatron.training.moe_arguments import moe_config_kwargs
 
@@ -61,6 +62,7 @@ def core_transformer_config_from_args(args):
         attention_output_gate=getattr(args, "attention_output_gate", False),
         gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", True),
         **tensor_parallel_config_from_args(args),
+        **context_parallel_config_kwargs(args),
         **moe_config_kwargs(args),
     )
     if getattr(args, "squared_relu", False):

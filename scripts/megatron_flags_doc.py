@@ -10,7 +10,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megatron.training.arguments import build_parser  # noqa: E402
-from megatron.training.megatron_compat import MAPPED, PARALLEL_SIZES, REJECTED  # noqa: E402
+from megatron.training.megatron_compat import MAPPED, REJECTED  # noqa: E402
 
 HEADER = """# Megatron-LM flags: honoured, mapped, rejected
 
@@ -19,8 +19,7 @@ none of the tables gets argparse's `unrecognized arguments`, with the closest kn
 suggested. `tests/unit_tests/training/test_megatron_flags_doc.py` keeps this page in step
 with the code; regenerate it with `python scripts/megatron_flags_doc.py`.
 
-Counts: **{honoured} honoured**, **{mapped} mapped** ({sizes} of them parallel sizes, accepted
-at 1), **{rejected} rejected**.
+Counts: **{honoured} honoured**, **{mapped} mapped**, **{rejected} rejected**.
 
 Upstream command lines: `python scripts/replay_upstream_configs.py` parses every GPT
 functional-test configuration of upstream (from the mirror, or from its snapshot
@@ -28,8 +27,8 @@ functional-test configuration of upstream (from the mirror, or from its snapshot
 gloo, transformer_engine -> local, FP8 / NCCL user-buffer / TP-comm-overlap flags dropped,
 tiny model, mock data) at each line's own TP/PP/CP sizes, and prints the accepted count and
 the remaining rejections by flag. Of the 161 training configurations (44 inference/RL ones
-are skipped), 29 parse as they are and 90 more once pipeline/context-parallel sizes are 1
-(`tests/functional_tests/test_upstream_replay.py` keeps these counts from dropping); two
+are skipped), 119 parse at their own TP/PP/CP sizes
+(`tests/functional_tests/test_upstream_replay.py` keeps this count from dropping); two
 train on 2 ranks (`tests/functional_tests/test_megatron_command_lines.py`).
 
 Deviations worth knowing:
@@ -97,7 +96,7 @@ def rows():
         flags = [s for s in action.option_strings if s.startswith("--")]
         if not flags or flags[0] == "--help" or flags[0] in seen:
             continue
-        if flags[0] in MAPPED or flags[0] in REJECTED or flags[0] in PARALLEL_SIZES:
+        if flags[0] in MAPPED or flags[0] in REJECTED:
             continue
         seen.add(flags[0])
         text = "" if action.help in (None, argparse.SUPPRESS) else action.help.replace("|", "/")
@@ -107,15 +106,13 @@ def rows():
 
 def main():
     honoured = rows()
-    out = [HEADER.format(honoured=len(honoured), mapped=len(MAPPED) + len(PARALLEL_SIZES),
-                         sizes=len(PARALLEL_SIZES), rejected=len(REJECTED)),
+    out = [HEADER.format(honoured=len(honoured), mapped=len(MAPPED), rejected=len(REJECTED)),
            "## Honoured", "", "These change behaviour as they do in Megatron-LM.", "",
            "| flag | effect here |", "|---|---|"]
     out += [f"| {flags} | {text} |" for flags, text in honoured]
     out += ["", "## Mapped", "", "Accepted; the effect is the one described (a no-op where the behaviour is",
             "always on, or a synonym of one of our settings).", "", "| flag | here |", "|---|---|"]
     out += [f"| `{flag}` | {note} |" for flag, (_, note) in MAPPED.items()]
-    out += [f"| `{flag}` | accepted at 1; larger values: \"not supported yet\" |" for flag in PARALLEL_SIZES]
     out += ["", "`--use-distributed-optimizer` without `--use-mfsdp` (upstream's DDP + distributed optimizer)",
             "is in the honoured table: it runs MFSDP with `--data-parallel-sharding-strategy optim`",
             "(ZeRO-1: optimizer state sharded, gradients and parameters replicated).", "",
@@ -124,7 +121,7 @@ def main():
     out += [f"| `{flag}` | {message} |" for flag, message in REJECTED.items()]
     with open(os.path.join(REPO, "docs", "megatron_flags.md"), "w") as f:
         f.write("\n".join(out) + "\n")
-    print(f"{len(honoured)} honoured, {len(MAPPED) + len(PARALLEL_SIZES)} mapped, {len(REJECTED)} rejected")
+    print(f"{len(honoured)} honoured, {len(MAPPED)} mapped, {len(REJECTED)} rejected")
 
 
 if __name__ == "__main__":

@@ -180,6 +180,11 @@ def main(argv=None):
         raise SystemExit("estimate_memory.py: error: plans with --pipeline-model-parallel-size > 1 are not "
                          "supported yet; plan the model at --pipeline-model-parallel-size 1 (an upper bound on "
                          "each stage's weights at the same data-parallel size).")
+    if getattr(args, "context_parallel_size", 1) > 1:
+        # A CP rank's activations are its S / CP tokens' and the engine shards over DP x CP
+        # ranks: neither is modelled yet.
+        raise SystemExit("estimate_memory.py: error: plans with --context-parallel-size > 1 are not supported yet; "
+                         "plan the model at --context-parallel-size 1 (an upper bound on each rank's activations).")
     if needs_process_groups(args) and dist.is_initialized():
         # The planning world is a process group of its own; this process already has one.
         raise SystemExit("estimate_memory.py: error: plans with TP or EP > 1 build the model in a fake world; "

@@ -72,6 +72,7 @@ def _for_one_process(args: argparse.Namespace) -> argparse.Namespace:
     args.dp_inner_size = 1
     args.tensor_model_parallel_size = 1  # checkpoints hold global tensors
     args.sequence_parallel = False
+    args.context_parallel_size = 1  # CP holds no parameters: whole sequences in one process
     args.outer_dp_sharding_strategy = "no_shard"
     args.load = None
     args.params_dtype = torch.float32

@@ -13,7 +13,14 @@ axes of this rank's pipeline stage, and shards every dense parameter over it; a
 tensor-parallel parameter is a plain TP-local tensor (the rank's piece of the global one,
 see ``megatron/core/global_slices.py``), so the engine never communicates over ``tp``,
 and a pipeline stage holds only its own layers, so it never communicates over ``pp``.
-All TP and PP ranks of one data-parallel rank read the same batch (``dp_rank``/``dp_size``).
+All TP, PP and CP ranks of one data-parallel rank read the same batch (``dp_rank``/``dp_size``).
+
+Context parallelism: the CP ranks of a data-parallel rank hold the same parameters and
+see different tokens of the same sequences, so for the engine they are data-parallel
+ranks like any other: with cp > 1 it shards over ``dp_cp_mesh``, the data-parallel axes
+with ``cp`` folded into the innermost one (1-D ``("dp",)`` over dp x cp ranks, or under
+HSDP ``("outer", "inner")`` with inner x cp ranks inside; a separate 2-D mesh would mean
+replicating over CP). Token counts for the loss normalization run over ``dp_cp_group``.
 
 The expert view reads the same ranks differently: within one pipeline stage (and CP
 coordinate) the data-parallel ranks are ``("expert_dp", "ep")``, or
@@ -30,6 +37,7 @@ take the groups from here. Everything below the provider receives them explicitl
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -59,6 +67,14 @@ class ParallelState:
     # is one of them): where a tied embedding/output weight lives twice.
     embedding_group: Optional[dist.ProcessGroup] = None
     cp_size: int = 1
+    cp_group: Optional[dist.ProcessGroup] = None  # None at CP size 1
+    cp_rank: int = 0
+    # (a2a group, p2p group) for cp_comm_type "a2a+p2p" (--hierarchical-context-parallel-sizes)
+    hierarchical_cp_groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
+    # What the engine shards dense parameters over, and the group of the same ranks
+    # (loss-token counts): the data-parallel mesh and group at CP size 1.
+    dp_cp_mesh: Any = None
+    dp_cp_group: Optional[dist.ProcessGroup] = None
     expert_mesh: Any = None  # ("expert_dp", "ep", "tp") or ("expert_outer", "expert_inner", "ep", "tp") of this stage
     ep_size: int = 1
 
@@ -94,8 +110,12 @@ def _check_sizes(world: int, tp: int, pp: int, cp: int, dp_outer: int, ep: int) 
 def build_parallel_state(tensor_model_parallel_size: int = 1, dp_outer_size: int = 1,
                          device_type: str = "cpu", *, pipeline_model_parallel_size: int = 1,
                          context_parallel_size: int = 1, virtual_pipeline_model_parallel_size: Optional[int] = None,
-                         expert_model_parallel_size: Optional[int] = None) -> ParallelState:
+                         expert_model_parallel_size: Optional[int] = None,
+                         hierarchical_context_parallel_sizes: Optional[Tuple[int, ...]] = None) -> ParallelState:
     """The mesh for ``world = pp x dp_outer x dp_inner x cp x tp`` (every rank calls it).
+
+    ``hierarchical_context_parallel_sizes`` (a2a size, p2p size), whose product is the CP
+    size: build the groups of cp_comm_type "a2a+p2p" (a2a groups of consecutive CP ranks).
 
     ``expert_model_parallel_size``: build the expert view too (a MoE model), else None.
     Every group is created here, on every rank in the same order, so that a stage without
@@ -106,9 +126,12 @@ def build_parallel_state(tensor_model_parallel_size: int = 1, dp_outer_size: int
     tp, pp, cp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size), int(context_parallel_size)
     ep = 1 if expert_model_parallel_size is None else int(expert_model_parallel_size)
     dp = _check_sizes(world, tp, pp, cp, dp_outer_size, ep)
-    if cp > 1:
-        raise ValueError("--context-parallel-size > 1 is not supported yet; drop it (the whole sequence "
-                         "runs on every rank).")
+    if cp > 1 and expert_model_parallel_size is not None:
+        raise ValueError("--context-parallel-size > 1 with a MoE model (--num-experts) is not supported; "
+                         "use --context-parallel-size 1 for MoE models.")
+    if hierarchical_context_parallel_sizes is not None and math.prod(hierarchical_context_parallel_sizes) != cp:
+        raise ValueError(f"--hierarchical-context-parallel-sizes {hierarchical_context_parallel_sizes} must "
+                         f"multiply to --context-parallel-size ({cp}); pick sizes whose product is {cp}.")
     dp_shape, dp_names = (((dp_outer_size, dp // dp_outer_size), ("outer", "inner")) if dp_outer_size > 1
                           else ((dp,), ("dp",)))
     ranks = torch.arange(world).reshape((pp,) + dp_shape + (cp, tp))
@@ -118,6 +141,13 @@ def build_parallel_state(tensor_model_parallel_size: int = 1, dp_outer_size: int
         dp_group = dp_mesh.get_group()
     else:
         dp_group = dp_mesh._flatten("dp_flat").get_group()  # all DP ranks, for data and token counts
+    dp_cp_mesh, dp_cp_group, cp_group, hierarchical = dp_mesh, dp_group, None, None
+    if cp > 1:
+        cp_group = world_mesh.get_group("cp")
+        dp_cp_mesh = _dp_cp_mesh(device_type, ranks, dp_names)
+        dp_cp_group = dp_cp_mesh.get_group() if len(dp_names) == 1 else dp_cp_mesh._flatten("dp_cp_flat").get_group()
+        if hierarchical_context_parallel_sizes is not None:
+            hierarchical = _hierarchical_cp_groups(ranks, hierarchical_context_parallel_sizes[0])
 
     pp_rank = world_mesh.get_local_rank("pp")
     pp_group = pp_grad_group = embedding_group = None
@@ -147,9 +177,45 @@ def build_parallel_state(tensor_model_parallel_size: int = 1, dp_outer_size: int
         pp_ranks=pp_ranks,
         embedding_group=embedding_group,
         cp_size=cp,
+        cp_group=cp_group,
+        cp_rank=world_mesh.get_local_rank("cp"),
+        hierarchical_cp_groups=hierarchical,
+        dp_cp_mesh=dp_cp_mesh,
+        dp_cp_group=dp_cp_group,
         expert_mesh=expert_mesh,
         ep_size=ep,
     )
+
+
+def _dp_cp_mesh(device_type: str, ranks: torch.Tensor, dp_names: Tuple[str, ...]):
+    """The data-parallel mesh with ``cp`` folded into its innermost axis (same axis names,
+    so placements read it as the plain data-parallel mesh). A mesh of its own over the same
+    ranks: a DeviceMesh cannot flatten two axes and keep a third beside them."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    pp, cp, tp = ranks.shape[0], ranks.shape[-2], ranks.shape[-1]
+    dp_shape = tuple(ranks.shape[1:-2])
+    folded = dp_shape[:-1] + (dp_shape[-1] * cp,)  # (dp, cp) -> dp * cp, cp fastest: Megatron's dp-cp order
+    mesh = DeviceMesh(device_type, ranks.reshape((pp,) + folded + (tp,)), mesh_dim_names=("pp",) + dp_names + ("tp",))
+    return mesh[dp_names]
+
+
+def _hierarchical_cp_groups(ranks: torch.Tensor, a2a_size: int):
+    """This rank's (a2a group, p2p group): CP rank o * a + i is rank i of a2a group o and
+    rank o of p2p group i. Every rank creates every group, in the same order."""
+    cp = ranks.shape[-2]
+    lines = ranks.movedim(-2, -1).reshape(-1, cp).tolist()  # every CP group, in CP-rank order
+    me = dist.get_rank()
+    mine = [None, None]
+    for line in lines:
+        blocks = [line[o * a2a_size:(o + 1) * a2a_size] for o in range(cp // a2a_size)]
+        columns = [line[i::a2a_size] for i in range(a2a_size)]
+        for kind, groups in ((0, blocks), (1, columns)):
+            for members in groups:
+                group = dist.new_group(members)
+                if me in members:
+                    mine[kind] = group
+    return tuple(mine)
 
 
 def _group_per_line(ranks: torch.Tensor, members, own_line: Tuple[int, ...]):
@@ -189,7 +255,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, dp_outer_size
                               device_type: str = "cpu", *, pipeline_model_parallel_size: int = 1,
                               context_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
-                              expert_model_parallel_size: Optional[int] = None) -> ParallelState:
+                              expert_model_parallel_size: Optional[int] = None,
+                              hierarchical_context_parallel_sizes: Optional[Tuple[int, ...]] = None) -> ParallelState:
     """Build this process's parallel state (after the default process group exists)."""
     global _STATE
     if _STATE is not None:
@@ -198,7 +265,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, dp_outer_size
                                   pipeline_model_parallel_size=pipeline_model_parallel_size,
                                   context_parallel_size=context_parallel_size,
                                   virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-                                  expert_model_parallel_size=expert_model_parallel_size)
+                                  expert_model_parallel_size=expert_model_parallel_size,
+                                  hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes)
     return _STATE
 
 
@@ -228,6 +296,19 @@ def get_tensor_model_parallel_world_size() -> int:
 
 def get_tensor_model_parallel_rank() -> int:
     return _STATE.tp_rank if _STATE is not None else 0
+
+
+def get_context_parallel_group() -> Optional[dist.ProcessGroup]:
+    """The CP group, or None when model parallelism is not initialized or CP is 1."""
+    return _STATE.cp_group if _STATE is not None else None
+
+
+def get_context_parallel_world_size() -> int:
+    return _STATE.cp_size if _STATE is not None else 1
+
+
+def get_context_parallel_rank() -> int:
+    return _STATE.cp_rank if _STATE is not None else 0
 
 
 def get_pipeline_model_parallel_world_size() -> int:

@@ -19,6 +19,8 @@ from megatron.training.batch_size_schedule import validate_batch_size_schedule, 
 from megatron.training.checkpoint_retention import check_retain_interval
 from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
+from megatron.training.context_parallel_arguments import (
+    add_context_parallel_args, validate_context_parallel_args, validate_context_parallel_size)
 from megatron.training.moe_arguments import add_moe_args, validate_moe_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 
@@ -197,6 +199,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     _add_fidelity_args(parser)
     add_moe_args(parser)
     add_pipeline_args(parser)
+    add_context_parallel_args(parser)
     add_megatron_compat_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
@@ -281,7 +284,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     args.world_size = world_size
     _validate_tensor_parallel_size(args, world_size)
     validate_pipeline_size(args, world_size)
-    args.data_parallel_size = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    validate_context_parallel_size(args, world_size)
+    args.data_parallel_size = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                                             * args.context_parallel_size)
     args.device_type = "cuda" if cuda_available else "cpu"
     _apply_fidelity_synonyms(args)
 
@@ -505,6 +510,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     # --- tokenizer ---------------------------------------------------------------------------
     _validate_tokenizer(args)
     _validate_tensor_parallel_model(args)
+    validate_context_parallel_args(args)
     _validate_activation(args)
     _validate_memory_args(args)
 

@@ -62,12 +62,39 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
     )
 
 
-class DeviceIterator:
-    """Wraps a loader: every batch dict comes out with its tensors on ``device``."""
+# The per-token entries of a batch ([batch, sequence]) that context parallelism splits.
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
-    def __init__(self, loader: DataLoader, device: torch.device):
+
+def split_batch_for_context_parallel(batch: Dict[str, torch.Tensor], cp_size: int, cp_rank: int):
+    """This CP rank's tokens of every per-token entry (``SEQUENCE_KEYS``), with their global
+    position ids (made from the sequence length when the batch has none)."""
+    if cp_size == 1:
+        return batch
+    from megatron.core.transformer.context_parallel import split_for_context_parallel
+
+    if batch.get("attention_mask") is not None:
+        raise ValueError("context parallelism builds the causal mask from global positions; the batch's "
+                         "attention_mask cannot be split: drop it, or use --context-parallel-size 1.")
+    batch = dict(batch)
+    if "position_ids" not in batch:
+        tokens = batch["tokens"]
+        batch["position_ids"] = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    for key in SEQUENCE_KEYS:
+        if key in batch:
+            batch[key] = split_for_context_parallel(batch[key], cp_size, cp_rank, seq_dim=1)
+    return batch
+
+
+class DeviceIterator:
+    """Wraps a loader: every batch dict comes out with its tensors on ``device`` and, under
+    context parallelism, cut to this CP rank's tokens. The one place where batches are
+    split, so the schedule's token count, the forward step and the loss see the same tokens."""
+
+    def __init__(self, loader: DataLoader, device: torch.device, cp_size: int = 1, cp_rank: int = 0):
         self.loader = loader
         self.device = device
+        self.cp_size, self.cp_rank = cp_size, cp_rank
         self._it = iter(loader)
 
     def __iter__(self):
@@ -82,5 +109,6 @@ class DeviceIterator:
                 "(raise the dataset size or lower --train-iters/--eval-iters)."
             ) from None
         non_blocking = self.device.type == "cuda"
-        return {k: (v.to(self.device, non_blocking=non_blocking) if torch.is_tensor(v) else v)
-                for k, v in batch.items()}
+        batch = {k: (v.to(self.device, non_blocking=non_blocking) if torch.is_tensor(v) else v)
+                 for k, v in batch.items()}
+        return split_batch_for_context_parallel(batch, self.cp_size, self.cp_rank)

@@ -1,12 +1,11 @@
 """Megatron-LM flags that this trainer maps onto its own behaviour, or rejects.
 
 Upstream command lines carry many flags that select fused kernels, checkpoint backends or
-parallelism this project does not have. Three kinds are handled here (docs/megatron_flags.md
+parallelism this project does not have. Two kinds are handled here (docs/megatron_flags.md
 lists them all, next to the flags ``arguments.py`` honours):
 
 * **mapped**: accepted; their effect here is the documented one (a no-op where the
   behaviour is always on, or a synonym of one of our choices);
-* **parallel sizes**: accepted at 1; larger values are "not supported yet";
 * **rejected**: known to Megatron but not implemented; parsing them fails with a message
   that names the flag and says what to use instead.
 
@@ -79,10 +78,6 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
                      "only disabled: no re-run state machine here"),
 }
 
-PARALLEL_SIZES = (
-    "--context-parallel-size",
-)
-
 # flag -> what to do instead. Registered so that they are recognised (and named in the
 # error), whatever value follows them.
 _FP8 = "FP8 training is not supported; use --bf16"
@@ -93,8 +88,6 @@ REJECTED: Dict[str, str] = {
     "--tp-comm-overlap-cfg": _TP,
     "--defer-embedding-wgrad-compute": _TP,
     "--wgrad-deferral-limit": _TP,
-    "--cp-comm-type": "context parallelism is not supported yet; drop it",
-    "--hierarchical-context-parallel-sizes": "context parallelism is not supported yet; drop it",
     "--fp8-format": _FP8,
     "--fp8-recipe": _FP8,
     "--fp8-param-gather": _FP8,
@@ -130,26 +123,14 @@ def add_megatron_compat_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("Megatron-LM flags mapped onto this trainer (docs/megatron_flags.md)")
     for flag, (kwargs, note) in MAPPED.items():
         g.add_argument(flag, help=f"mapped: {note}", **kwargs)
-    for flag in PARALLEL_SIZES:
-        g.add_argument(flag, type=int, default=1, help="accepted at 1 (not supported yet above 1)")
     g = parser.add_argument_group("Megatron-LM flags that are not supported")
     for flag in REJECTED:
         g.add_argument(flag, action=_Rejected, help=argparse.SUPPRESS)
 
 
 def apply_megatron_compat(args: argparse.Namespace) -> None:
-    """Reject parallel sizes above 1; turn synonyms into our settings. Runs before the
-    rest of the validation, which then sees only our own flags."""
-    for flag in PARALLEL_SIZES:
-        size = getattr(args, flag[2:].replace("-", "_"))
-        if size < 1:
-            raise ValueError(f"{flag} must be at least 1, got {size}.")
-        if size > 1:
-            raise ValueError(
-                f"{flag} {size} is not supported yet; use {flag} 1 and scale with "
-                "--tensor-model-parallel-size, --pipeline-model-parallel-size and more data-parallel ranks "
-                "(--use-mfsdp shards the model across them)."
-            )
+    """Turn synonyms into our settings. Runs before the rest of the validation, which
+    then sees only our own flags."""
     if args.use_flash_attn and args.attention_backend == "auto":
         args.attention_backend = "flash"
 

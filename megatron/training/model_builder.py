@@ -75,13 +75,16 @@ def parallel_state_for(args, device_type: str):
         return parallel_state.get_parallel_state()
     return parallel_state.build_parallel_state(
         getattr(args, "tensor_model_parallel_size", 1), args.dp_outer_size, device_type,
-        pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1))
+        pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
+        context_parallel_size=getattr(args, "context_parallel_size", 1))
 
 
 def build_device_mesh(args, device_type: str):
     """The data-parallel mesh the engine shards over: 1-D ``("dp",)``, or 2-D
-    ``("outer", "inner")`` for HSDP/HFSDP (a sub-mesh of the world mesh under TP)."""
-    return parallel_state_for(args, device_type).dp_mesh
+    ``("outer", "inner")`` for HSDP/HFSDP (a sub-mesh of the world mesh under TP). Under
+    context parallelism the CP ranks are folded in (``dp_cp_mesh``): they hold the same
+    parameters, and their gradients (each of its own tokens) are averaged like DP ranks'."""
+    return parallel_state_for(args, device_type).dp_cp_mesh
 
 
 def build_placements(args, dims: Optional[Tuple[str, ...]] = None):
@@ -207,7 +210,7 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
         ddp = torch.nn.parallel.DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
-            process_group=parallel_state_for(args, device.type).dp_group,
+            process_group=parallel_state_for(args, device.type).dp_cp_group,
         )
         return BuiltModel(ddp, model)
     return BuiltModel(model, model)
@@ -428,10 +431,10 @@ def finalize_model_grads(args, built: BuiltModel) -> None:
     if getattr(args, "pipeline_model_parallel_size", 1) == 1:
         return
     state = parallel_state.get_parallel_state()
-    if not built.use_mfsdp and state.dp_size > 1:
+    if not built.use_mfsdp and state.dp_size * state.cp_size > 1:
         for p in built.unwrapped.parameters():
             if p.grad is not None:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=state.dp_group)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=state.dp_cp_group)
     if state.embedding_group is not None:
         for module in (tied_embedding_module(c) for c in built.chunks):
             grad = module.weight.grad if module is not None else None

@@ -108,6 +108,13 @@ def _comm_device(device: torch.device) -> torch.device:
     return device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+def _sum_over(value: torch.Tensor, group, device) -> torch.Tensor:
+    """``value`` summed over ``group`` (no gradient), back on ``value``'s device."""
+    reduced = value.reshape(()).to(_comm_device(device)).clone()
+    dist.all_reduce(reduced, group=group)
+    return reduced.to(value.device)
+
+
 def _reduce_reports(reports, key: str = "lm loss"):
     """Sum the [loss_sum, num_tokens] reports of this rank's microbatches ([0, 0] on a
     pipeline stage that computes no loss)."""
@@ -144,7 +151,8 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
         # Saved and loaded with the optimizer state (checkpointing.py reads this attribute).
         optimizer.grad_scaler = _build_grad_scaler(args)
         n_params = _model_parameter_count(built)
-        strategy = "DDP" if (not built.use_mfsdp and args.data_parallel_size > 1) else ("single rank" if not built.use_mfsdp else
+        replicas = args.data_parallel_size * args.context_parallel_size  # DDP averages over DP x CP
+        strategy = "DDP" if (not built.use_mfsdp and replicas > 1) else ("single rank" if not built.use_mfsdp else
                    f"MFSDP {args.data_parallel_sharding_strategy}" + (
                        f", {args.dp_outer_size} instances ({'HFSDP' if args.outer_dp_sharding_strategy == 'optim' else 'HSDP'})"
                        if args.dp_outer_size > 1 else ""))
@@ -155,6 +163,8 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
             vp = args.virtual_pipeline_model_parallel_size or 1
             strategy += (f", pipeline parallel {args.pipeline_model_parallel_size}"
                          + (f" x {vp} virtual stages (interleaved 1F1B)" if vp > 1 else " (1F1B)"))
+        if args.context_parallel_size > 1:
+            strategy += f", context parallel {args.context_parallel_size} ({' '.join(args.cp_comm_type)})"
         print_rank_0(
             f"> model: {n_params:,} parameters ({n_params / 1e6:.2f}M), {strategy}, world size {_world()}, "
             f"device {device.type}, {args.num_microbatches} microbatch(es) of {args.micro_batch_size} per rank per step"
@@ -196,7 +206,8 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
                            start_time=_earliest(start_time, device))
         train_iter = None
         if train_ds is not None and iteration < args.train_iters:
-            # Every TP rank of a data-parallel rank reads the same samples.
+            # Every TP, PP and CP rank of a data-parallel rank reads the same samples; each
+            # CP rank keeps its tokens of them.
             loader = build_pretraining_data_loader(
                 train_ds, consumed, args.micro_batch_size, parallel.dp_rank, parallel.dp_size, args.num_workers,
                 pin_memory=device.type == "cuda",
@@ -205,7 +216,7 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
             # stream of the training steps, so that a resumed run (RNG from the checkpoint)
             # continues exactly like an uninterrupted one.
             with torch.random.fork_rng(devices=[]):
-                train_iter = DeviceIterator(loader, device)
+                train_iter = DeviceIterator(loader, device, parallel.cp_size, parallel.cp_rank)
         trainer.valid_ds, trainer.test_ds = valid_ds, test_ds
         trainer.tokenizer = tokenizer
 
@@ -241,6 +252,8 @@ def _initialize_parallel_state(args, device):
     return parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.dp_outer_size, device.type,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size if args.num_experts else None)
 
@@ -361,6 +374,7 @@ class _Trainer:
         output_tensor, loss_func = self.forward_step_func(data_iterator, model)
         per_token = self.args.calculate_per_token_loss
         scale = self.grad_scaler.scale if self.grad_scaler is not None else None
+        parallel = parallel_state.get_parallel_state()
 
         def scaled_loss_func(output):
             result = loss_func(output)
@@ -368,7 +382,13 @@ class _Trainer:
                 # Megatron's default: each microbatch's mean loss, averaged over microbatches
                 # (the schedule divides 2-tuples by their number) and data-parallel ranks.
                 loss_sum, num_tokens, report = result
-                result = (loss_sum / torch.clamp(torch.as_tensor(num_tokens, device=loss_sum.device), min=1), report)
+                num_tokens = torch.as_tensor(num_tokens, device=loss_sum.device)
+                if parallel.cp_size > 1:
+                    # The microbatch's mean is over all its CP pieces' tokens; the engine
+                    # averages gradients over dp x cp, so x cp turns that into a sum over CP.
+                    num_tokens = _sum_over(num_tokens.detach().float(), parallel.cp_group, self.device)
+                    loss_sum = loss_sum * parallel.cp_size
+                result = (loss_sum / torch.clamp(num_tokens, min=1), report)
             if scale is not None:
                 result = (result[0] * scale,) + tuple(result[1:])
             return result
@@ -386,7 +406,7 @@ class _Trainer:
             reports = self.forward_backward(
                 self._forward_step, data_iterator, self.built.model, args.num_microbatches,
                 context=self.built.context, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                timers=timers, dp_group=parallel_state.get_parallel_state().dp_group,
+                timers=timers, dp_group=parallel_state.get_parallel_state().dp_cp_group,
             )
             finalize_model_grads(args, self.built)
         # Under pipeline parallelism only the last stage reports: the sum over every rank
@@ -611,7 +631,7 @@ class _Trainer:
             dataset, 0, args.micro_batch_size, parallel.dp_rank, parallel.dp_size, 0,
             pin_memory=self.device.type == "cuda",
         )
-        data_iter = DeviceIterator(loader, self.device)
+        data_iter = DeviceIterator(loader, self.device, parallel.cp_size, parallel.cp_rank)
         model = self.built.model
         self.built.unwrapped.eval()
         total = None

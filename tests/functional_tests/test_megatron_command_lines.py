@@ -94,7 +94,9 @@ def test_upstream_example_names_the_unsupported_flag(tmp_path):
     argv = command_line("gpt3_mcore_tp1_pp2_fp16", tmp_path)
     with pytest.raises(ValueError, match=r"pass only one of --step-batch-size-schedule and --global-batch-size"):
         parse_args(argv + ["--step-batch-size-schedule", "0:16 2.4B:320"], world_size=2, cuda_available=False)
-    with pytest.raises(ValueError, match=r"--context-parallel-size 2 is not supported yet"):
+    # Its PP=2 at CP=2 needs 4 ranks.
+    with pytest.raises(ValueError, match=r"x --context-parallel-size \(2\) must divide the world size \(2\); launch a "
+                                         r"multiple of 4 ranks"):
         parse_args(argv + ["--context-parallel-size", "2"], world_size=2, cuda_available=False)
 
 

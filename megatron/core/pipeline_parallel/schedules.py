@@ -8,6 +8,9 @@ all-reduces the count over the data-parallel group; then every microbatch's loss
 scaled by ``dp_size / global_token_count`` before backward. The ``dp_size`` factor undoes
 the averaging over data-parallel ranks that DDP and the MFSDP engine apply to gradients.
 So 4 microbatches of 2 give the same gradient as 1 of 8, and so do 2 ranks x 4.
+Under context parallelism the trainer passes the data- and context-parallel ranks as
+``dp_group``: each CP rank counts and sums its own tokens, the engine averages over
+dp x cp, so the factor is ``dp_size * cp_size / global_token_count``.
 
 Pipelined schedules (``pipeline_order`` says which step a rank runs when): every stage
 reads the same microbatches as the others of its data-parallel rank, so every stage
@@ -290,7 +293,9 @@ def _forward_backward_pipelined(
         if seq_length is None or micro_batch_size is None:
             raise ValueError("pipelined schedules need seq_length and micro_batch_size (the shape of the hidden "
                              "states that stages exchange).")
-        sequence = seq_length // (config.tensor_model_parallel_size if config.sequence_parallel else 1)
+        # The CP split comes first (each rank's 2 chunks), then SP cuts the local sequence over TP.
+        sequence = seq_length // getattr(config, "context_parallel_size", 1)
+        sequence //= config.tensor_model_parallel_size if config.sequence_parallel else 1
         p2p = PipelineP2P(state.pp_group, state.pp_grad_group, (micro_batch_size, sequence, config.hidden_size),
                           config.params_dtype, _comm_device(state.pp_group))
     if isinstance(data_iterator, (list, tuple)):

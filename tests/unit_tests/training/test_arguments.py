@@ -169,8 +169,6 @@ def test_parallel_sizes_mapped_and_rejected_flags():
         assert config.gradient_accumulation_fusion is fused
         linears = [m for m in GPTModel(config, 128, 32).modules() if isinstance(m, Linear)]
         assert linears and all(m.gradient_accumulation_fusion is fused for m in linears)
-    with pytest.raises(ValueError, match="--context-parallel-size 2 is not supported yet"):
-        parse("--context-parallel-size 2")
     with pytest.raises(ValueError, match="--expert-model-parallel-size 2 needs a mixture of experts; add --num-experts"):
         parse("--expert-model-parallel-size 2")
     # Experts under TP: each expert split like the dense MLP (Megatron's default expert TP size).
@@ -265,7 +263,6 @@ TP_ERRORS = {
                   r"must divide the data-parallel size \(2 = world size 4 / tensor-parallel size 2\)"),
     "pipeline": ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 2,
                  r"--tensor-model-parallel-size \(2\) x --pipeline-model-parallel-size \(2\) must divide the world size"),
-    "context": ("--context-parallel-size 2", 2, "--context-parallel-size 2 is not supported yet"),
 }
 
 

@@ -40,3 +40,35 @@ def test_device_iterator_reports_exhaustion_clearly():
     assert batches[1]["tokens"].tolist() == [[2, 2, 2], [3, 3, 3]]
     with pytest.raises(RuntimeError, match="ran out of samples"):
         next(it)
+
+
+class _Sequences(torch.utils.data.Dataset):
+    """Sample i: tokens i*100 + position over 8 positions (labels +1), no position ids."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        tokens = torch.arange(8) + 100 * i
+        return {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(8), "index": i}
+
+
+def test_device_iterator_keeps_this_cp_ranks_tokens_and_their_global_positions():
+    loader = build_pretraining_data_loader(_Sequences(), 0, 2, 0, 1, 0)
+    # CP = 2: chunks of 2 tokens; rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2.
+    for cp_rank, positions in ((0, [0, 1, 6, 7]), (1, [2, 3, 4, 5])):
+        batch = next(DeviceIterator(loader, torch.device("cpu"), cp_size=2, cp_rank=cp_rank))
+        assert batch["position_ids"].tolist() == [positions, positions]
+        assert batch["tokens"].tolist() == [positions, [100 + p for p in positions]]
+        assert batch["labels"].tolist() == [[p + 1 for p in positions], [101 + p for p in positions]]
+        assert batch["loss_mask"].shape == (2, 4) and batch["index"].tolist() == [0, 1]  # other entries kept
+
+
+def test_cp_split_refuses_an_attention_mask():
+    from megatron.training.data import split_batch_for_context_parallel
+
+    batch = {"tokens": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.ones(1, 1, 8, 8, dtype=torch.bool)}
+    with pytest.raises(ValueError, match="the batch's attention_mask cannot be split: drop it, or use "
+                                         "--context-parallel-size 1"):
+        split_batch_for_context_parallel(batch, 2, 0)
+    assert split_batch_for_context_parallel(batch, 1, 0) is batch  # CP = 1: untouched

@@ -464,6 +464,8 @@ def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
               *RECOMPUTE])
     with pytest.raises(SystemExit, match="--pipeline-model-parallel-size > 1 are not supported yet"):
         main(["--world-size", "4", *small, "--pipeline-model-parallel-size", "2"])
+    with pytest.raises(SystemExit, match="--context-parallel-size > 1 are not supported yet"):
+        main(["--world-size", "4", *small, "--context-parallel-size", "2"])
     # TP/EP plans need a fake world of their own (tool_units runs them in a fresh process).
     with pytest.raises(SystemExit, match="not under torchrun"):
         main(["--world-size", "4", *small, "--tensor-model-parallel-size", "2"])
