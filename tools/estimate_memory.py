@@ -19,10 +19,18 @@ losses); MoE with TP and full recompute is refused. The model provider takes
 real process groups of those sizes (and the trainer's checks on them); here they come
 from torch's in-process "fake" backend (a world of --world-size ranks whose collectives
 do nothing), so no other process is started.
+
+With ``--pipeline-model-parallel-size`` P each stage gets its own table: its chunks'
+units (the stage's layers, the first stage's embedding, the last stage's output layer,
+a tied embedding's copy on both), laid out over world / (TP x P) ranks, and the
+activations of the microbatches its schedule holds at once: ``min(P - stage, m)`` under
+1F1B, ``min(2 (P - stage - 1) + (v - 1) g + 1, v m)`` chunk-microbatches of one chunk's
+layers under the interleaved schedule (g: the microbatch group size).
 """
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 
@@ -42,24 +50,31 @@ def planned_units(model):
     from megatron.core.tensor_parallel import tensor_parallel_parameters
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from megatron.training.model_builder import tied_embedding_module
+
     modules, experts = [], []
     for layer in model.decoder.layers:
         if isinstance(getattr(layer, "mlp", None), MoELayer):
             modules.append(layer.mlp.experts)
             experts.append(layer.mlp.experts)
         modules.append(layer)
+    pipeline_chunk = not (getattr(model, "pre_process", True) and getattr(model, "post_process", True))
+    tied = tied_embedding_module(model) if pipeline_chunk else None
+    if tied is not None:  # its own unit on the first and last stage (model_builder.build_model)
+        modules.append(tied)
     return units_of(model, modules + [model], expert_modules=experts, tp_split=tensor_parallel_parameters(model))
 
 
 def needs_process_groups(args) -> bool:
     ep = args.expert_model_parallel_size if args.num_experts else 1
-    return args.tensor_model_parallel_size > 1 or ep > 1
+    return args.tensor_model_parallel_size > 1 or ep > 1 or args.pipeline_model_parallel_size > 1
 
 
 @contextlib.contextmanager
-def planning_world(args, world_size: int):
-    """Rank 0 of a ``world_size``-rank fake world with the trainer's parallel state, when
-    the model needs process groups (TP or EP > 1); nothing otherwise."""
+def planning_world(args, world_size: int, stage: int = 0):
+    """The first rank of pipeline stage ``stage`` in a ``world_size``-rank fake world with
+    the trainer's parallel state, when the model needs process groups (TP, EP or PP > 1);
+    nothing otherwise."""
     if not needs_process_groups(args):
         yield
         return
@@ -68,25 +83,48 @@ def planning_world(args, world_size: int):
 
     from megatron.core import parallel_state
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    rank = stage * (world_size // args.pipeline_model_parallel_size)  # PP is the outermost axis
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.dp_outer_size)
+        parallel_state.initialize_model_parallel(
+            args.tensor_model_parallel_size, args.dp_outer_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size if args.num_experts else None)
         yield
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def model_units(args, world_size: int):
-    """(units of one rank's model as the trainer would build it, ActivationShape, MoEShape
-    or None), without memory."""
+def model_units(args, world_size: int, stage: int = 0):
+    """(units of one rank's model (of pipeline stage ``stage``) as the trainer would build
+    it, ActivationShape of one of its chunks' microbatch, MoEShape or None), without memory."""
+    from megatron.training.model_builder import pipeline_chunk_kwargs
     from megatron.training.training import build_tokenizer_from_args
     from pretrain_gpt import model_provider
 
     build_tokenizer_from_args(args)
-    with planning_world(args, world_size), torch.device("meta"):
-        model = model_provider(args)
-    return (planned_units(model),) + shapes_of(args, model)
+    with planning_world(args, world_size, stage), torch.device("meta"):
+        chunks = [model_provider(args, **kwargs) for kwargs in pipeline_chunk_kwargs(args)]
+    units = [u for chunk in chunks for u in planned_units(chunk)]
+    shape, moe = shapes_of(args, chunks[0])
+    if args.pipeline_model_parallel_size > 1:
+        # One chunk's layers per microbatch in flight; the logits only where the loss is.
+        last = any(chunk.post_process for chunk in chunks)
+        shape = dataclasses.replace(shape, num_layers=max(len(chunk.decoder.layers) for chunk in chunks),
+                                    vocab_size=shape.vocab_size if last else 0)
+    return units, shape, moe
+
+
+def activations_in_flight(args, stage: int) -> int:
+    """Microbatches (of one chunk) whose activations a pipeline stage holds at once."""
+    p, m = args.pipeline_model_parallel_size, args.num_microbatches
+    v = args.virtual_pipeline_model_parallel_size or 1
+    if v == 1:
+        return min(p - stage, m)
+    group = args.microbatch_group_size_per_virtual_pipeline_stage or p
+    return min(2 * (p - stage - 1) + (v - 1) * group + 1, v * m)
 
 
 def shapes_of(args, model):
@@ -123,13 +161,15 @@ def shapes_of(args, model):
     return shape, moe
 
 
-def estimate(args, world_size: int, outer_size: int):
+def estimate(args, world_size: int, outer_size: int, stage: int = 0):
     """Plans of every strategy that fits ``world_size`` ranks, each over the data-parallel
-    size world / TP (hybrids need outer_size | that, and with experts EP | the instance's size)."""
+    size world / (TP x PP) (hybrids need outer_size | that, and with experts EP | the
+    instance's size), for pipeline stage ``stage``."""
     from megatron.core.distributed.mfsdp_v2.estimate import STRATEGIES, plan
 
-    units, shape, moe = model_units(args, world_size)
-    dp = world_size // args.tensor_model_parallel_size
+    units, shape, moe = model_units(args, world_size, stage)
+    dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    in_flight = activations_in_flight(args, stage) if args.pipeline_model_parallel_size > 1 else 1
     compute = 2 if args.bf16 else 4
     grads = _BYTES[args.main_grads_dtype] if args.main_grads_dtype is not None else compute
     comm = _BYTES[args.grad_comm_dtype] if args.grad_comm_dtype is not None else grads
@@ -145,7 +185,7 @@ def estimate(args, world_size: int, outer_size: int):
         candidates = [
             plan(units, strategy, dp, outer_size=outer_size if hybrid else 1,
                  microbatches=args.num_microbatches, compute_bytes=compute, grad_bytes=grads, comm_bytes=comm,
-                 rank=r, activations=shape, moe=moe)
+                 rank=r, activations=shape, moe=moe, activations_in_flight=in_flight)
             for r in ranks
         ]
         plans.append(max(candidates, key=lambda p: p.persistent_total))
@@ -174,12 +214,11 @@ def main(argv=None):
         raise SystemExit("estimate_memory.py: error: plans of a mixture of experts with "
                          "--tensor-model-parallel-size > 1 and full recompute are not supported yet; "
                          "plan it without --recompute-granularity full.")
-    if args.pipeline_model_parallel_size > 1:
-        # A stage's weights and its 1F1B activations in flight are not modelled yet; a plan of
-        # the whole model over world / TP ranks would be wrong for every stage.
-        raise SystemExit("estimate_memory.py: error: plans with --pipeline-model-parallel-size > 1 are not "
-                         "supported yet; plan the model at --pipeline-model-parallel-size 1 (an upper bound on "
-                         "each stage's weights at the same data-parallel size).")
+    if args.pipeline_model_parallel_size > 1 and (args.num_experts or args.recompute_granularity == "full"):
+        # Which stage holds which MoE layers' traffic, and full recompute's chunks per
+        # stage, are not modelled yet.
+        raise SystemExit("estimate_memory.py: error: pipeline plans of a mixture of experts or with full recompute "
+                         "are not supported yet; plan at --pipeline-model-parallel-size 1, or without them.")
     if getattr(args, "context_parallel_size", 1) > 1:
         # A CP rank's activations are its S / CP tokens' and the engine shards over DP x CP
         # ranks: neither is modelled yet.
@@ -190,6 +229,8 @@ def main(argv=None):
         raise SystemExit("estimate_memory.py: error: plans with TP or EP > 1 build the model in a fake world; "
                          "run the tool as a plain process (not under torchrun).")
     outer = known.outer_size or (args.num_distributed_optimizer_instances if args.dp_outer_size > 1 else 2)
+    if args.pipeline_model_parallel_size > 1:
+        return _main_per_stage(args, known.world_size, outer)
     units, plans = estimate(args, known.world_size, outer)
     n = sum(u.numel for u in units)
     tp, ep = args.tensor_model_parallel_size, (args.expert_model_parallel_size if args.num_experts else 1)
@@ -208,6 +249,30 @@ def main(argv=None):
             print("all_to_all: dropless routing, the value for uniform routing (what a rank receives varies)")
     print(format_plans(plans))
     return plans
+
+
+def _main_per_stage(args, world_size: int, outer: int):
+    """One table per pipeline stage; returns {stage: plans}."""
+    from megatron.core.distributed.mfsdp_v2.estimate import format_plans
+    from megatron.training.pipeline_arguments import pipeline_layout_from_args
+
+    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    vp = args.virtual_pipeline_model_parallel_size or 1
+    layout = pipeline_layout_from_args(args)
+    print(f"world size {world_size} = PP {pp} x TP {tp} x DP {world_size // (pp * tp)}; "
+          f"{'1F1B' if vp == 1 else f'interleaved, {vp} virtual stages'}; {args.num_microbatches} microbatch(es) of "
+          f"{args.micro_batch_size} x {args.seq_length} per pipeline per step; HSDP/HFSDP with {outer} replicas")
+    print("MiB per rank; act = the saved activations of the microbatches the stage holds at once, "
+          "_rc = with full recompute")
+    out = {}
+    for stage in range(pp):
+        units, plans = estimate(args, world_size, outer, stage)
+        layers = ", ".join(f"{c[0]}-{c[-1]}" if c else "none" for c in (layout.layers_of(stage, v) for v in range(vp)))
+        print(f"\nstage {stage}: layers {layers}; {sum(u.numel for u in units):,} parameters per TP rank in "
+              f"{len(units)} units; {activations_in_flight(args, stage)} microbatch(es) of one chunk in flight")
+        print(format_plans(plans))
+        out[stage] = plans
+    return out
 
 
 if __name__ == "__main__":

@@ -118,7 +118,8 @@ def units_of(model: nn.Module, unit_modules: Sequence[nn.Module], expert_modules
 def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_size: int = 1,
          microbatches: int = 1, compute_bytes: int = 4, main_bytes: int = 4, grad_bytes: Optional[int] = None,
          comm_bytes: Optional[int] = None, rank: int = 0,
-         activations: Optional[ActivationShape] = None, moe: Optional[MoEShape] = None) -> Plan:
+         activations: Optional[ActivationShape] = None, moe: Optional[MoEShape] = None,
+         activations_in_flight: int = 1) -> Plan:
     """The plan of ``strategy`` at ``world_size`` data-parallel ranks (``outer_size``
     replicas for HSDP/HFSDP).
 
@@ -128,7 +129,8 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
     a rank's own rows, and HFSDP's outer shards differ between ranks. ``activations``
     (with its TP size) adds the activation estimate and the TP collectives; ``moe`` (with
     ``activations``) the all-to-all bytes, and lays the expert units out over
-    ``world_size / moe.ep_size`` ranks."""
+    ``world_size / moe.ep_size`` ranks. ``activations_in_flight``: how many microbatches'
+    activations a rank holds at once (a pipeline stage's schedule; 1 without pipelining)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
     hybrid = strategy in ("hsdp", "hfsdp")
@@ -223,8 +225,8 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
         # One reduction in flight plus the unit whose reduction is being filled.
         transient["reduce_buffers"] = sum(sorted(reduce_inputs, reverse=True)[:2])
     if activations is not None:
-        transient["activations"] = activation_bytes(activations, moe=moe)
-        transient["activations_full_recompute"] = activation_bytes(activations, "full", moe)
+        transient["activations"] = activations_in_flight * activation_bytes(activations, moe=moe)
+        transient["activations_full_recompute"] = activations_in_flight * activation_bytes(activations, "full", moe)
         for kind, nbytes in tensor_parallel_bytes(activations, mb, tp_replicated_grads, moe).items():
             send(kind, nbytes)
         if moe is not None:

@@ -462,10 +462,63 @@ def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
     with pytest.raises(SystemExit, match="tensor-model-parallel-size > 1 and full recompute"):
         main(["--world-size", "4", *small, "--use-mfsdp", "--num-experts", "4", "--tensor-model-parallel-size", "2",
               *RECOMPUTE])
-    with pytest.raises(SystemExit, match="--pipeline-model-parallel-size > 1 are not supported yet"):
-        main(["--world-size", "4", *small, "--pipeline-model-parallel-size", "2"])
+    with pytest.raises(SystemExit, match="pipeline plans of a mixture of experts or with full recompute"):
+        main(["--world-size", "4", *small, "--pipeline-model-parallel-size", "2", *RECOMPUTE])
     with pytest.raises(SystemExit, match="--context-parallel-size > 1 are not supported yet"):
         main(["--world-size", "4", *small, "--context-parallel-size", "2"])
     # TP/EP plans need a fake world of their own (tool_units runs them in a fresh process).
     with pytest.raises(SystemExit, match="not under torchrun"):
         main(["--world-size", "4", *small, "--tensor-model-parallel-size", "2"])
+
+
+@pytest.mark.skipif(dist.get_world_size() < 2, reason="a pipeline needs two ranks or more")
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])  # tied (a copy on both stages) and untied embeddings
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_planner_matches_engine_per_pipeline_stage(strategy, arch):
+    """Each stage's plan (its chunks' units, the tied embedding's copy a unit of its own)
+    has the persistent bytes the engine holds on that stage at PP=2."""
+    from megatron.core import parallel_state
+    from pretrain_gpt import model_provider
+
+    args = trainer_args(arch, "--use-mfsdp", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                        "--hidden-size", "48", "--ffn-hidden-size", "80", *FLAGS[strategy])
+    state = parallel_state.initialize_model_parallel(1, 1, pipeline_model_parallel_size=2)
+    try:
+        built = build_model(model_provider, args, torch.device("cpu"))
+        units = [u for chunk in built.chunks for u in planned_units(chunk)]
+        predicted = plan(units, strategy, state.dp_size, rank=state.dp_rank)
+    finally:
+        parallel_state.destroy_model_parallel()
+    assert len(units) == len(built.context.units)
+    measured = built.context.persistent_bytes()
+    for key in ("main_weight", "model_weight", "main_grad"):
+        assert predicted.persistent[key] == measured[key], (key, predicted.persistent, measured)
+
+
+def test_pipeline_plans_per_stage_hold_the_schedules_microbatches():
+    """tools/estimate_memory.py at PP=2 prints one table per stage; the first stage of 1F1B
+    holds 2 microbatches' activations, the last one 1 (and its logits)."""
+    from types import SimpleNamespace
+
+    from tools.estimate_memory import activations_in_flight
+
+    one_f_one_b = SimpleNamespace(pipeline_model_parallel_size=4, num_microbatches=8,
+                                  virtual_pipeline_model_parallel_size=None,
+                                  microbatch_group_size_per_virtual_pipeline_stage=None)
+    assert [activations_in_flight(one_f_one_b, s) for s in range(4)] == [4, 3, 2, 1]
+    interleaved = SimpleNamespace(pipeline_model_parallel_size=2, num_microbatches=4,
+                                  virtual_pipeline_model_parallel_size=2,
+                                  microbatch_group_size_per_virtual_pipeline_stage=None)
+    # 2 (p - stage - 1) + (v - 1) p + 1 chunk-microbatches: 5 and 3
+    assert [activations_in_flight(interleaved, s) for s in range(2)] == [5, 3]
+    if dist.get_rank() == 0:
+        flags = ["--world-size", "4", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+                 "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--lr", "1e-3", "--train-iters", "1",
+                 "--use-mfsdp", "--pipeline-model-parallel-size", "2"]
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC")}
+        run = subprocess.run([sys.executable, "tools/estimate_memory.py", *flags], env=env, cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "stage 0: layers 0-1;" in run.stdout and "stage 1: layers 2-3;" in run.stdout, run.stdout
+        assert "2 microbatch(es) of one chunk in flight" in run.stdout
