@@ -19,7 +19,7 @@ timeout 900 python -m pytest -q -p no:cacheprovider tests/unit_tests \
 for nproc in 2 4; do
     echo "=== distributed tests: gloo, $nproc ranks ==="
     # Rank 0 is shown on the console; every rank's full log lands in $logs/$nproc.
-    if ! timeout 1200 python -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+    if ! timeout 1800 python -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
         --log-dir "$logs/$nproc" --redirects 3 --tee 3 --local-ranks-filter 0 \
         -m pytest -q -p no:cacheprovider tests/unit_tests/distributed; then
         status=1
@@ -32,7 +32,7 @@ done
 
 if [ -d tests/functional_tests ] && ls tests/functional_tests/test_*.py >/dev/null 2>&1; then
     echo "=== functional tests ==="
-    timeout 1200 python -m pytest -q -p no:cacheprovider tests/functional_tests || status=1
+    timeout 1800 python -m pytest -q -p no:cacheprovider tests/functional_tests || status=1
 fi
 
 if [ "$status" -ne 0 ]; then
