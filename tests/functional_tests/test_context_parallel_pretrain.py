@@ -14,7 +14,7 @@ on one rank continues the curve.
 
 import pytest
 
-from test_pretrain_gpt import MODEL_ARGS, SAVE, run_layouts
+from test_pretrain_gpt import MODEL_ARGS, SAVE, assert_same_curve, run_layouts
 
 ITERS = 3
 BASE = list(MODEL_ARGS)
@@ -44,14 +44,7 @@ def runs(tmp_path_factory):
 
 
 def _same_curve(runs, name, first=1):
-    train, valid, _ = runs[name]
-    ref_train, ref_valid, _ = runs["ref"]
-    assert sorted(train) == list(range(first, ITERS + 1)), name
-    for it in range(first, ITERS + 1):
-        assert train[it]["lm_loss"] == pytest.approx(ref_train[it]["lm_loss"], rel=1e-5), (name, it)
-        assert train[it]["grad_norm"] == pytest.approx(ref_train[it]["grad_norm"], rel=1e-4), (name, it)
-        assert train[it]["consumed_samples"] == 8 * it
-    assert valid[ITERS]["lm_loss"] == pytest.approx(ref_valid[ITERS]["lm_loss"], rel=1e-5), name
+    assert_same_curve(runs, name, "ref", ITERS, first)
 
 
 @pytest.mark.parametrize("name", ["cp2-dp2-p2p", "cp4-all_gather-a2a+p2p", "cp2-tp2-sp-ddp", "cp2-pp2-a2a-per-token"])

@@ -14,7 +14,7 @@ continues the curve. Untied embeddings: interleaved PP=2 from an explicit layout
 
 import pytest
 
-from test_pretrain_gpt import MODEL_ARGS, SAVE, run_layouts
+from test_pretrain_gpt import MODEL_ARGS, SAVE, assert_same_curve, run_layouts
 
 ITERS = 4
 BASE = list(MODEL_ARGS)
@@ -51,14 +51,7 @@ def runs(tmp_path_factory):
 
 
 def _same_curve(runs, name, reference, first=1):
-    train, valid, _ = runs[name]
-    ref_train, ref_valid, _ = runs[reference]
-    assert sorted(train) == list(range(first, ITERS + 1)), name
-    for it in range(first, ITERS + 1):
-        assert train[it]["lm_loss"] == pytest.approx(ref_train[it]["lm_loss"], rel=1e-5), (name, it)
-        assert train[it]["grad_norm"] == pytest.approx(ref_train[it]["grad_norm"], rel=1e-4), (name, it)
-        assert train[it]["consumed_samples"] == 8 * it
-    assert valid[ITERS]["lm_loss"] == pytest.approx(ref_valid[ITERS]["lm_loss"], rel=1e-5), name
+    assert_same_curve(runs, name, reference, ITERS, first)
 
 
 @pytest.mark.parametrize("name", ["pp2-dp2-ep2", "pp2-vp2-tp2-sp", "pp2-hsdp-uneven"])

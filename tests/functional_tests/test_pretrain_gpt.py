@@ -79,6 +79,20 @@ def run_layouts(base_args, runs, tmp_path_factory):
     return out
 
 
+def assert_same_curve(runs, name, reference, iters, first=1):
+    """Run ``name`` of ``run_layouts`` gives ``reference``'s losses (rel 1e-5), grad norms
+    (rel 1e-4) and consumed samples (8 per iteration) from iteration ``first`` to ``iters``,
+    and its last validation loss."""
+    train, valid, _ = runs[name]
+    ref_train, ref_valid, _ = runs[reference]
+    assert sorted(train) == list(range(first, iters + 1)), name
+    for it in range(first, iters + 1):
+        assert train[it]["lm_loss"] == pytest.approx(ref_train[it]["lm_loss"], rel=1e-5), (name, it)
+        assert train[it]["grad_norm"] == pytest.approx(ref_train[it]["grad_norm"], rel=1e-4), (name, it)
+        assert train[it]["consumed_samples"] == 8 * it
+    assert valid[iters]["lm_loss"] == pytest.approx(ref_valid[iters]["lm_loss"], rel=1e-5), name
+
+
 def read_metrics(log_dir):
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
