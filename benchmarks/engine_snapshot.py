@@ -58,20 +58,14 @@ def load(rev: str) -> ModuleType:
 
 
 def _keep_row_shards_apart(row_shard: ModuleType) -> None:
-    """An engine from before ``row_shard_ops.py`` defines ``RowShard == `` any dim-0 shard.
+    """An engine from before ``RowShard.is_even`` defines ``RowShard == `` any dim-0 shard.
     Torch keys its process-wide DTensor caches on placement equality, so such a snapshot
     would find the working tree's cached answers (other row counts, other classes) and the
     tree's its. Its placements keep their own semantics but never equal another copy's.
-    A later engine has exact equality, and its classes are handed to the tree's operator
-    wrappers (only one copy can wrap torch's propagator)."""
-    if row_shard is None:
-        return
-    if hasattr(row_shard.RowShard, "is_even"):
-        # Exact equality already, and its own row_shard_ops found torch's propagator wrapped
-        # by the tree's copy: that wrapper must recognize this copy's classes too.
-        from megatron.core.distributed.mfsdp_v2.row_shard_ops import register_row_types
-
-        register_row_types(row_shard.RowShard, row_shard.NestedRowShard)
+    A later engine has exact equality already (one of them, from before
+    ``row_sharded_tensor.py``, wraps torch's propagator itself: that is the snapshot's own
+    code, run only in this benchmark process)."""
+    if row_shard is None or hasattr(row_shard.RowShard, "is_even"):
         return
     for cls in (row_shard.RowShard, row_shard.NestedRowShard):
         own_eq = cls.__eq__

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from cpu_time_ledger import CpuTimeLedger
 from megatron.core.models.gpt.model_stats import flops_per_token
 
 if TYPE_CHECKING:  # contenders.py imports this module
@@ -352,26 +353,36 @@ def hook_overhead(c, batch, steps: int) -> Optional[dict]:
 
 
 def engine_cpu_time(c, batch, steps: int) -> Optional[dict]:
-    """The engine's own CPU time without a profiler: ``steps`` untimed steps with the
-    engine's ``CpuTimeLedger`` on (mfsdp_v2/profiling.py), which adds up the training
+    """The engine's own CPU time without a profiler: ``steps`` untimed steps with a
+    ``CpuTimeLedger`` (cpu_time_ledger.py) observing the context's ranges, which adds up the training
     thread's CPU time inside the outermost engine ranges (the hooks, and the gradient
     stashing, launches and post-ops that run outside them) and inside the waits among them. Own CPU = the first minus the second:
     Python, launches (gloo's sends and receives run partly on this thread), copies,
     sums and divisions, but not the time the thread was blocked or descheduled, which the
     wall time of the same ranges (also given) includes. None for an engine without it."""
-    try:
-        profiling = importlib.import_module(c.engine.__name__ + ".profiling")
-    except ImportError:
-        return None
-    if not hasattr(profiling, "CpuTimeLedger"):
-        return None
-    ledger = profiling.CpuTimeLedger()
-    profiling.record_cpu_time(ledger)
-    try:
-        for _ in range(steps):
-            c.step(*batch)
-    finally:
-        profiling.record_cpu_time(None)
+    handle = getattr(c.ctx, "device_handle", None)
+    if handle is not None and hasattr(handle, "range_observer"):  # set on the measured context only
+        ledger = CpuTimeLedger()
+        handle.range_observer = ledger.measure
+        try:
+            for _ in range(steps):
+                c.step(*batch)
+        finally:
+            handle.range_observer = None
+    else:  # an engine revision with a process-wide ledger of its own
+        try:
+            profiling = importlib.import_module(c.engine.__name__ + ".profiling")
+        except ImportError:
+            return None
+        if not hasattr(profiling, "CpuTimeLedger"):
+            return None
+        ledger = profiling.CpuTimeLedger()
+        profiling.record_cpu_time(ledger)
+        try:
+            for _ in range(steps):
+                c.step(*batch)
+        finally:
+            profiling.record_cpu_time(None)
     units = len(c.ctx.units)
     own_cpu, own_wall = ledger.cpu_s - ledger.wait_cpu_s, ledger.wall_s - ledger.wait_wall_s
     return {

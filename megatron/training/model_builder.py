@@ -23,6 +23,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from megatron.core.transformer.initialization import initialize_parameters_
 
@@ -254,18 +255,17 @@ def parameters_on_meta():
     their real values: they are computed at construction, are small, and nothing else could
     recompute them after materialization. Each parameter exists on the CPU only between its
     ``torch.empty`` and its registration, untouched, so the build costs no real memory."""
-    original = torch.nn.Module.register_parameter
-
-    def register_on_meta(module, name, param):
+    def to_meta(module, name, param):
         if param is not None and not param.is_meta:
-            param = torch.nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
+            return torch.nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        return None  # keep it as it is
 
-    torch.nn.Module.register_parameter = register_on_meta
+    # torch's own extension point: a hook that may replace each parameter as it is registered.
+    handle = register_module_parameter_registration_hook(to_meta)
     try:
         yield
     finally:
-        torch.nn.Module.register_parameter = original
+        handle.remove()
 
 
 def _model_chunks(chunks):

@@ -1,16 +1,12 @@
-"""stream_checker.StreamChecker and device.SimulatedStreamsHandle on their own (no process
+"""testing.StreamChecker and testing.SimulatedStreamsHandle on their own (no process
 group): the happens-before rules and each kind of report, on hand-written stream programs."""
 
 import pytest
 import torch
 
 from megatron.core.distributed.mfsdp_v2 import fully_shard_context
-from megatron.core.distributed.mfsdp_v2.device import (
-    CpuDeviceHandle,
-    SimulatedStreamsHandle,
-    device_handle_for,
-)
-from megatron.core.distributed.mfsdp_v2.stream_checker import StreamChecker
+from megatron.core.distributed.mfsdp_v2.device import CpuDeviceHandle, device_handle_for
+from megatron.core.distributed.mfsdp_v2.testing import SimulatedStreamsHandle, StreamChecker
 
 
 def _kinds(checker):
@@ -102,7 +98,7 @@ def test_memory_freed_while_another_stream_reads_it(free, protect):
         if free == "last_reference":
             del buffer
         else:
-            buffer.untyped_storage().resize_(0)
+            handle.resize_storage(buffer.untyped_storage(), 0)  # as the engine frees (through its handle)
         fresh = torch.empty(16)
         fresh.fill_(3.0)  # the first write to memory the default pool handed out again
     if protect == "none":
@@ -118,15 +114,14 @@ def test_resized_storage_is_a_new_allocation_of_the_current_stream():
         handle = checker.handle
         gather = handle.new_stream("gather")
         unsharded = torch.zeros(8)
-        unsharded.untyped_storage().resize_(0)
+        handle.resize_storage(unsharded.untyped_storage(), 0)
         handle.stream_waits_for_current(gather)
         with handle.stream(gather):
-            unsharded.untyped_storage().resize_(32)
+            handle.resize_storage(unsharded.untyped_storage(), 32)
             unsharded.fill_(1.0)  # the all-gather's write
         unsharded.sum()  # no wait on the gather stream
         assert _kinds(checker) == [("read-after-write", "gather", "default")]
         assert "resize_" in checker.reports[0].storage
-    assert torch.UntypedStorage.resize_ is not None and "stream_checker" not in torch.UntypedStorage.resize_.__qualname__
 
 
 def test_views_share_their_storage():

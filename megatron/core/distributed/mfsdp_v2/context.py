@@ -18,7 +18,6 @@ import torch
 from .backward import BackwardCoordinator
 from .device import device_handle_for, resolve_device
 from .phase import Phase
-from .optimizer import watch_plain_optimizers
 from .work import CollectiveCounter
 
 _ACTIVE_CONTEXT: contextvars.ContextVar[Optional["FsdpContext"]] = contextvars.ContextVar(
@@ -181,7 +180,6 @@ def fully_shard_context(
         _ACTIVE_CONTEXT.reset(token)
     # Reached only on a clean exit: a scope left through an exception stays unfinalized.
     context._finalize()
-    watch_plain_optimizers(context)
 
 
 def current_fully_shard_context() -> Optional[FsdpContext]:

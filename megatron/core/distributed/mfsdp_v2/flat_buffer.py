@@ -114,14 +114,14 @@ def storage_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def free_storage(tensor: torch.Tensor) -> None:
+def free_storage(tensor: torch.Tensor, device) -> None:
     storage = tensor.untyped_storage()
     if storage.size() != 0:
-        storage.resize_(0)
+        device.resize_storage(storage, 0)
 
 
-def alloc_storage(tensor: torch.Tensor) -> None:
+def alloc_storage(tensor: torch.Tensor, device) -> None:
     storage = tensor.untyped_storage()
     needed = tensor.numel() * tensor.element_size() + tensor.storage_offset() * tensor.element_size()
     if storage.size() < needed:
-        storage.resize_(needed)
+        device.resize_storage(storage, needed)

@@ -33,6 +33,7 @@ import torch
 
 from . import work as comm
 from .flat_buffer import single_axis_steps
+from .phase import GradPhase, check_grad_transition
 from .profiling import cpu_range
 
 
@@ -40,7 +41,7 @@ class GradientReduction:
     """Reduction of one group's gradients into ``main_grad`` and ``reduced_grad``."""
 
     def _init_gradient_state(self) -> None:
-        S, n = self.layout.shard_numel, len(self.fsdp_parameters)
+        S = self.layout.shard_numel
         # Fixed per group, used on every step: computed once.
         self._padding_ranges = [
             (s * S + used, S - used)
@@ -48,12 +49,13 @@ class GradientReduction:
             if used < S
         ]
         self._num_trainable = sum(1 for p in self.fsdp_parameters if p.requires_grad)
-        # Parameters whose next reduction overwrites instead of accumulating.
-        self._overwrite = [False] * n
-        self._fresh = [False] * n
+        # The step's gradient lifecycle (phase.py); every change goes through _set_grad_phase.
+        self.grad_phase = GradPhase.IDLE
+        # Parameters whose next reduction overwrites instead of accumulating (their .grad was
+        # reset since it was exposed): set when a step's accumulation begins, taken once by
+        # the reduction that writes them (_take_overwrite).
+        self._overwrite: set = set()
         self._received = set()
-        self._grads_reduced = False  # a reduction reached reduced_grad since .grad was last set
-        self._reduced_in_backward = False  # this backward already reduced the group's gradients
         # Sharded gradients: each unsharded gradient is moved into the reduce-scatter input
         # as soon as autograd has accumulated it, so the unit never holds its gradients and
         # that input at the same time.
@@ -67,9 +69,21 @@ class GradientReduction:
         self._deferred: dict = {}
         self._grad_views = None
 
+    def _set_grad_phase(self, new: GradPhase) -> None:
+        check_grad_transition(self.fsdp_parameters[0].fqns[0], self.grad_phase, new)
+        self.grad_phase = new
+
+    def _reduced_in_backward(self) -> bool:
+        return self.grad_phase in (GradPhase.REDUCED, GradPhase.READY)
+
+    def _take_overwrite(self) -> set:
+        """The parameters the current reduction must overwrite; later ones accumulate."""
+        taken, self._overwrite = self._overwrite, set()
+        return taken
+
     def _make_grad_hook(self, p):
         def hook(param: torch.Tensor) -> None:
-            if self._reduced_in_backward:
+            if self._reduced_in_backward():
                 raise RuntimeError(
                     f"MFSDP v2: {p.fqns[0]} received a gradient after its unit had reduced this backward's "
                     "gradients: two autograd graphs use it (e.g. inside and outside a reentrant activation "
@@ -77,7 +91,7 @@ class GradientReduction:
                     "torch.utils.checkpoint(..., use_reentrant=False) there.")
             self._received.add(p.index)
             if self._stash_grads:
-                with cpu_range("MFSDP stash_grad"):
+                with cpu_range("MFSDP stash_grad", self.device):
                     self._stash_grad(p)
             self.on_grad_ready(self)
 
@@ -166,8 +180,12 @@ class GradientReduction:
             return []
         strategy = self.strategy
         self._received.clear()
-        self._reduced_in_backward = True
-        self._begin_accumulation()
+        if self.grad_phase is GradPhase.IDLE:
+            self._begin_accumulation()
+        # What the end of this backward exposes as .grad: the last microbatch's result, or
+        # every microbatch's where main_grad already has the optimizer's placement.
+        exposes = is_last_microbatch or strategy.gradient == strategy.optimizer
+        self._set_grad_phase(GradPhase.READY if exposes else GradPhase.REDUCED)
         works: List[comm.CollectiveWork] = []
         if strategy.grad_sharded:
             works.append(self._reduce_scatter_microbatch())
@@ -181,10 +199,6 @@ class GradientReduction:
         if is_last_microbatch:
             for axis, before, after in single_axis_steps(strategy.gradient, strategy.optimizer):
                 works.append(self._last_microbatch_step(axis, before, after, works[-1] if works else None))
-        if is_last_microbatch or strategy.gradient == strategy.optimizer:
-            self._grads_reduced = True
-        elif strategy.grad_sharded:
-            self._grads_reduced = False
         return works
 
     def _begin_accumulation(self) -> None:
@@ -193,11 +207,8 @@ class GradientReduction:
         (mixed precision) may have been changed in place (zero_grad(set_to_none=False),
         clipping), so its values become the base of the accumulation."""
         for p in self.fsdp_parameters:
-            if self._fresh[p.index]:
-                continue
-            self._fresh[p.index] = True
             if self._grad_was_reset(p):
-                self._overwrite[p.index] = True
+                self._overwrite.add(p.index)
             elif p.sharded_param.grad is not p.sharded_param.main_grad and p.sharded_param.grad is not None:
                 with torch.no_grad():
                     self._optim_view(self.reduced_grad, p).copy_(p.sharded_param.grad.to_local())
@@ -218,18 +229,18 @@ class GradientReduction:
         # HFSDP accumulates a local partial sum here and reduces it on the outer axis
         # later; every other strategy accumulates straight into the reduced gradient.
         direct = self.main_grad is self.reduced_grad
-        trainable = [p for p in self.fsdp_parameters if p.requires_grad]
-        if direct and comm_dtype == self.main_grad.dtype and all(self._overwrite[p.index] for p in trainable):
+        trainable = {p.index for p in self.fsdp_parameters if p.requires_grad}
+        overwrite = self._take_overwrite() if direct else set()
+        if direct and comm_dtype == self.main_grad.dtype and trainable <= overwrite:
             # Every slice starts fresh (the usual step after zero_grad()): reduce straight
             # into main_grad, with no extra buffer and no accumulate pass.
-            self._overwrite = [False] * len(self.fsdp_parameters)
             return local.redistribute(local.like(self.main_grad, self.strategy.gradient), ctx,
                                       ctx.reduce_scatter_stream, divisor=divisor)
         with self.device.stream(ctx.reduce_scatter_stream):
             out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=flat.device)
         return local.redistribute(
             local.like(out, self.strategy.gradient), ctx, ctx.reduce_scatter_stream,
-            post_ops=[self._accumulate_op(out, self.main_grad, overwrite=direct, scale=1 / divisor)],
+            post_ops=[self._accumulate_op(out, self.main_grad, overwrite, scale=1 / divisor)],
         )
 
     def _last_microbatch_step(self, axis: int, before: str, after: str,
@@ -261,7 +272,7 @@ class GradientReduction:
 
         return send.redistribute(
             send.like(out, after), ctx, stream, divisor=self.inner_size * self.grad_divisor,
-            post_ops=[self._accumulate_op(out, self.reduced_grad, overwrite=True), clear_local],
+            post_ops=[self._accumulate_op(out, self.reduced_grad, self._take_overwrite()), clear_local],
         )
 
     def _outer_reduce_scatter(self, before: str, after: str) -> comm.CollectiveWork:
@@ -281,16 +292,16 @@ class GradientReduction:
         send = self.flat(flat, before)
         return send.redistribute(
             send.like(out, after), self.resources, stream, divisor=self.outer_size,
-            post_ops=[self._accumulate_op(out, self.reduced_grad, overwrite=True), clear_partial],
+            post_ops=[self._accumulate_op(out, self.reduced_grad, self._take_overwrite()), clear_partial],
         )
 
     def discard_partial_backward(self) -> None:
         """Forget gradients of an aborted backward that were never reduced."""
         self._received.clear()
-        self._reduced_in_backward = False
         # A reduction of the aborted backward may have written main_grad: the next one
-        # looks at .grad again (zero_grad() since then makes it start over).
-        self._fresh = [False] * len(self.fsdp_parameters)
+        # looks at .grad again (zero_grad() since then makes it start over). From any phase.
+        self.grad_phase = GradPhase.IDLE
+        self._overwrite = set()
         self._reduce_input, self._stashed, self._slots_out, self._deferred = None, set(), {}, {}
         for p in self.fsdp_parameters:
             p.unsharded_param.grad = None
@@ -328,12 +339,15 @@ class GradientReduction:
             if not accumulate:
                 for offset, numel in self._padding_ranges:
                     flat.narrow(0, offset, numel).zero_()
+            # no_shard accumulates into its reduced gradient itself: this is the reduction
+            # that writes it, so it takes the parameters to restart from zero.
+            restart_from_zero = self._take_overwrite() if accumulate and self.reduced_grad is self.main_grad else set()
             for p in self.fsdp_parameters:
                 if p.index in skip:
                     continue
                 grad = p.unsharded_param.grad
                 pieces = self.layout.gathered_slices(flat, p.index)
-                restart = accumulate and self._overwrite[p.index] and self.reduced_grad is self.main_grad
+                restart = p.index in restart_from_zero
                 if grad is None or restart:
                     # no_shard restarts its reduced gradient (this very buffer) from zero.
                     for piece in pieces:
@@ -346,17 +360,11 @@ class GradientReduction:
                 else:
                     self.layout.copy_in(grad, flat, p.index)
                 p.unsharded_param.grad = None
-        if accumulate and self.reduced_grad is self.main_grad:
-            self._overwrite = [False] * len(self.fsdp_parameters)
 
-    def _accumulate_op(self, reduced: torch.Tensor, target: torch.Tensor, overwrite: bool, scale: float = 1.0):
-        """Post-op: add ``scale`` x a reduced shard into ``target``; with ``overwrite``, first
-        zero the slices of parameters whose gradient was reset (``target`` is then laid out
-        like main_weight)."""
-        zeroed = []
-        if overwrite:
-            zeroed = [p for p in self.fsdp_parameters if self._overwrite[p.index]]
-            self._overwrite = [False] * len(self.fsdp_parameters)
+    def _accumulate_op(self, reduced: torch.Tensor, target: torch.Tensor, overwrite: set, scale: float = 1.0):
+        """Post-op: add ``scale`` x a reduced shard into ``target``, first zeroing the slices
+        of the parameters in ``overwrite`` (``target`` is then laid out like main_weight)."""
+        zeroed = [p for p in self.fsdp_parameters if p.index in overwrite]
 
         def op() -> None:
             for p in zeroed:
@@ -367,11 +375,11 @@ class GradientReduction:
 
     def expose_grads(self) -> None:
         """Point each parameter's ``.grad`` at its reduced gradient (end of backward)."""
-        self._reduced_in_backward = False
-        if not self.requires_grad or not self._grads_reduced:
+        if self.grad_phase is GradPhase.REDUCED:
+            self._set_grad_phase(GradPhase.ACCUMULATING)
+        if self.grad_phase is not GradPhase.READY:
             return
-        self._grads_reduced = False
-        self._fresh = [False] * len(self.fsdp_parameters)
+        self._set_grad_phase(GradPhase.IDLE)
         main_dtype = self.precision.main_params
         if self._grad_views is None:  # reduced_grad is persistent: build its DTensor views once
             self._grad_views = [

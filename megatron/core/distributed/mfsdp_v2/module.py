@@ -130,6 +130,7 @@ class UnitState:
     def issue_unshard(self) -> None:
         """Start the all-gathers of this unit (no-op when already unsharded or in flight)."""
         for group in self.groups:
+            group.sync_if_main_weight_changed()  # main weights changed by other means than fully_shard_optimizer
             work = group.unshard()
             if work is not None:
                 self.pending_unshard.append(work)

@@ -3,19 +3,17 @@
 After every ``step()`` the compute weights must be refreshed from the updated main weights
 (a cast and, for ZeRO-1/2 and HFSDP, an all-gather). ``fully_shard_optimizer`` does it
 through the optimizer's own step hooks, as upstream does. An optimizer built over sharded
-parameters without it is caught by one global step hook per context, so its updates reach
-the model as well instead of being silently lost (mixed precision, ZeRO-1/2).
+parameters without it updates the model all the same: the next unshard sees the main
+weights' version counter moved and refreshes first (weight_sync.py).
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Iterable, List
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 def _find_groups(optimizer: torch.optim.Optimizer, context=None):
@@ -94,23 +92,6 @@ def fully_shard_optimizer(
     optimizer._mfsdp_context = found
     optimizer._mfsdp_groups = groups
     return optimizer
-
-
-def watch_plain_optimizers(context) -> None:
-    """Refresh the compute weights after any optimizer step that updated ``context``'s
-    parameters without ``fully_shard_optimizer`` (one global hook, removed with the context)."""
-    context_ref = weakref.ref(context)
-
-    def after_any_step(optimizer, args, kwargs):
-        ctx = context_ref()
-        if ctx is None or getattr(optimizer, "_mfsdp_context", None) is not None:
-            return
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        for group in _groups_in(params, ctx):
-            group.sync_model_weight_from_main_weight()
-
-    handle = register_optimizer_step_post_hook(after_any_step)
-    weakref.finalize(context, handle.remove)
 
 
 @torch.no_grad()

@@ -86,6 +86,7 @@ class ParameterGroup(ShardViews, GradientReduction, WeightSync):
             self._release_unsharded()
         self.is_unsharded = not strategy.param_sharded
         self._init_gradient_state()
+        self._note_weights_in_sync()
 
     def flat(self, data: torch.Tensor, codes: str) -> FlatBuffer:
         """``data`` as a flat buffer with placement ``codes`` on this group's axes."""
@@ -133,6 +134,7 @@ class ParameterGroup(ShardViews, GradientReduction, WeightSync):
         with torch.no_grad():
             for p in self.fsdp_parameters:
                 self._keep_own_rows(p, self._unsharded_tensor(p), unsharded=False)
+        self._note_weights_in_sync()
 
     # Unshard / reshard: parameter placement -> Replicate -------------------------------
     def unshard(self) -> Optional[comm.CollectiveWork]:
@@ -178,8 +180,8 @@ class ParameterGroup(ShardViews, GradientReduction, WeightSync):
 
     def _alloc_unsharded(self) -> None:
         for t in (self.unsharded, *self._own_unsharded.values()):
-            alloc_storage(t)
+            alloc_storage(t, self.device)
 
     def _release_unsharded(self) -> None:
         for t in (self.unsharded, *self._own_unsharded.values()):
-            free_storage(t)
+            free_storage(t, self.device)

@@ -34,3 +34,33 @@ def check_transition(unit: str, old: Phase, new: Phase) -> None:
             f"FSDP unit {unit!r}: invalid phase transition {old.name} -> {new.name}. "
             "This is an engine bug (or hooks were called by hand); please report it."
         )
+
+
+class GradPhase(enum.Enum):
+    """Where a parameter group's gradients are in a step (``ParameterGroup.grad_phase``)."""
+
+    IDLE = enum.auto()  # no accumulation begun: the next reduction starts the step's (reads .grad resets)
+    ACCUMULATING = enum.auto()  # earlier microbatches reduced into main_grad; .grad not exposed yet
+    REDUCED = enum.auto()  # this backward reduced a microbatch whose result stays internal
+    READY = enum.auto()  # this backward reduced what .grad shows at its end (the last microbatch)
+
+
+# (old, new) pairs of a group's gradients. Any phase may go back to IDLE when an aborted
+# backward is discarded (``discard_partial_backward``).
+ALLOWED_GRAD_TRANSITIONS = {
+    (GradPhase.IDLE, GradPhase.REDUCED),
+    (GradPhase.IDLE, GradPhase.READY),
+    (GradPhase.ACCUMULATING, GradPhase.REDUCED),
+    (GradPhase.ACCUMULATING, GradPhase.READY),
+    (GradPhase.REDUCED, GradPhase.ACCUMULATING),  # end of backward: nothing to expose
+    (GradPhase.READY, GradPhase.IDLE),  # end of backward: .grad exposed
+}
+
+
+def check_grad_transition(group: str, old: GradPhase, new: GradPhase) -> None:
+    """Raise unless ``old -> new`` is an allowed transition of the gradients of ``group``."""
+    if (old, new) not in ALLOWED_GRAD_TRANSITIONS:
+        raise RuntimeError(
+            f"FSDP parameter group {group!r}: invalid gradient transition {old.name} -> {new.name}. "
+            "This is an engine bug (or hooks were called by hand); please report it."
+        )

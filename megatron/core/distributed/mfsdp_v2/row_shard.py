@@ -7,9 +7,9 @@ plain ``Shard(0)`` implies, and DTensor would gather, scatter and offset them wr
 
 ``RowShard(rows)`` is a ``Shard(0)`` whose collectives use the true row counts:
 ``full_tensor()``, ``redistribute()`` to and from ``Replicate``/``Partial``, and the local
-shape and global offset that ``torch.distributed.checkpoint`` reads. DTensor operators on
-it (row_shard_ops.py) see a plain ``Shard(0)``; their results keep the row counts or
-raise, so optimizer state is honest too.
+shape and global offset that ``torch.distributed.checkpoint`` reads. Operators on a DTensor
+with uneven rows are guarded by its class, ``RowShardedTensor`` (row_sharded_tensor.py):
+their results keep the row counts or raise, so optimizer state is honest too.
 
 ``NestedRowShard`` marks the outer axis of HFSDP's optimizer shards, which split an inner
 row shard once more: DTensor's left-to-right shard order cannot describe that nesting, so
@@ -35,13 +35,10 @@ class RowShard(Shard):
         total, n = sum(self.rows), len(self.rows)
         self._even = all(Shard(0).local_shard_size_and_offset(total, n, r)[0] == rows for r, rows in enumerate(self.rows))
 
-    # ``==`` tells layouts apart: every cache torch keeps (sharding propagation, in C++
-    # and Python, and the redistribution plans) is keyed on it, so a RowShard must never
-    # find an entry made for other rows. It equals a plain Shard(0) (not a subclass) only
-    # where its rows are torch's even split (then both mean the same). ``!=`` answers torch's *kind* check
-    # instead (``placement != Shard(dim)`` when it validates a spec's shard order), which
-    # a RowShard passes as the dim-0 shard it is. Operators see a plain Shard(0) and their
-    # results get the rows back (row_shard_ops.py).
+    # ``==`` tells layouts apart: torch keys its caches (redistribution plans, sharding
+    # propagation) on placement equality, so a RowShard must never find an entry made for
+    # other rows. It equals a plain Shard(0) (not a subclass) only where its rows are
+    # torch's even split, where both mean the same. ``!=`` is ``not ==``.
     def _key(self):
         return (type(self), self.rows, getattr(self, "offset", 0))
 
@@ -51,7 +48,7 @@ class RowShard(Shard):
         return self._even and type(other) is Shard and other.dim == 0
 
     def __ne__(self, other: object) -> bool:
-        return not (isinstance(other, Shard) and other.dim == 0)
+        return not self.__eq__(other)
 
     def __hash__(self) -> int:
         return hash(Shard(0)) if self._even else hash(self._key())

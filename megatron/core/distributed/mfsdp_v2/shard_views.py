@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import row_shard_ops  # noqa: F401  (operators on these DTensors: honest results or errors)
 from .row_shard import NestedRowShard, RowShard
+from .row_sharded_tensor import make_dtensor
 
 
 class ShardViews:
@@ -76,9 +76,7 @@ class ShardViews:
         return self.unsharded.narrow(0, start, self.layout.numels[p.index]).view(p.shape)
 
     def _dtensor(self, local: torch.Tensor, p, placements) -> DTensor:
-        return DTensor.from_local(
-            local, self.mesh, placements, run_check=False, shape=p.shape, stride=p.stride
-        )
+        return make_dtensor(local, self.mesh, placements, p.shape, p.stride)
 
     def _optimizer_placements(self, p):
         """Placements that describe ``p``'s optimizer shard truthfully (see row_shard.py)."""

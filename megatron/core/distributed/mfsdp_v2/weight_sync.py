@@ -23,7 +23,27 @@ from .flat_buffer import single_axis_steps
 
 
 class WeightSync:
-    """Refresh the compute weights from ``main_weight`` after the optimizer step."""
+    """Refresh the compute weights from ``main_weight`` after the optimizer step.
+
+    ``fully_shard_optimizer`` refreshes them right after each step. Any other in-place
+    update of the parameters (a torch optimizer used without it, a manual ``p.mul_()``
+    under ``no_grad``) bumps their version counters: the next unshard sees that and
+    refreshes first (``sync_if_main_weight_changed``). No process-wide hook is needed.
+    The counters move alike on every rank (every rank steps every parameter; a rank
+    without rows of one steps its empty view), so the refresh, a collective for
+    ZeRO-1/2 and HFSDP, happens on all ranks or none. Writes into the local tensors
+    (``p.to_local().copy_()``, a checkpoint load) do not count: whoever writes there
+    refreshes (``load_checkpoint`` does)."""
+
+    def _weights_version(self) -> int:
+        return sum(p.sharded_param._version for p in self.fsdp_parameters)
+
+    def _note_weights_in_sync(self) -> None:
+        self._synced_version = self._weights_version()
+
+    def sync_if_main_weight_changed(self) -> None:
+        if self._weights_version() != self._synced_version:
+            self.sync_model_weight_from_main_weight()
 
     def sync_model_weight_from_main_weight(self) -> None:
         """Refresh the compute weights from main_weight now (upstream's name; waits)."""
@@ -34,6 +54,7 @@ class WeightSync:
         """After the optimizer updated main_weight: refresh the compute weights (an
         all-gather where the optimizer placement is Shard and the parameter's Replicate)."""
         source, target = self.strategy.optimizer, self.strategy.parameter
+        self._note_weights_in_sync()  # the values read below are those of this version
         with torch.no_grad():
             if source == target:  # same rows: a local copy where the buffers differ
                 if self.model_weight is not None and self.model_weight is not self.main_weight:

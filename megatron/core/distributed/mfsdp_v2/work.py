@@ -128,10 +128,10 @@ class CollectiveWork:
         try:
             # Profiler ranges: the host blocked on the backend, then the post-ops' tensor work.
             if self._work is not None:
-                with cpu_range(_RANGES[self.kind]["wait"]):
+                with cpu_range(_RANGES[self.kind]["wait"], self._device):
                     self._work.wait()
             if self._post_ops:
-                with cpu_range(_RANGES[self.kind]["post_ops"]):
+                with cpu_range(_RANGES[self.kind]["post_ops"], self._device):
                     self._run_post_ops()
         except BaseException as error:  # remembered so a second wait() fails the same way
             self._error = error
@@ -181,7 +181,7 @@ def _launch(device: DeviceHandle, stream, kind: str, fn):
     (inside a profiler range ``MFSDP launch <kind>``: one per collective, whatever the
     backend's calls)."""
     follow_current_stream(device, stream)
-    with device.stream(stream), cpu_range(_RANGES[kind]["launch"]):
+    with device.stream(stream), cpu_range(_RANGES[kind]["launch"], device):
         return fn()
 
 

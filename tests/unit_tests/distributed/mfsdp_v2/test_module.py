@@ -168,6 +168,37 @@ def test_fully_shard_optimizer_uses_step_hooks_and_syncs_once_per_group():
         opt.step(lambda: 0.0)
 
 
+def test_an_unrelated_optimizer_never_reaches_the_engine():
+    """The engine registers no process-wide optimizer hook: stepping an optimizer over
+    other parameters runs none of its code, and a plain optimizer over its parameters is
+    seen at the next unshard only (the main weights' version counter)."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    hooks_before = (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks))
+    torch.manual_seed(0)
+    model = Nested()
+    wrap(model, model.units())
+    opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == hooks_before
+    calls = []
+    for unit in _units(model):
+        for group in unit.parameter_groups:
+            original = group.sync_model_weight
+            group.sync_model_weight = lambda original=original: (calls.append(1), original())[1]
+    other = nn.Linear(H, H)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    for _ in range(3):
+        other(torch.randn(2, H)).sum().backward()
+        other_opt.step()
+    model(torch.randn(2, H)).sum().backward()
+    assert calls == [], "an unrelated optimizer's step (or a forward after none of ours) refreshed the weights"
+    opt.step()
+    synced = len(calls)
+    assert synced == sum(len(u.parameter_groups) for u in _units(model))
+    model(torch.randn(2, H))  # ours already refreshed: nothing more at the next unshard
+    assert len(calls) == synced
+
+
 def test_profiler_ranges_name_every_hook_of_every_unit():
     torch.manual_seed(0)
     model = Nested()

@@ -24,8 +24,9 @@ from megatron.core.distributed.mfsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron.core.distributed.mfsdp_v2 import backward as backward_module
 from megatron.core.distributed.mfsdp_v2 import work as comm
 from megatron.core.distributed.mfsdp_v2.context import FsdpContext
-from megatron.core.distributed.mfsdp_v2.device import CpuDeviceHandle, SimulatedStreamsHandle
-from megatron.core.distributed.mfsdp_v2.stream_checker import StreamChecker
+from megatron.core.distributed.mfsdp_v2.device import CpuDeviceHandle
+from megatron.core.distributed.mfsdp_v2.testing import SimulatedStreamsHandle
+from megatron.core.distributed.mfsdp_v2.testing import StreamChecker
 
 # The model cases (frozen, tied, unused, recompute) live with the engine's own tests.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mfsdp_v2"))
@@ -161,7 +162,9 @@ def test_reduce_input_freed_before_its_collective_ends_is_reported(monkeypatch):
 
     def reduce_scatter(output, input, group, **kwargs):
         work = original(output, input, group, **kwargs)
-        input.untyped_storage().resize_(0)  # the bug: free the input while the collective may read it
+        # The bug: free the input (as the engine frees, through its handle) while the
+        # collective may still read it.
+        kwargs["device"].resize_storage(input.untyped_storage(), 0)
         return work
 
     monkeypatch.setattr(comm, "reduce_scatter", reduce_scatter)

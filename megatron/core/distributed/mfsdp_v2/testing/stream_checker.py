@@ -50,7 +50,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .device import SimulatedStream, SimulatedStreamsHandle, handles_from
+from ..device import handles_from
+from .simulated_streams import SimulatedStream, SimulatedStreamsHandle
 
 # Ops whose tensor inputs are metadata only (shape, dtype), as in the CUDA sanitizer.
 _FACTORY = re.compile(r"^(new_.*|.*_like)$")
@@ -147,21 +148,6 @@ class StreamChecker(TorchDispatchMode):
         handles = handles_from(lambda device: self.handle)
         handles.__enter__()
         self._exits.append(handles.__exit__)
-        original_resize = torch.UntypedStorage.resize_
-        checker = self
-
-        def resize_(storage, size):
-            before = storage.nbytes()
-            result = original_resize(storage, size)
-            checker._on_resize(storage, before, int(size))
-            return result
-
-        torch.UntypedStorage.resize_ = resize_
-
-        def restore(*_):
-            torch.UntypedStorage.resize_ = original_resize
-
-        self._exits.append(restore)
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -348,7 +334,8 @@ class StreamChecker(TorchDispatchMode):
             if state is not None:
                 self._free(state)
 
-    def _on_resize(self, storage, before: int, size: int) -> None:
+    def storage_resized(self, storage, before: int, size: int) -> None:
+        """The engine resized a storage through the handle (frees and reallocations)."""
         with self._lock:
             key = id(storage)
             state = self._states.get(key)
