@@ -163,9 +163,27 @@ def fully_shard_context(
 ) -> Iterator[FsdpContext]:
     """The construction scope every ``fully_shard`` call must run in.
 
-    ``device=None`` means the current accelerator device, or CPU when there is none.
-    ``use_symmetric_memory`` is accepted for source compatibility; symmetric-memory
-    collectives are not used by this implementation.
+    Entering creates the context and its communication streams (all-gather and
+    reduce-scatter). On a clean exit the context is finalized: it finds the roots (units
+    no other unit contains), names every unit by its module path, and builds the static
+    forward and backward prefetch orders. Only then may the model run.
+
+    Args:
+        device: where the model computes: ``None`` means the current accelerator device,
+            or CPU when there is none; an int means that CUDA device.
+        use_symmetric_memory: accepted for source compatibility with upstream; this
+            implementation does not use symmetric-memory collectives.
+        unify_communication_stream: issue all-gathers and reduce-scatters on one stream
+            instead of two (upstream's flag; it serializes them).
+
+    Yields:
+        The ``FsdpContext`` (pass it to ``microbatch``; ``context.roots``, ``units``).
+
+    Raises:
+        RuntimeError: a scope is already open (scopes do not nest).
+        NotImplementedError: a device other than CUDA or CPU.
+
+    A scope left through an exception stays unfinalized; its modules refuse to run.
     """
     if _ACTIVE_CONTEXT.get() is not None:
         raise RuntimeError(
@@ -191,6 +209,7 @@ def current_fully_shard_context() -> Optional[FsdpContext]:
 def microbatch(context: FsdpContext, is_last: bool, module: Optional[torch.nn.Module] = None) -> Iterator[None]:
     """Run one microbatch's forward and backward; reductions that only need to happen
     once per step (HSDP/HFSDP outer, ZeRO-1, no_shard) happen when ``is_last`` is True.
+    Outside any ``microbatch`` scope every backward counts as the last one.
 
     Args:
         context: the ``FsdpContext`` of ``fully_shard_context``.

@@ -56,8 +56,46 @@ def fully_shard(
     mixed_precision_policy: Optional[MixedPrecisionPolicy] = None,
     grad_divisor: float = 1,
 ) -> nn.Module:
-    """Make ``module`` an FSDP unit (in place) owning every parameter below it that no
-    nested unit owns. Wrap children before parents, all inside one fully_shard_context.
+    """Make ``module`` an FSDP unit, in place, owning every parameter below it that no
+    nested unit owns. Wrap children before parents, all inside one ``fully_shard_context``;
+    the module's class gains the ``FsdpModule`` mixin, so parents keep their references.
+
+    After the scope exits, the unit's parameters rest as DTensor views of this rank's
+    optimizer shard (``main_weight``); forward and backward see full parameters in the
+    compute dtype; ``.grad`` is the reduced gradient at the end of each backward that
+    reduced (every microbatch for ZeRO-2/3, the last one for ZeRO-1, no_shard and the
+    outer axis of HSDP/HFSDP; see ``microbatch``).
+
+    Args:
+        module: the module to shard. Its parameters must be float32, bfloat16 or float16
+            plain tensors (not DTensors), on the context's device or on ``meta`` (then
+            materialized later with ``init_parameters``).
+        mesh: the ``DeviceMesh`` the data-parallel axes of ``placements`` name, on the
+            context's device type: 1-D for no_shard and ZeRO-1/2/3, 2-D (outer, inner) for
+            HSDP and HFSDP. Units of one model may use different meshes (e.g. the expert
+            units of an MoE model their expert-data-parallel mesh).
+        placements: the strategy, a ``Placements`` value (``Placements.zero3()``, ...).
+        mixed_precision_policy: compute, main-parameter, gradient-communication and
+            main-gradient dtypes (``MixedPrecisionPolicy``); None keeps everything in the
+            parameters' own dtype.
+        grad_divisor: gradients are averaged over the data-parallel ranks of ``mesh`` and
+            then divided by this (> 0). Use it where the same parameter's gradient is
+            summed over ranks outside ``mesh`` too, e.g. ``ep_size`` for expert units
+            whose tokens come from ``ep_size`` times more ranks, so the result is the
+            average over all ranks that computed it.
+
+    Returns:
+        ``module`` itself (now an ``FsdpModule``).
+
+    Raises:
+        RuntimeError: called outside a ``fully_shard_context`` scope.
+        TypeError: ``module`` is not an ``nn.Module``, ``placements`` not a
+            ``Placements``, or ``mesh`` not a ``DeviceMesh``.
+        ValueError: the module (or a submodule of another context) is already sharded,
+            the mesh's device type differs from the context's, ``grad_divisor <= 0``, or
+            the placements do not fit the mesh.
+        NotImplementedError: a placement combination, mesh rank or parameter dtype the
+            engine does not support, or a parameter that is already a DTensor.
 
     On any error the module is left exactly as it was."""
     context = current_fully_shard_context()

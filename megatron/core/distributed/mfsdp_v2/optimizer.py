@@ -64,9 +64,27 @@ def fully_shard_optimizer(
 ) -> torch.optim.Optimizer:
     """Hook ``optimizer`` (built over the sharded ``model.parameters()``) to the engine.
 
-    After every ``step()`` the compute weights are refreshed from the updated main weights,
-    once per parameter group. ``precision_aware=True`` leaves ``.grad`` in
-    ``main_grads_dtype`` for optimizers that handle mixed dtypes themselves.
+    After every ``step()`` (the optimizer's own step post-hook; ``step`` itself is not
+    replaced) the compute weights are refreshed from the updated main weights, once per
+    parameter group. An optimizer used without this still reaches the model: the next
+    unshard refreshes first; this only does it eagerly, as upstream.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` whose parameters all belong to one context.
+        context: that context; None finds it from the parameters (given, it is checked).
+        precision_aware: leave ``.grad`` in ``main_grads_dtype`` (and unset where it
+            differs from the parameters' dtype; ``.main_grad`` always holds it) for
+            optimizers that handle mixed dtypes themselves.
+
+    Returns:
+        ``optimizer`` itself.
+
+    Raises:
+        ValueError: already hooked, no parameters, a parameter that is not a sharded
+            parameter of any unit, parameters of two contexts, or a ``context`` that does
+            not own them.
+        RuntimeError: the context's scope has not been finalized.
+        NotImplementedError (at ``step``): ``optimizer.step(closure)``.
     """
     if getattr(optimizer, "_mfsdp_context", None) is not None:
         raise ValueError("fully_shard_optimizer was already applied to this optimizer.")

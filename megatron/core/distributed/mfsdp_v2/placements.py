@@ -24,10 +24,27 @@ def _is_shard0(p: Placement) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Placements:
-    """``Placements(dp_axes, parameter, gradient, optimizer)``.
+    """``Placements(dp_axes, parameter, gradient, optimizer)``: one strategy.
 
-    ``dp_axes`` names the data-parallel mesh dimensions (indices or mesh dim names); each
-    of the other fields holds one placement per entry of ``dp_axes``.
+    Args:
+        dp_axes: the data-parallel mesh dimensions, outer first (indices or mesh dim
+            names; a single one may be given bare).
+        parameter: where compute weights rest between uses, one placement per axis:
+            ``Shard(0)`` (ZeRO-3, gathered per use) or ``Replicate()``.
+        gradient: where gradients go after each microbatch: ``Shard(0)`` (reduce-scatter),
+            ``Partial("avg")`` (kept local until the last microbatch) or ``Replicate()``.
+        optimizer: where the optimizer's main weights and state live: ``Shard(0)`` or
+            ``Replicate()``.
+
+    Raises:
+        ValueError: no axis, an axis named twice, a field without exactly one placement
+            per axis, or a placement other than ``Shard(0)``, ``Replicate()``,
+            ``Partial("avg")``. Combinations are checked against the mesh by
+            ``fully_shard`` (``decode_strategy``).
+
+    The presets are the strategies of docs/mfsdp_v2.md: ``no_shard``, ``zero1``, ``zero2``,
+    ``zero3`` (1-D; ``dp_axis`` names the axis) and ``hsdp``, ``hfsdp`` (2-D; ``outer_axis``
+    replicates, ``inner_axis`` shards).
     """
 
     dp_axes: Tuple[Axis, ...]
