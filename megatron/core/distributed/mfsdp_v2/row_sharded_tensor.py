@@ -157,6 +157,18 @@ def _local_offset(ref: DTensor) -> int:
     return offset
 
 
+def _written_positions(func, keys: list, num_args: int) -> set:
+    """Positions (args, then kwargs in ``keys`` order) of the operands ``func`` writes."""
+    written = set()
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            if index < num_args:
+                written.add(index)
+            elif argument.name in keys:
+                written.add(num_args + keys.index(argument.name))
+    return written
+
+
 def _elementwise(func, args: tuple, kwargs: dict):
     keys = list(kwargs)
     values = list(args) + [kwargs[k] for k in keys]
@@ -196,11 +208,16 @@ def _elementwise(func, args: tuple, kwargs: dict):
             local_of[id(local)] = t
         return local
 
-    # Every operand is checked before the operator runs on any of them.
+    # Every operand is checked before the operator runs on any of them; one it writes
+    # must have the rows' layout itself (a replicated one would change on these rows only).
+    written = _written_positions(func, keys, len(args))
     for j in rows_items:
-        for v, listed in zip(values, per_item):
-            if isinstance(item(v, j, listed), torch.Tensor):
-                _local_operand(func, item(v, j, listed), refs[j])
+        for position, (v, listed) in enumerate(zip(values, per_item)):
+            t = item(v, j, listed)
+            if isinstance(t, torch.Tensor):
+                _local_operand(func, t, refs[j])
+                if position in written and not (isinstance(t, DTensor) and t._spec.placements == refs[j]._spec.placements):
+                    _refuse(func, refs[j]._spec.placements, f"would write an operand placed as {getattr(t, 'placements', 'a torch.Tensor')}")
     plain_out = call(plain_items, lambda t, j: t) if plain_items else None
     rows_out = call(rows_items, localize)
 

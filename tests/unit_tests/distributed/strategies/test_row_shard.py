@@ -164,6 +164,14 @@ def test_out_of_place_operators_equal_the_reference(case, model_cls):
                 continue
             check(result.placements == x.placements, f"{label} {name}: placements {result.placements} != {x.placements}")
             _close(result.full_tensor(), fn(expected), atol, f"{label} {name}")
+        if _uneven(x) and expected is not None:
+            # A replicated operand is cut at the rows when read, never written on them only.
+            replicated = DTensor.from_local(expected.to(x.dtype).clone(), x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+            copied = torch.zeros_like(x).copy_(replicated)
+            check(copied.placements == x.placements, f"{label} copy_: placements {copied.placements}")
+            _close(copied.full_tensor(), expected, 0.0, f"{label} copy_ from a replicated operand")
+            with pytest.raises(NotImplementedError, match="would write an operand"):
+                replicated.add_(x)
         if x.dim() == 2:
             if _nested_dt(x):
                 with pytest.raises(NotImplementedError, match="HFSDP"):
