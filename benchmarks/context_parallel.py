@@ -15,7 +15,7 @@ schedule, on a 4-layer GPT (hidden 256, 8 heads, 4 query groups, RoPE) with sequ
 tokens of each), fp32, per-token loss. Per rank:
 
 * step time (median of the measured steps, the slowest rank's);
-* peak RSS (``ru_maxrss``);
+* peak RSS (``ru_maxrss``, read after the training steps);
 * activations: the bytes one microbatch's forward saves for backward (distinct storages,
   parameters excluded, on an unsharded copy of the model: the engine's gathered weights
   would count otherwise) next to the planner's estimate (``tools/estimate_memory.py``'s
@@ -171,6 +171,7 @@ def run(layout: str, seq: int, comm_type: str, out: str) -> None:
     with counting_mode(cp) as counter:
         step()
     counted = dict(counter.bytes)
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the unsharded copy below
     # Activations of one microbatch on an unsharded copy of the model (same CP groups).
     torch.manual_seed(0)
     plain = pretrain_gpt.model_provider(args).train()
@@ -180,7 +181,7 @@ def run(layout: str, seq: int, comm_type: str, out: str) -> None:
     zero3 = next(p for p in plans if p.strategy == "zero3")
     record = dict(layout=layout, cp=cp, dp=state.dp_size, comm_type=comm_type, seq=seq, rank=dist.get_rank(),
                   microbatches=microbatches, step_s=statistics.median(times),
-                  peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  peak_rss_mb=peak_rss_mb,
                   activations_measured=measured, activations_planned=activation_bytes(shape, moe=moe),
                   cp_buffers_planned=context_parallel_buffer_bytes(shape),
                   bytes_counted=counted, bytes_planned=sent_bytes(zero3.comm_bytes, world, cp),

@@ -131,7 +131,8 @@ def check_expert_parallel_size(ep_size: int, dp_size: int, tp_size: int = 1, dp_
     if dp_outer_size > 1 and inner % ep_size:
         raise ValueError(
             f"--expert-model-parallel-size ({ep_size}) must divide the ranks of one HSDP/HFSDP instance "
-            f"({inner} = data-parallel size {dp_size} / --num-distributed-optimizer-instances {dp_outer_size}), "
+            f"({inner} = data-parallel size {dp_size}{' (x CP)' if cp_size > 1 else ''} / "
+            f"--num-distributed-optimizer-instances {dp_outer_size}), "
             f"so that the experts get a 2-D expert-data-parallel mesh; use a divisor of {inner} or fewer instances."
         )
 
