@@ -158,6 +158,7 @@ def shapes_of(args, model):
                             recomputed_dense_chunk_ends=is_moe.count(False), hidden_dropout=args.hidden_dropout,
                             gated_mlp=args.swiglu, cp_size=cp,
                             cp_comm_types=tuple(getattr(args, "cp_comm_type", None) or ("p2p",)),
+                            cp_a2a_size=(getattr(args, "hierarchical_context_parallel_sizes", None) or [0])[0],
                             num_query_groups=args.num_query_groups or args.num_attention_heads)
     moe = None
     if args.num_experts:

@@ -46,6 +46,7 @@ class ActivationShape:
     # one comm type for every layer, or one per layer (counted in proportion).
     cp_size: int = 1
     cp_comm_types: Tuple[str, ...] = ("p2p",)
+    cp_a2a_size: int = 0  # a2a+p2p: the a2a group's size (0: the whole CP group), the ring the rest
     num_query_groups: int = 0  # K/V heads (0: num_attention_heads, MHA)
 
     @property
@@ -193,10 +194,11 @@ def context_parallel_bytes(shape: ActivationShape, microbatches: int = 1) -> Dic
     ``microbatches`` forwards and backwards of every layer (a full-recompute layer's
     forward exchange again). Per layer and microbatch, with KV the rank's packed K/V:
     p2p sends KV cp-1 times forward, and backward KV cp-1 times and the dK/dV accumulator
-    cp times (``cp_send``, fp32 at least); all_gather gathers KV and reduce-scatters the
-    whole sequence's dK/dV; a2a trades q, K/V and the output each way (``cp_all_to_all``);
-    a2a+p2p the a2a over its group of ``a2a_size`` ranks (not known here: all CP ranks
-    assumed) and a ring over the rest."""
+    cp times (``cp_send``, fp32 at least; nothing on a ring of one rank); all_gather
+    gathers KV and reduce-scatters the whole sequence's dK/dV; a2a trades q, K/V and the
+    output each way (``cp_all_to_all``); a2a+p2p the same all-to-alls inside its a2a group
+    (``cp_a2a_size`` ranks) and a ring over the CP / a2a groups, whose blocks hold as many
+    elements as the rank's own K/V (H / a heads of a x the tokens)."""
     if shape.cp_size == 1:
         return {}
     cp, s, b, t = shape.cp_size, shape.seq_length, shape.micro_batch_size, shape.tp_size
@@ -210,14 +212,20 @@ def context_parallel_bytes(shape: ActivationShape, microbatches: int = 1) -> Dic
         out[kind] = out.get(kind, 0) + share * microbatches * (
             forwards * per_forward + shape.num_layers * per_backward)
 
+    def ring(size, share):
+        if size > 1:
+            add("cp_send", (size - 1) * kv * acc, ((size - 1) + size) * kv * acc, share)
+
     for x, share in _type_shares(shape).items():
         if x == "p2p":
-            add("cp_send", (cp - 1) * kv * acc, ((cp - 1) + cp) * kv * acc, share)
+            ring(cp, share)
         elif x == "all_gather":
             add("cp_all_gather", kv * eb, 0, share)
             add("cp_reduce_scatter", 0, cp * kv * eb, share)
-        else:  # a2a (and a2a+p2p's all-to-alls over the whole CP group: an upper bound on their bytes)
+        else:  # a2a, and a2a+p2p's all-to-alls and ring
             add("cp_all_to_all", (2 * q + kv) * eb, (2 * q + kv) * eb, share)
+            if x == "a2a+p2p":
+                ring(cp // (shape.cp_a2a_size or cp), share)
     return {kind: int(v) for kind, v in out.items()}
 
 

@@ -104,6 +104,11 @@ def test_context_parallel_traffic():
     a2a = dataclasses.replace(shape, cp_comm_types=("a2a",))
     assert context_parallel_bytes(a2a) == {"cp_all_to_all": 4 * 2 * (2 * 512 * 256 + kv) * 4}
     assert context_parallel_bytes(dataclasses.replace(shape, cp_size=1, seq_length=2048)) == {}
+    # a2a+p2p as 2 x 2: the all-to-alls, and a ring of two; as 4 x 1: no ring.
+    hierarchical = dataclasses.replace(a2a, cp_comm_types=("a2a+p2p",), cp_a2a_size=2)
+    assert context_parallel_bytes(hierarchical) == {"cp_all_to_all": 4 * 2 * (2 * 512 * 256 + kv) * 4,
+                                                    "cp_send": 4 * (1 + 1 + 2) * kv * 4}
+    assert context_parallel_bytes(dataclasses.replace(hierarchical, cp_a2a_size=4)) == context_parallel_bytes(a2a)
     # The plan adds the buffers to the peak and the traffic to the bytes per step.
     zero3 = plan([], "zero3", 4, activations=shape)
     assert zero3.transient["cp_buffers"] == context_parallel_buffer_bytes(shape)
