@@ -20,6 +20,11 @@ real process groups of those sizes (and the trainer's checks on them); here they
 from torch's in-process "fake" backend (a world of --world-size ranks whose collectives
 do nothing), so no other process is started.
 
+With ``--context-parallel-size`` C the dense units are laid out over DP x C ranks (the
+engine shards over the CP ranks too), each rank's activations are those of its S / C
+tokens with the attention core of ``--cp-comm-type``, and the plan adds the exchange's
+transient K/V buffers (``cp_buffers``, in the peak) and bytes (``cp_*``).
+
 With ``--pipeline-model-parallel-size`` P each stage gets its own table: its chunks'
 units (the stage's layers, the first stage's embedding, the last stage's output layer,
 a tied embedding's copy on both), laid out over world / (TP x P) ranks, and the
@@ -90,7 +95,9 @@ def planning_world(args, world_size: int, stage: int = 0):
             args.tensor_model_parallel_size, args.dp_outer_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-            expert_model_parallel_size=args.expert_model_parallel_size if args.num_experts else None)
+            expert_model_parallel_size=args.expert_model_parallel_size if args.num_experts else None,
+            context_parallel_size=getattr(args, "context_parallel_size", 1),
+            hierarchical_context_parallel_sizes=getattr(args, "hierarchical_context_parallel_sizes", None))
         yield
     finally:
         parallel_state.destroy_model_parallel()
@@ -142,12 +149,17 @@ def shapes_of(args, model):
                 chunk_ends.append(layers[start + size - 1])
             start += size
     is_moe = [id(layer.mlp) in routed for layer in chunk_ends]
-    shape = ActivationShape(args.micro_batch_size, args.seq_length, args.hidden_size, args.num_attention_heads,
+    cp = getattr(args, "context_parallel_size", 1)
+    # Under CP a rank holds S / CP tokens of each sequence; the attention core sees them all.
+    shape = ActivationShape(args.micro_batch_size, args.seq_length // cp, args.hidden_size, args.num_attention_heads,
                             args.ffn_hidden_size, args.num_layers, args.padded_vocab_size,
                             element_bytes=2 if args.bf16 else 4, tp_size=args.tensor_model_parallel_size,
                             sequence_parallel=args.sequence_parallel, recomputed_layers=len(recomputed),
                             recomputed_dense_chunk_ends=is_moe.count(False), hidden_dropout=args.hidden_dropout,
-                            gated_mlp=args.swiglu)
+                            gated_mlp=args.swiglu, cp_size=cp,
+                            cp_comm_types=tuple(getattr(args, "cp_comm_type", None) or ("p2p",)),
+                            cp_a2a_size=(getattr(args, "hierarchical_context_parallel_sizes", None) or [0])[0],
+                            num_query_groups=args.num_query_groups or args.num_attention_heads)
     moe = None
     if args.num_experts:
         router_bytes = {None: None, "fp32": 4, "fp64": 8}[args.moe_router_dtype]
@@ -163,7 +175,7 @@ def shapes_of(args, model):
 
 def estimate(args, world_size: int, outer_size: int, stage: int = 0):
     """Plans of every strategy that fits ``world_size`` ranks, each over the data-parallel
-    size world / (TP x PP) (hybrids need outer_size | that, and with experts EP | the
+    size world / (TP x PP) (DP x CP: the engine shards over the CP ranks too) (hybrids need outer_size | that, and with experts EP | the
     instance's size), for pipeline stage ``stage``."""
     from megatron.core.distributed.mfsdp_v2.estimate import STRATEGIES, plan
 
@@ -219,11 +231,6 @@ def main(argv=None):
         # stage, are not modelled yet.
         raise SystemExit("estimate_memory.py: error: pipeline plans of a mixture of experts or with full recompute "
                          "are not supported yet; plan at --pipeline-model-parallel-size 1, or without them.")
-    if getattr(args, "context_parallel_size", 1) > 1:
-        # A CP rank's activations are its S / CP tokens' and the engine shards over DP x CP
-        # ranks: neither is modelled yet.
-        raise SystemExit("estimate_memory.py: error: plans with --context-parallel-size > 1 are not supported yet; "
-                         "plan the model at --context-parallel-size 1 (an upper bound on each rank's activations).")
     if needs_process_groups(args) and dist.is_initialized():
         # The planning world is a process group of its own; this process already has one.
         raise SystemExit("estimate_memory.py: error: plans with TP or EP > 1 build the model in a fake world; "
@@ -234,10 +241,13 @@ def main(argv=None):
     units, plans = estimate(args, known.world_size, outer)
     n = sum(u.numel for u in units)
     tp, ep = args.tensor_model_parallel_size, (args.expert_model_parallel_size if args.num_experts else 1)
+    cp = args.context_parallel_size
+    cp_text = f" x CP {cp} ({' '.join(args.cp_comm_type)})" if cp > 1 else ""
     print(f"model: {n:,} parameters per TP/EP rank in {len(units)} units; world size {known.world_size} = "
-          f"TP {tp} x DP {known.world_size // tp}{f' (EP {ep})' if args.num_experts else ''}; "
-          f"{args.num_microbatches} microbatch(es) of {args.micro_batch_size} x {args.seq_length} per rank per step; "
-          + f"HSDP/HFSDP with {outer} replicas")
+          f"TP {tp} x DP {known.world_size // tp // cp}{cp_text}{f' (EP {ep})' if args.num_experts else ''}; "
+          f"{args.num_microbatches} microbatch(es) of {args.micro_batch_size} x {args.seq_length} per rank per step"
+          + (f" ({args.seq_length // cp} tokens of each sequence per CP rank)" if cp > 1 else "")
+          + f"; HSDP/HFSDP with {outer} replicas")
     print("MiB per rank; act = saved activations of one microbatch, _rc = with full recompute")
     if args.num_experts:
         print("act: MoE layers as k rows of --moe-ffn-hidden-size per token under uniform routing (an estimate)")
@@ -259,7 +269,9 @@ def _main_per_stage(args, world_size: int, outer: int):
     pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
     vp = args.virtual_pipeline_model_parallel_size or 1
     layout = pipeline_layout_from_args(args)
-    print(f"world size {world_size} = PP {pp} x TP {tp} x DP {world_size // (pp * tp)}; "
+    cp = args.context_parallel_size
+    print(f"world size {world_size} = PP {pp} x TP {tp} x DP {world_size // (pp * tp * cp)}"
+          f"{f' x CP {cp}' if cp > 1 else ''}; "
           f"{'1F1B' if vp == 1 else f'interleaved, {vp} virtual stages'}; {args.num_microbatches} microbatch(es) of "
           f"{args.micro_batch_size} x {args.seq_length} per pipeline per step; HSDP/HFSDP with {outer} replicas")
     print("MiB per rank; act = the saved activations of the microbatches the stage holds at once, "

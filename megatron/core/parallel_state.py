@@ -22,8 +22,8 @@ with ``cp`` folded into the innermost one (1-D ``("dp",)`` over dp x cp ranks, o
 HSDP ``("outer", "inner")`` with inner x cp ranks inside; a separate 2-D mesh would mean
 replicating over CP). Token counts for the loss normalization run over ``dp_cp_group``.
 
-The expert view reads the same ranks differently: within one pipeline stage (and CP
-coordinate) the data-parallel ranks are ``("expert_dp", "ep")``, or
+The expert view reads the same ranks differently: within one pipeline stage the
+data-parallel ranks, CP folded in as above, are ``("expert_dp", "ep")``, or
 ``("expert_outer", "expert_inner", "ep")`` under HSDP/HFSDP, with ``tp`` innermost as
 before (``megatron/core/transformer/moe/expert_parallel.py`` says why the experts are
 laid out so). Both views come from one tensor of ranks, so their groups always agree.
@@ -126,9 +126,6 @@ def build_parallel_state(tensor_model_parallel_size: int = 1, dp_outer_size: int
     tp, pp, cp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size), int(context_parallel_size)
     ep = 1 if expert_model_parallel_size is None else int(expert_model_parallel_size)
     dp = _check_sizes(world, tp, pp, cp, dp_outer_size, ep)
-    if cp > 1 and expert_model_parallel_size is not None:
-        raise ValueError("--context-parallel-size > 1 with a MoE model (--num-experts) is not supported; "
-                         "use --context-parallel-size 1 for MoE models.")
     if hierarchical_context_parallel_sizes is not None and math.prod(hierarchical_context_parallel_sizes) != cp:
         raise ValueError(f"--hierarchical-context-parallel-sizes {hierarchical_context_parallel_sizes} must "
                          f"multiply to --context-parallel-size ({cp}); pick sizes whose product is {cp}.")
@@ -231,13 +228,14 @@ def _group_per_line(ranks: torch.Tensor, members, own_line: Tuple[int, ...]):
 
 
 def _expert_mesh(device_type: str, ranks: torch.Tensor, dp_outer: int, ep: int):
-    """The expert view of this rank's stage: its data-parallel ranks as (expert-dp, ep)."""
+    """The expert view of this rank's stage: its data-parallel ranks, with the CP ranks
+    folded in as for ``dp_cp_mesh`` (cp fastest), as (expert-dp, ep). Under CP each rank
+    routes its own tokens, so for the experts CP ranks are data-parallel ranks like any
+    other: EP groups take consecutive (dp, cp) ranks, as Megatron carves them from dp x cp."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    pp, cp, tp = ranks.shape[0], ranks.shape[-2], ranks.shape[-1]
-    if cp != 1:
-        raise ValueError("expert parallelism with context parallelism is not supported yet.")
-    dp = ranks[0].numel() // (cp * tp)
+    pp, tp = ranks.shape[0], ranks.shape[-1]
+    dp = ranks[0].numel() // tp  # data-parallel x context-parallel ranks of one TP coordinate
     if dp % ep or (dp // dp_outer) % ep:
         return None  # the MoE layout check (expert_parallel.py) names the flags at model build
     if dp_outer > 1:

@@ -122,8 +122,9 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     if args.num_experts is None:
         return
     ep = args.expert_model_parallel_size
-    check_expert_parallel_size(ep, args.data_parallel_size, getattr(args, "tensor_model_parallel_size", 1),
-                               args.dp_outer_size)
+    cp = getattr(args, "context_parallel_size", 1)  # CP ranks route their own tokens: EP spans DP x CP
+    check_expert_parallel_size(ep, args.data_parallel_size * cp, getattr(args, "tensor_model_parallel_size", 1),
+                               args.dp_outer_size, cp_size=cp)
     if ep > 1 and not args.use_mfsdp:
         raise ValueError(
             f"--expert-model-parallel-size {ep} needs --use-mfsdp: DDP would average the gradients of "

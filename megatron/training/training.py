@@ -539,8 +539,8 @@ class _Trainer:
         params_norm = self._params_norm_at(iteration) if args.log_params_norm else None
         num_zeros = self.num_zeros if args.log_num_zeros_in_grad else None
         timer_text, timer_scalars = self.timers.report(timers_to_log(args.timing_log_level), interval_iters)
-        moe = collect_moe_metrics(self.built.unwrapped, _comm_device(self.device),
-                                  group=parallel_state.get_parallel_state().dp_group)
+        moe = collect_moe_metrics(self.built.unwrapped, _comm_device(self.device),  # CP ranks route their own tokens
+                                  group=parallel_state.get_parallel_state().dp_cp_group)
         losses = {"lm loss": loss}
         losses.update({name: moe[name] for name in MOE_LOSS_NAMES if name in moe})
         line = format_iteration_line(

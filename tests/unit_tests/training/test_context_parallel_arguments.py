@@ -63,9 +63,14 @@ ERRORS = {
                              r"product is --context-parallel-size \(4\), e\.g\. --hierarchical-context-parallel-sizes 4 1\."),
     "hierarchical levels": ("--context-parallel-size 4 --hierarchical-context-parallel-sizes 4", 4,
                             r"--hierarchical-context-parallel-sizes 4 must be two sizes"),
-    "moe": ("--context-parallel-size 2 --num-experts 4", 2,
-            r"--context-parallel-size > 1 with a MoE model \(--num-experts\) is not supported; use "
-            r"--context-parallel-size 1 for MoE models\."),
+    "moe capacity": ("--context-parallel-size 2 --num-experts 4 --moe-expert-capacity-factor 1", 2,
+                     r"--moe-expert-capacity-factor with --context-parallel-size > 1 is not supported: each CP rank "
+                     r"routes its own chunks, so capacity would be per chunk; drop the capacity factor"),
+    "moe sinkhorn": ("--context-parallel-size 2 --num-experts 4 --moe-router-load-balancing-type sinkhorn", 2,
+                     r"--moe-router-load-balancing-type sinkhorn with --context-parallel-size > 1 is not supported"),
+    "moe ep": ("--context-parallel-size 2 --num-experts 4 --expert-model-parallel-size 4 --use-mfsdp", 2,
+               r"--expert-model-parallel-size \(4\) must divide the data-parallel size \(2 = data-parallel size 1 x "
+               r"--context-parallel-size 2\); use a divisor of 2\."),
 }
 
 
@@ -75,6 +80,12 @@ def test_context_parallel_parse_errors(case):
     with pytest.raises(ValueError, match=message) as info:
         parse(extra, world_size=world_size)
     assert "\n" not in str(info.value)  # one line
+
+
+def test_moe_with_context_parallel_is_accepted():
+    # EP spans the DP x CP ranks: EP=4 at CP=2 x DP=2.
+    args = parse("--context-parallel-size 2 --num-experts 4 --expert-model-parallel-size 4 --use-mfsdp", world_size=4)
+    assert (args.context_parallel_size, args.data_parallel_size, args.expert_model_parallel_size) == (2, 2, 4)
 
 
 def test_flags_are_no_longer_rejected():

@@ -32,7 +32,13 @@ for what it receives. Activations are an estimate (Korthikanti et al., 2022). DD
 planned as torch's DDP: full weights, gradients and optimizer state, one all-reduce of
 every gradient per step.
 
-The activation and TP/MoE traffic models are in ``estimate_activations.py``. Imports nothing but the engine's layout; no trainer or model code.
+Under context parallelism of size C, ``world_size`` is the data-parallel size times C (the
+engine shards over DP x CP ranks), the ``ActivationShape`` is one CP rank's (S / C tokens
+of each sequence, ``cp_size`` C) and the plan adds the exchange's transient K/V buffers
+(``cp_buffers``) and its bytes (``cp_send``, ``cp_all_gather``, ``cp_reduce_scatter``,
+``cp_all_to_all``).
+
+The activation and TP/MoE/CP traffic models are in ``estimate_activations.py``. Imports nothing but the engine's layout; no trainer or model code.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .estimate_activations import ActivationShape, MoEShape, activation_bytes, all_to_all_bytes, tensor_parallel_bytes
+from .estimate_activations import (
+    ActivationShape, MoEShape, activation_bytes, all_to_all_bytes, context_parallel_buffer_bytes,
+    context_parallel_bytes, tensor_parallel_bytes)
 from .layout import FlatLayout
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "hfsdp")
@@ -231,6 +239,10 @@ def plan(units: Sequence[UnitShapes], strategy: str, world_size: int, *, outer_s
             send(kind, nbytes)
         if moe is not None:
             for kind, nbytes in all_to_all_bytes(activations, moe, mb).items():
+                send(kind, nbytes)
+        if activations.cp_size > 1:
+            transient["cp_buffers"] = context_parallel_buffer_bytes(activations)
+            for kind, nbytes in context_parallel_bytes(activations, mb).items():
                 send(kind, nbytes)
     return Plan(strategy, world_size, persistent, transient, comm)
 

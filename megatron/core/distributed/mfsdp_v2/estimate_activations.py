@@ -8,6 +8,11 @@ and the bytes of their own collectives (the planner in ``estimate.py`` adds the 
   ``moe_tensor_parallel_bytes``: what a MoE layer's TP regions carry besides the tokens.
 * ``all_to_all_bytes``: the token dispatcher's exchange under uniform routing (exact for
   what a rank sends and, summed over an EP group, for what it receives).
+* Context parallelism (``ActivationShape.cp_size``): ``seq_length`` is then the tokens of
+  each sequence this rank holds (S / CP), so every per-token term, the TP and the
+  all-to-all bytes are a CP rank's; the attention core depends on the comm type
+  (``activation_bytes``); ``context_parallel_buffer_bytes`` is the exchange's transient
+  K/V buffers and ``context_parallel_bytes`` its traffic.
 
 Shapes only: no model, no process group.
 """
@@ -15,7 +20,7 @@ Shapes only: no model, no process group.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 @dataclasses.dataclass(frozen=True)
 class ActivationShape:
@@ -37,6 +42,18 @@ class ActivationShape:
     recomputed_dense_chunk_ends: int = 0
     hidden_dropout: float = 0.0
     gated_mlp: bool = False  # SwiGLU: fc1 is 2 x ffn wide and the gating keeps two more tensors
+    # Context parallelism: seq_length is this rank's S / cp_size tokens of each sequence;
+    # one comm type for every layer, or one per layer (counted in proportion).
+    cp_size: int = 1
+    cp_comm_types: Tuple[str, ...] = ("p2p",)
+    cp_a2a_size: int = 0  # a2a+p2p: the a2a group's size (0: the whole CP group), the ring the rest
+    num_query_groups: int = 0  # K/V heads (0: num_attention_heads, MHA)
+
+    @property
+    def kv_hidden(self) -> int:
+        """The K (or V) width of a token, all heads: h * G / a."""
+        groups = self.num_query_groups or self.num_attention_heads
+        return self.hidden_size * groups // self.num_attention_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +124,7 @@ def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None,
         shared = mlp_units(moe.shared_expert_ffn, moe.gated) if moe.shared_expert_ffn else 0
         routed, n_moe = int((attention + experts + shared) * s * b * h * scale), moe.num_moe_layers
     layers = (shape.num_layers - n_moe) * dense + n_moe * routed
-    core = int(5 * a * s * s * b * scale / t)
+    core = attention_core_bytes(shape)
     logits = 2 * b * s * shape.vocab_size * 4 // t
     layer_input = s * b * h * shape.element_bytes // seq_split
     rebuilt = max(dense if n_moe < shape.num_layers else 0, routed if n_moe else 0)  # one layer, in backward
@@ -116,6 +133,100 @@ def activation_bytes(shape: ActivationShape, recompute: Optional[str] = None,
     if recompute == "selective":
         return layers + core + logits
     return layers + shape.num_layers * core + logits
+
+
+_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def _type_shares(shape: ActivationShape) -> Dict[str, float]:
+    """Each comm type's share of the layers."""
+    types = shape.cp_comm_types
+    bad = [x for x in types if x not in _CP_COMM_TYPES]
+    if bad:
+        raise ValueError(f"cp_comm_types {bad} are not comm types; use {', '.join(_CP_COMM_TYPES)}.")
+    return {x: types.count(x) / len(types) for x in set(types)}
+
+
+def attention_core_bytes(shape: ActivationShape) -> int:
+    """What one layer's attention core keeps beyond q, k, v (those are in the 34 s b h):
+    the unfused kernel's scores, softmax and dropout, 5 a s^2 b (16-bit units), without CP.
+
+    Per CP rank (s = S / CP local tokens): ``all_gather`` and ``a2a`` run the attention
+    module's kernel on this rank's queries against all S keys (all_gather) or on a / CP
+    heads of the whole sequence (a2a), so 5 a s^2 b becomes 5 a s S b either way;
+    all_gather also keeps the gathered K/V (2 S b h_kv) and the [s, S] mask as the
+    kernel's float copy. ``p2p`` and ``a2a+p2p`` run the ring's own blockwise kernel,
+    which keeps only its output and log-sum-exp (fp32 at least): no s^2 term. (A fused
+    kernel, e.g. SDPA's on CPU, keeps output and log-sum-exp instead of the scores.)"""
+    s, b, a, t = shape.seq_length, shape.micro_batch_size, shape.num_attention_heads, shape.tp_size
+    eb = shape.element_bytes
+    if shape.cp_size == 1:
+        return int(5 * a * s * s * b * eb / 2 / t)
+    S, acc = s * shape.cp_size, max(4, eb)
+    scores = 5 * a * s * S * b * eb / 2 / t
+    by_type = {
+        "all_gather": scores + 2 * S * b * shape.kv_hidden * eb / t + s * S * eb,  # one mask for all heads
+        "a2a": scores,
+        "p2p": (s * b * shape.hidden_size + s * b * a) * acc / t,
+    }
+    by_type["a2a+p2p"] = by_type["p2p"]
+    return int(sum(share * by_type[x] for x, share in _type_shares(shape).items()))
+
+
+def context_parallel_buffer_bytes(shape: ActivationShape) -> int:
+    """The largest transient buffer of one layer's CP exchange (0 without CP): p2p's
+    K/V block and, in backward, its dK/dV accumulator, each current and in flight (fp32
+    at least), plus one block's scores and probabilities; all_gather's full-sequence
+    dK/dV before the reduce-scatter; a2a's send and receive copies of q, K/V; a2a+p2p both."""
+    if shape.cp_size == 1:
+        return 0
+    s, b, a, t = shape.seq_length, shape.micro_batch_size, shape.num_attention_heads, shape.tp_size
+    eb, acc = shape.element_bytes, max(4, shape.element_bytes)
+    kv = 2 * s * b * shape.kv_hidden  # elements of one rank's packed K/V
+    ring = 4 * kv * acc / t + 2 * b * a * (s // 2) ** 2 * acc / t
+    a2a = 2 * (s * b * shape.hidden_size + kv) * eb / t
+    by_type = {"p2p": ring, "all_gather": kv * shape.cp_size * eb / t, "a2a": a2a, "a2a+p2p": ring + a2a}
+    return int(max(by_type[x] for x in _type_shares(shape)))
+
+
+def context_parallel_bytes(shape: ActivationShape, microbatches: int = 1) -> Dict[str, int]:
+    """Bytes a rank sends per step in the CP exchanges (as the counter counts inputs), for
+    ``microbatches`` forwards and backwards of every layer (a full-recompute layer's
+    forward exchange again). Per layer and microbatch, with KV the rank's packed K/V:
+    p2p sends KV cp-1 times forward, and backward KV cp-1 times and the dK/dV accumulator
+    cp times (``cp_send``, fp32 at least; nothing on a ring of one rank); all_gather
+    gathers KV and reduce-scatters the whole sequence's dK/dV; a2a trades q, K/V and the
+    output each way (``cp_all_to_all``); a2a+p2p the same all-to-alls inside its a2a group
+    (``cp_a2a_size`` ranks) and a ring over the CP / a2a groups, whose blocks hold as many
+    elements as the rank's own K/V (H / a heads of a x the tokens)."""
+    if shape.cp_size == 1:
+        return {}
+    cp, s, b, t = shape.cp_size, shape.seq_length, shape.micro_batch_size, shape.tp_size
+    eb, acc = shape.element_bytes, max(4, shape.element_bytes)
+    kv = 2 * s * b * shape.kv_hidden // t
+    q = s * b * shape.hidden_size // t
+    forwards = shape.num_layers + shape.recomputed_layers
+    out: Dict[str, float] = {}
+
+    def add(kind, per_forward, per_backward, share):
+        out[kind] = out.get(kind, 0) + share * microbatches * (
+            forwards * per_forward + shape.num_layers * per_backward)
+
+    def ring(size, share):
+        if size > 1:
+            add("cp_send", (size - 1) * kv * acc, ((size - 1) + size) * kv * acc, share)
+
+    for x, share in _type_shares(shape).items():
+        if x == "p2p":
+            ring(cp, share)
+        elif x == "all_gather":
+            add("cp_all_gather", kv * eb, 0, share)
+            add("cp_reduce_scatter", 0, cp * kv * eb, share)
+        else:  # a2a, and a2a+p2p's all-to-alls and ring
+            add("cp_all_to_all", (2 * q + kv) * eb, (2 * q + kv) * eb, share)
+            if x == "a2a+p2p":
+                ring(cp // (shape.cp_a2a_size or cp), share)
+    return {kind: int(v) for kind, v in out.items()}
 
 
 def tensor_parallel_bytes(shape: ActivationShape, microbatches: int = 1,

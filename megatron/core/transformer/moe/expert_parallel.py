@@ -35,6 +35,13 @@ sharded over ``("expert_outer", "expert_inner")`` with the run's HSDP/HFSDP plac
 and ``grad_divisor = P``: the two levels average over O * I / P = W / P ranks, as the
 1-D mesh does.
 
+Under context parallelism of size C every CP rank routes its own tokens, so the CP ranks
+count as data-parallel ranks here (W = DP x C, CP fastest, as the engine's ``dp_cp_mesh``
+folds them): an EP group is P consecutive such ranks, e.g. the two CP ranks of one
+data-parallel rank at C = P = 2. The loss of every rank is averaged over the W ranks
+(the trainer scales it by C), so the divisor stays P. ``megatron/core/parallel_state.py``
+builds that view.
+
 This module is the one place that builds the expert layout; it needs nothing from
 ``parallel_state`` but the TP size and the number of instances (both put TP innermost and
 the instances outermost, so their TP groups and instances agree).
@@ -102,20 +109,30 @@ def _outer_size_of(mesh) -> int:
     return mesh.size(0)
 
 
-def check_expert_parallel_size(ep_size: int, dp_size: int, tp_size: int = 1, dp_outer_size: int = 1) -> None:
-    """EP groups lie inside the ``dp_size`` data-parallel ranks (of one TP coordinate), and
-    under HSDP/HFSDP inside one of the ``dp_outer_size`` instances."""
+def check_expert_parallel_size(ep_size: int, dp_size: int, tp_size: int = 1, dp_outer_size: int = 1,
+                               cp_size: int = 1) -> None:
+    """EP groups lie inside the ``dp_size`` data-parallel ranks (of one TP coordinate; under
+    context parallelism ``dp_size`` counts the data-parallel x CP ranks, ``cp_size`` of
+    them per data-parallel rank), and under HSDP/HFSDP inside one of the ``dp_outer_size``
+    instances."""
     if ep_size < 1 or dp_size % ep_size:
-        size = f"{dp_size} = world size {dp_size * tp_size} / tensor-parallel size {tp_size}" if tp_size > 1 else dp_size
+        if cp_size > 1:
+            size = f"{dp_size} = data-parallel size {dp_size // cp_size} x --context-parallel-size {cp_size}"
+            hint = "."
+        else:
+            size = f"{dp_size} = world size {dp_size * tp_size} / tensor-parallel size {tp_size}" if tp_size > 1 \
+                else dp_size
+            hint = " or a smaller --tensor-model-parallel-size." if tp_size > 1 else "."
         raise ValueError(
             f"--expert-model-parallel-size ({ep_size}) must divide the data-parallel size ({size}); "
-            f"use a divisor of {dp_size}" + (" or a smaller --tensor-model-parallel-size." if tp_size > 1 else ".")
+            f"use a divisor of {dp_size}" + hint
         )
     inner = dp_size // dp_outer_size
     if dp_outer_size > 1 and inner % ep_size:
         raise ValueError(
             f"--expert-model-parallel-size ({ep_size}) must divide the ranks of one HSDP/HFSDP instance "
-            f"({inner} = data-parallel size {dp_size} / --num-distributed-optimizer-instances {dp_outer_size}), "
+            f"({inner} = data-parallel size {dp_size}{' (x CP)' if cp_size > 1 else ''} / "
+            f"--num-distributed-optimizer-instances {dp_outer_size}), "
             f"so that the experts get a 2-D expert-data-parallel mesh; use a divisor of {inner} or fewer instances."
         )
 
@@ -141,7 +158,7 @@ def build_expert_parallel(ep_size: int, device_type: str, tp_size: int = 1, dp_o
             mesh = state.expert_mesh
             return ExpertParallel(size=ep_size, rank=mesh.get_local_rank("ep"),
                                   group=mesh.get_group("ep") if ep_size > 1 else None, mesh=mesh)
-        if state.pp_size > 1:
+        if state.pp_size > 1 or state.cp_size > 1:  # the world alone would not say which ranks split a stage
             raise ValueError(f"the run's parallel state has no expert view for EP size {ep_size}; initialize it with "
                              f"initialize_model_parallel(..., expert_model_parallel_size={ep_size}).")
     world = dist.get_world_size()

@@ -45,6 +45,15 @@ token count. The shares add up over TP to the losses of the unsplit micro-batch,
 token is counted twice; ``last_stats`` holds the whole values. The data-parallel ranks are
 the ranks of the expert-parallel mesh of this TP coordinate (``data_parallel_groups``).
 
+Context parallelism splits every sequence over the CP group the same way (each CP rank
+routes its 2 chunks): the counts of ``aux_loss`` and ``seq_aux_loss`` are summed over CP
+as well, T and S are the whole sequences', the z-loss is divided by the CP size too, and
+each rank's loss is its tokens' share. The expert mesh counts CP ranks as data-parallel
+ranks (``parallel_state`` folds them in), so ``global_aux_loss`` and the expert bias sum
+over them through ``data_parallel_groups``. One difference from TP: gradients are
+averaged over CP (the engine treats CP ranks as data-parallel), not summed, so the shares'
+backward gets the factor CP, as the trainer gives the language-model loss.
+
 Neither loss is returned: as in Megatron, each is attached to the graph with
 ``MoEAuxLossAutoScaler`` so that backward adds its gradient with the scale the trainer
 sets (``set_aux_loss_backward_scale``: 1/num_microbatches times the fp16 loss scale, the
@@ -277,6 +286,7 @@ class TopKRouter(nn.Module):
                      if config.add_bias_linear else None)
         self.aux_loss_coeffs = aux_loss_coeffs(config)
         self.data_parallel_groups = data_parallel_groups(expert_parallel)
+        _check_mesh_spans_context_parallel(config, expert_parallel)
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
             # The counts since the last update (expert_bias.py): a plain attribute, not a
@@ -309,12 +319,31 @@ class TopKRouter(nn.Module):
             return config.tp_group
         return None
 
+    @property
+    def context_parallel_group(self):
+        """The CP group the sequence is split over, else None."""
+        config = self.config
+        if getattr(config, "context_parallel_size", 1) > 1:
+            return config.cp_group
+        return None
+
+    @property
+    def split_groups(self) -> Tuple:
+        """Every group this rank's tokens are one chunk of their sequences over (CP, then SP's TP)."""
+        return tuple(g for g in (self.context_parallel_group, self.sequence_group) if g is not None)
+
     def _whole(self, share: torch.Tensor) -> torch.Tensor:
-        """A loss of this rank's chunk summed over the sequence group (for logging)."""
+        """A loss of this rank's chunk summed over the split groups (for logging)."""
         share = share.detach().clone()
-        if self.sequence_group is not None:
-            dist.all_reduce(share, group=self.sequence_group)
+        for group in self.split_groups:
+            dist.all_reduce(share, group=group)
         return share
+
+    def _attach(self, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        # The engine averages gradients over CP ranks where TP sums them: x CP makes the
+        # shares' gradients add up over CP, like the trainer's x CP on the LM loss.
+        cp = getattr(self.config, "context_parallel_size", 1)
+        return MoEAuxLossAutoScaler.apply(output, loss, self.aux_loss_backward_scale * cp)
 
     def _data_parallel_size(self) -> int:
         return math.prod(dist.get_world_size(group) for group in self.data_parallel_groups)
@@ -326,11 +355,10 @@ class TopKRouter(nn.Module):
         logits = self.gating(x)
         with_losses = self.training and torch.is_grad_enabled()
         self.last_stats = {}
-        group = self.sequence_group
-        chunks = 1 if group is None else dist.get_world_size(group)
+        chunks = math.prod(dist.get_world_size(g) for g in self.split_groups)
         if with_losses and config.moe_z_loss_coeff:
             z_loss = z_loss_func(logits, config.moe_z_loss_coeff) / chunks
-            logits = MoEAuxLossAutoScaler.apply(logits, z_loss, self.aux_loss_backward_scale)
+            logits = self._attach(logits, z_loss)
             self.last_stats["z_loss"] = self._whole(z_loss) / config.moe_z_loss_coeff
         if config.moe_router_load_balancing_type == "sinkhorn":
             probs, routing_map = sinkhorn_routing(logits, self.topk, self.training)
@@ -361,42 +389,59 @@ class TopKRouter(nn.Module):
 
     def _attach_load_balancing_losses(self, probs, logits, num_sequences: int, chunks: int) -> torch.Tensor:
         """``probs`` with each configured load-balancing loss attached (module docstring)."""
-        coeffs, group = self.aux_loss_coeffs, self.sequence_group
+        coeffs, groups = self.aux_loss_coeffs, self.split_groups
         aux_map, scores = scores_for_aux_loss(logits, self.topk, self.config.moe_router_score_function)
         num_tokens = logits.shape[0]
         losses = {}
         if "aux_loss" in coeffs:
             tokens_per_expert = aux_map.sum(dim=0)
-            if group is not None:  # the whole sequence's counts
+            for group in groups:  # the whole sequence's counts
                 dist.all_reduce(tokens_per_expert, group=group)
             losses["load_balancing_loss"] = (coeffs["aux_loss"], switch_load_balancing_loss_func(
                 scores, tokens_per_expert, num_tokens * chunks, self.topk, self.num_experts, coeffs["aux_loss"]), 1)
         if "seq_aux_loss" in coeffs:
             shape = (num_sequences, num_tokens // num_sequences, self.num_experts)
             per_sequence = aux_map.view(shape).sum(dim=1)
-            if group is not None:
+            for group in groups:
                 dist.all_reduce(per_sequence, group=group)
             losses["seq_load_balancing_loss"] = (coeffs["seq_aux_loss"], sequence_load_balancing_loss_func(
                 scores.view(shape), per_sequence, shape[1] * chunks, self.topk, self.num_experts,
                 coeffs["seq_aux_loss"]), 1)
         if "global_aux_loss" in coeffs:
             counts = aux_map.sum(dim=0).to(torch.float64)
-            for dp_group in self.data_parallel_groups + ((group,) if group is not None else ()):
+            # The data-parallel groups already span CP; add SP's TP group.
+            sp = (self.sequence_group,) if self.sequence_group is not None else ()
+            for dp_group in self.data_parallel_groups + sp:
                 dist.all_reduce(counts, group=dp_group)
             # Upstream's running mean over the step's micro-batches (reset by
             # set_aux_loss_backward_scale at the start of each step).
             self.global_tokens_per_expert = self.global_tokens_per_expert.to(counts.device) + counts
             self.global_aux_steps += 1
             mean_counts = (self.global_tokens_per_expert / self.global_aux_steps).to(scores.dtype)
-            dp = self._data_parallel_size()
-            # Each rank's loss is its share; the log shows the whole (the mean over DP x dp).
+            dp = self._data_parallel_size()  # x CP under context parallelism
+            sp_chunks = dist.get_world_size(sp[0]) if sp else 1
+            cp = getattr(self.config, "context_parallel_size", 1)
+            # Each rank's loss is its share; the log shows the whole (the mean over DP x dp,
+            # _whole having summed the CP shares already).
             losses["global_load_balancing_loss"] = (coeffs["global_aux_loss"], switch_load_balancing_loss_func(
-                scores, mean_counts, num_tokens * chunks * dp, self.topk, self.num_experts,
-                coeffs["global_aux_loss"]), dp)
+                scores, mean_counts, num_tokens * sp_chunks * dp, self.topk, self.num_experts,
+                coeffs["global_aux_loss"]), dp // cp)
         for name, (coeff, loss, log_factor) in losses.items():
-            probs = MoEAuxLossAutoScaler.apply(probs, loss, self.aux_loss_backward_scale)
+            probs = self._attach(probs, loss)
             self.last_stats[name] = self._whole(loss) * log_factor / coeff
         return probs
+
+
+def _check_mesh_spans_context_parallel(config, expert_parallel) -> None:
+    """Under CP, the expert mesh must count the CP ranks as data-parallel ranks (as
+    ``parallel_state`` builds it), else global counts would miss the other CP ranks' tokens."""
+    mesh = getattr(expert_parallel, "mesh", None)
+    if mesh is None or getattr(config, "context_parallel_size", 1) == 1:
+        return
+    if not set(dist.get_process_group_ranks(config.cp_group)) <= set(mesh.mesh.flatten().tolist()):
+        raise ValueError("the expert-parallel mesh does not contain this rank's CP group; build the expert layout "
+                         "from megatron.core.parallel_state (initialize_model_parallel(..., context_parallel_size=C, "
+                         "expert_model_parallel_size=P)), which folds the CP ranks in.")
 
 
 def set_aux_loss_backward_scale(model: nn.Module, scale: float) -> None:

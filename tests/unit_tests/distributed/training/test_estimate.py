@@ -464,8 +464,16 @@ def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
               *RECOMPUTE])
     with pytest.raises(SystemExit, match="pipeline plans of a mixture of experts or with full recompute"):
         main(["--world-size", "4", *small, "--pipeline-model-parallel-size", "2", *RECOMPUTE])
-    with pytest.raises(SystemExit, match="--context-parallel-size > 1 are not supported yet"):
-        main(["--world-size", "4", *small, "--context-parallel-size", "2"])
+    # CP: the units over DP x CP ranks (the persistent bytes of CP=1 at the same world),
+    # a CP rank's activations, the exchange's bytes.
+    whole = {p.strategy: p for p in main(["--world-size", "4", *small, "--seq-length", "64"])}
+    capsys.readouterr()
+    for strategy, p in ((p.strategy, p) for p in main(["--world-size", "4", *small, "--seq-length", "64",
+                                                       "--context-parallel-size", "2"])):
+        assert p.persistent == whole[strategy].persistent, strategy
+        assert p.transient["activations"] < whole[strategy].transient["activations"], strategy
+        assert p.comm_bytes["cp_send"] > 0
+    assert "x DP 2 x CP 2 (p2p)" in capsys.readouterr().out
     # TP/EP plans need a fake world of their own (tool_units runs them in a fresh process).
     with pytest.raises(SystemExit, match="not under torchrun"):
         main(["--world-size", "4", *small, "--tensor-model-parallel-size", "2"])
