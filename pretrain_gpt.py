@@ -96,11 +96,12 @@ def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
         if not torch.distributed.is_initialized():
             # One process (tools reading a checkpoint with its saved flags): every expert is
             # local. Checkpoints store experts globally, so any saved EP size loads.
-            config = dataclasses.replace(config, expert_model_parallel_size=1)
+            config = dataclasses.replace(config, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
         expert_parallel = build_expert_parallel(config.expert_model_parallel_size, getattr(args, "device_type", "cpu"),
                                                 tp_size=config.tensor_model_parallel_size,
                                                 dp_outer_size=getattr(args, "dp_outer_size", 1)
-                                                if torch.distributed.is_initialized() else 1)
+                                                if torch.distributed.is_initialized() else 1,
+                                                expert_tp_size=config.expert_tensor_parallel_size)
     layer_numbers = None
     if getattr(args, "pipeline_model_parallel_size", 1) > 1:
         layer_numbers = pipeline_layout_from_args(args).layers_of(parallel_state.get_pipeline_model_parallel_rank(),

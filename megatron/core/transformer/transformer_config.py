@@ -169,8 +169,8 @@ class TransformerConfig:
     moe_shared_expert_gate: bool = False
     moe_token_dispatcher_type: str = "alltoall"
     expert_model_parallel_size: int = 1
-    # Each expert's split over TP (Megatron's field): None or the TP size; other sizes are
-    # not implemented (moe/config.py says so).
+    # Each expert's tensor-parallel split (Megatron's field); None: the TP size. Another size
+    # splits the experts over the expert mesh's own "tp" axis (moe/expert_parallel.py).
     expert_tensor_parallel_size: Optional[int] = None
 
     def __post_init__(self):
