@@ -26,6 +26,18 @@ Two model styles convert:
   (our ``mlp.shared_experts.linear_fc1`` = [gate_proj; up_proj], ``linear_fc2`` = down_proj)
   and ``mlp.shared_expert_gate.weight`` = our ``mlp.shared_experts.gate_weight`` ([1, H]).
 
+* DeepSeek-V3 style -- multi-latent attention (``--multi-latent-attention`` with the latent
+  norms of ``--qk-layernorm``, multi_latent_attention.py) in a Llama-style model with dense
+  SwiGLU MLPs -> ``DeepseekV3ForCausalLM`` with ``first_k_dense_replace`` = every layer and
+  ``rope_interleave`` (Megatron's MLA RoPE pairs). The layouts are the same, so every
+  tensor maps whole: ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj`` (or
+  ``linear_q_proj``) are ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` (``q_proj``),
+  ``linear_kv_down_proj`` / ``kv_layernorm`` / ``linear_kv_up_proj`` are
+  ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``, ``linear_proj`` is ``o_proj``.
+  Hugging Face's latent norms have eps 1e-6 whatever ``rms_norm_eps`` says, ours the one
+  ``--norm-epsilon``: only 1e-6 converts. Its MoE layers (sigmoid routing with groups and a
+  correction bias) and YaRN RoPE scaling do not convert yet.
+
 The QKV projection is interleaved per query group in our layout (attention.py): for each
 group g, ``P = heads / groups`` query heads, then one key head, then one value head, each
 ``d = kv_channels`` rows. ``linear_fc1`` of a SwiGLU MLP is ``[gate; up]``. Every mapping
@@ -78,6 +90,13 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None  # a gated shared expert (Qwen2-MoE style)
     rotary_interleaved: bool = False  # RoPE pairs (2i, 2i + 1): no Hugging Face style here has them
+    # Multi-latent attention (DeepSeek-V3 style); num_query_groups / kv_channels do not apply.
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def style(self) -> str:
@@ -89,6 +108,16 @@ class ModelConfig:
                 and not self.gated_linear_unit and self.activation in ("gelu", "gelu_tanh"))
         llama = (self.position_embedding_type == "rope" and self.normalization == "RMSNorm"
                  and self.gated_linear_unit and self.activation == "silu")
+        if self.multi_latent_attention:
+            if not llama or self.num_experts or self.add_bias_linear or not self.qk_layernorm:
+                raise ConversionError(
+                    "multi-latent attention converts only as DeepSeek-V3 with dense SwiGLU MLPs (RoPE, RMSNorm, "
+                    "no linear biases, the latent norms of --qk-layernorm, no MoE layers yet); convert this model "
+                    "--to safetensors instead.")
+            if self.norm_epsilon != 1e-6:
+                raise ConversionError(f"DeepSeek-V3's latent norms use eps 1e-6, this model {self.norm_epsilon:g} "
+                                      "for every norm; only --norm-epsilon 1e-6 converts (or --to safetensors).")
+            return "deepseek_v3"
         if gpt2 and not self.num_experts and not self.qk_layernorm:
             return "gpt2"
         if llama and self.qk_layernorm and not self.num_experts:
@@ -143,6 +172,9 @@ class ModelConfig:
             **({"moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size,
                 "moe_shared_expert_gate": True} if self.moe_shared_expert_intermediate_size else {}),
             **({"qk_layernorm": True} if self.qk_layernorm else {}),
+            **({"multi_latent_attention": True, "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+                "qk_head_dim": self.qk_head_dim, "qk_pos_emb_head_dim": self.qk_pos_emb_head_dim,
+                "v_head_dim": self.v_head_dim} if self.multi_latent_attention else {}),
         }
 
     def command_line(self) -> list:
@@ -151,7 +183,7 @@ class ModelConfig:
                  f"--num-attention-heads {self.num_attention_heads}", f"--ffn-hidden-size {self.ffn_hidden_size}",
                  f"--max-position-embeddings {self.max_position_embeddings}", f"--norm-epsilon {self.norm_epsilon:g}",
                  f"--hidden-dropout {self.hidden_dropout:g}", f"--attention-dropout {self.attention_dropout:g}"]
-        if self.kv_channels * self.num_attention_heads != self.hidden_size:
+        if self.kv_channels * self.num_attention_heads != self.hidden_size and not self.multi_latent_attention:
             flags.append(f"--kv-channels {self.kv_channels}")
         if self.num_query_groups != self.num_attention_heads:
             flags.append(f"--group-query-attention --num-query-groups {self.num_query_groups}")
@@ -165,6 +197,10 @@ class ModelConfig:
             flags.append("--swiglu")
         if self.qk_layernorm:
             flags.append("--qk-layernorm")
+        if self.multi_latent_attention:
+            flags.append("--multi-latent-attention" + (f" --q-lora-rank {self.q_lora_rank}" if self.q_lora_rank else "")
+                         + f" --kv-lora-rank {self.kv_lora_rank} --qk-head-dim {self.qk_head_dim} "
+                         f"--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim} --v-head-dim {self.v_head_dim}")
         if self.activation == "gelu_tanh":
             flags.append("--openai-gelu")
         if not self.add_bias_linear:
@@ -217,11 +253,15 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         raise ConversionError("the number of attention heads is not recorded in this checkpoint; pass "
                               "--num-attention-heads (and --num-query-groups for grouped-query attention).")
     groups = args.get("num_query_groups") or heads
-    qkv_rows = shapes["decoder.layers.0.self_attention.linear_qkv.weight"][0]
-    if qkv_rows % (heads + 2 * groups):
-        raise ConversionError(f"linear_qkv has {qkv_rows} rows, not a multiple of heads + 2 * groups = "
-                              f"{heads + 2 * groups}; check --num-attention-heads / --num-query-groups.")
-    kv_channels = qkv_rows // (heads + 2 * groups)
+    mla = _mla_from_tensors(shapes, args, heads)
+    if mla:
+        groups, kv_channels = heads, mla["qk_head_dim"] + mla["qk_pos_emb_head_dim"]
+    else:
+        qkv_rows = shapes["decoder.layers.0.self_attention.linear_qkv.weight"][0]
+        if qkv_rows % (heads + 2 * groups):
+            raise ConversionError(f"linear_qkv has {qkv_rows} rows, not a multiple of heads + 2 * groups = "
+                                  f"{heads + 2 * groups}; check --num-attention-heads / --num-query-groups.")
+        kv_channels = qkv_rows // (heads + 2 * groups)
     moe = _moe_from_tensors(shapes, args, len(layers))
     mlp = "decoder.layers.0.mlp.experts." if moe else "decoder.layers.0.mlp."
     ffn = shapes[mlp + "linear_fc2.weight"][1]
@@ -251,9 +291,35 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         unpadded_vocab_size=args.get("unpadded_vocab_size"),
         hidden_dropout=float(args.get("hidden_dropout", 0.0)),
         attention_dropout=float(args.get("attention_dropout", 0.0)),
-        qk_layernorm="decoder.layers.0.self_attention.q_layernorm.weight" in shapes,
-        **moe,
+        qk_layernorm=("decoder.layers.0.self_attention.kv_layernorm.weight" if mla else
+                      "decoder.layers.0.self_attention.q_layernorm.weight") in shapes,
+        **moe, **mla,
     )
+
+
+def _mla_from_tensors(shapes, args, heads) -> Dict[str, Any]:
+    """The MLA fields ({} for standard attention): the head dimensions from the saved
+    arguments (the shapes fix only their sums), checked against the shapes."""
+    attention = "decoder.layers.0.self_attention."
+    if attention + "linear_kv_down_proj.weight" not in shapes:
+        return {}
+    fields = {"multi_latent_attention": True, "q_lora_rank": None}
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        if args.get(name) is None:
+            raise ConversionError(f"this multi-latent attention checkpoint does not record {name}; pass "
+                                  f"--{name.replace('_', '-')}.")
+        fields[name] = int(args[name])
+    if attention + "linear_q_down_proj.weight" in shapes:
+        fields["q_lora_rank"] = shapes[attention + "linear_q_down_proj.weight"][0]
+    q_up = attention + ("linear_q_up_proj.weight" if fields["q_lora_rank"] else "linear_q_proj.weight")
+    expected = {attention + "linear_kv_down_proj.weight": fields["kv_lora_rank"] + fields["qk_pos_emb_head_dim"],
+                attention + "linear_kv_up_proj.weight": heads * (fields["qk_head_dim"] + fields["v_head_dim"]),
+                q_up: heads * (fields["qk_head_dim"] + fields["qk_pos_emb_head_dim"])}
+    for name, rows in expected.items():
+        if shapes[name][0] != rows:
+            raise ConversionError(f"{name} has {shapes[name][0]} rows, the recorded MLA sizes give {rows}; check "
+                                  "--num-attention-heads and the MLA head dimensions.")
+    return fields
 
 
 def _moe_from_tensors(shapes, args, num_layers) -> Dict[str, Any]:
@@ -367,9 +433,13 @@ def to_hf(ours: Tensors, cfg: ModelConfig, vocab_size: Optional[int] = None) -> 
         m, o = f"decoder.layers.{i}.", f"model.layers.{i}."
         kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
         for kind in kinds:
-            q, k, v = split_qkv(ours[m + "self_attention.linear_qkv." + kind], cfg)
-            out[o + "self_attn.q_proj." + kind], out[o + "self_attn.k_proj." + kind] = q, k
-            out[o + "self_attn.v_proj." + kind] = v
+            if style == "deepseek_v3":
+                out.update({o + "self_attn." + hf: ours[m + "self_attention." + mine]
+                            for mine, hf in _mla_names(cfg)})
+            else:
+                q, k, v = split_qkv(ours[m + "self_attention.linear_qkv." + kind], cfg)
+                out[o + "self_attn.q_proj." + kind], out[o + "self_attn.k_proj." + kind] = q, k
+                out[o + "self_attn.v_proj." + kind] = v
             out[o + "self_attn.o_proj." + kind] = ours[m + "self_attention.linear_proj." + kind]
             if style == "qwen2_moe":
                 out.update(_qwen2_moe_to_hf(ours, cfg, m, o))
@@ -394,6 +464,15 @@ def to_hf(ours: Tensors, cfg: ModelConfig, vocab_size: Optional[int] = None) -> 
             out[o + "self_attn.q_norm.weight"] = ours[m + "self_attention.q_layernorm.weight"]
             out[o + "self_attn.k_norm.weight"] = ours[m + "self_attention.k_layernorm.weight"]
     return out
+
+
+def _mla_names(cfg: ModelConfig):
+    """(our name, DeepSeek-V3's) of one layer's MLA tensors, without the linear_proj/o_proj."""
+    q = ([("linear_q_down_proj.weight", "q_a_proj.weight"), ("q_layernorm.weight", "q_a_layernorm.weight"),
+          ("linear_q_up_proj.weight", "q_b_proj.weight")] if cfg.q_lora_rank else
+         [("linear_q_proj.weight", "q_proj.weight")])
+    return q + [("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
+                ("kv_layernorm.weight", "kv_a_layernorm.weight"), ("linear_kv_up_proj.weight", "kv_b_proj.weight")]
 
 
 def _qwen2_moe_to_hf(ours: Tensors, cfg: ModelConfig, m: str, o: str) -> Tensors:
@@ -462,6 +541,16 @@ def hf_config(cfg: ModelConfig, vocab_size: Optional[int] = None, base: Optional
                        "max_window_layers": cfg.num_layers, "layer_types": ["full_attention"] * cfg.num_layers,
                        "output_router_logits": False})
         config.update(_attention_fields(cfg, vocab, dtype_name))
+        return config
+    if cfg.style == "deepseek_v3":
+        config.update({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                       "intermediate_size": cfg.ffn_hidden_size, "first_k_dense_replace": cfg.num_layers,
+                       "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+                       "qk_nope_head_dim": cfg.qk_head_dim, "qk_rope_head_dim": cfg.qk_pos_emb_head_dim,
+                       "v_head_dim": cfg.v_head_dim, "head_dim": cfg.qk_pos_emb_head_dim, "rope_interleave": True,
+                       "attention_bias": False})
+        config.update(_attention_fields(cfg, vocab, dtype_name))
+        config["head_dim"] = cfg.qk_pos_emb_head_dim  # Hugging Face's RoPE table size
         return config
     if cfg.style == "qwen3":
         config.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
@@ -547,6 +636,34 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
                                    moe_router_topk=config.get("num_experts_per_tok", 2),
                                    moe_router_pre_softmax=not config.get("norm_topk_prob", False),
                                    moe_shared_expert_intermediate_size=config["shared_expert_intermediate_size"])
+    if kind == "deepseek_v3":
+        layers = config["num_hidden_layers"]
+        if config.get("first_k_dense_replace", 0) < layers:
+            raise ConversionError(f"DeepSeek-V3 with MoE layers (first_k_dense_replace "
+                                  f"{config.get('first_k_dense_replace')} < {layers} layers) does not convert yet; "
+                                  "only models whose every layer has a dense MLP do.")
+        if not config.get("rope_interleave", True):
+            raise ConversionError("DeepSeek-V3 with rope_interleave false rotates halves of its rope part; "
+                                  "Megatron's multi-latent attention rotates interleaved pairs: not convertible.")
+        if config.get("attention_bias"):
+            raise ConversionError("DeepSeek-V3 with attention_bias is not supported (no linear biases here).")
+        if float(config.get("rms_norm_eps", 1e-6)) != 1e-6:
+            raise ConversionError("DeepSeek-V3 with rms_norm_eps other than 1e-6 (its latent norms' fixed eps) "
+                                  "does not convert: this model has one --norm-epsilon for every norm.")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ConversionError(f"DeepSeek-V3 with RoPE scaling {rope.get('rope_type')!r} (YaRN) does not convert "
+                                  "yet; only default RoPE does.")
+        dense = config_from_hf(dict(config, model_type="llama", attention_bias=False, mlp_bias=False,
+                                    rope_parameters={"rope_type": "default",
+                                                     "rope_theta": rope.get("rope_theta", config.get("rope_theta",
+                                                                                                     10000.0))}))
+        heads = config["num_attention_heads"]
+        return dataclasses.replace(
+            dense, num_query_groups=heads, kv_channels=config["qk_nope_head_dim"] + config["qk_rope_head_dim"],
+            qk_layernorm=True, multi_latent_attention=True, q_lora_rank=config.get("q_lora_rank"),
+            kv_lora_rank=config["kv_lora_rank"], qk_head_dim=config["qk_nope_head_dim"],
+            qk_pos_emb_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"])
     if kind == "qwen3":
         if config.get("attention_bias"):
             raise ConversionError("Qwen3 with attention_bias has biases in attention but not in the MLP; this model "
@@ -579,7 +696,8 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
             attention_dropout=float(config.get("attention_dropout", 0.0)),
         )
     raise ConversionError(f"Hugging Face model_type {kind!r} is not supported; GPT-2 ('gpt2'), Llama "
-                          "('llama'), Qwen3 ('qwen3'), Mixtral ('mixtral') and Qwen2-MoE ('qwen2_moe') models convert.")
+                          "('llama'), Qwen3 ('qwen3'), Mixtral ('mixtral'), Qwen2-MoE ('qwen2_moe') and DeepSeek-V3 "
+                          "('deepseek_v3', dense MLPs) models convert.")
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -631,9 +749,13 @@ def from_hf(theirs: Tensors, cfg: ModelConfig, padded_vocab: Optional[int] = Non
     for i in range(cfg.num_layers):
         m, o = f"decoder.layers.{i}.", f"model.layers.{i}."
         for kind in (("weight", "bias") if cfg.add_bias_linear else ("weight",)):
-            out[m + "self_attention.linear_qkv." + kind] = merge_qkv(
-                _need(theirs, o + "self_attn.q_proj." + kind), _need(theirs, o + "self_attn.k_proj." + kind),
-                _need(theirs, o + "self_attn.v_proj." + kind), cfg)
+            if cfg.style == "deepseek_v3":
+                out.update({m + "self_attention." + mine: _need(theirs, o + "self_attn." + hf)
+                            for mine, hf in _mla_names(cfg)})
+            else:
+                out[m + "self_attention.linear_qkv." + kind] = merge_qkv(
+                    _need(theirs, o + "self_attn.q_proj." + kind), _need(theirs, o + "self_attn.k_proj." + kind),
+                    _need(theirs, o + "self_attn.v_proj." + kind), cfg)
             out[m + "self_attention.linear_proj." + kind] = _need(theirs, o + "self_attn.o_proj." + kind)
             if cfg.style == "mixtral":
                 out.update(_mixtral_moe_from_hf(theirs, cfg, m, o))
