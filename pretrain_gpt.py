@@ -43,6 +43,7 @@ def core_transformer_config_from_args(args):
         gated_linear_unit=args.swiglu,
         activation_func=activation_from_args(vars(args)),
         add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=getattr(args, "add_qkv_bias", False),
         init_method_std=args.init_method_std,
         params_dtype=args.params_dtype,
         recompute_granularity=args.recompute_granularity,

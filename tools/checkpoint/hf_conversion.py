@@ -18,13 +18,13 @@ Two model styles convert:
   in-memory names of transformers 5 (``mlp.experts.gate_up_proj`` [E, 2F, H],
   ``mlp.experts.down_proj`` [E, H, F]; our tensors reshaped) are read too.
 * Qwen2-MoE style -- the Mixtral style plus a shared expert gated by
-  ``--moe-shared-expert-gate`` -> ``Qwen2MoeForCausalLM`` without q/k/v biases
-  (``qkv_bias`` false: our linears have one bias switch). Its router's ``norm_topk_prob``
+  ``--moe-shared-expert-gate`` -> ``Qwen2MoeForCausalLM``. Its router's ``norm_topk_prob``
   false is our ``--moe-router-pre-softmax`` (the top-k of the softmax over all experts),
   true our default (the softmax of the top-k logits, the same numbers). Per-expert file
   tensors ``mlp.experts.{j}.gate_proj`` / ``up_proj`` / ``down_proj``, ``mlp.shared_expert.*``
   (our ``mlp.shared_experts.linear_fc1`` = [gate_proj; up_proj], ``linear_fc2`` = down_proj)
   and ``mlp.shared_expert_gate.weight`` = our ``mlp.shared_experts.gate_weight`` ([1, H]).
+  ``qkv_bias`` true is our ``--add-qkv-bias`` (a bias on linear_qkv only, split like its rows).
 
 * DeepSeek-V3 style -- multi-latent attention (``--multi-latent-attention`` with the latent
   norms of ``--qk-layernorm``, multi_latent_attention.py) in a Llama-style model with dense
@@ -90,6 +90,7 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None  # a gated shared expert (Qwen2-MoE style)
     rotary_interleaved: bool = False  # RoPE pairs (2i, 2i + 1): no Hugging Face style here has them
+    add_qkv_bias: bool = False  # a bias on linear_qkv only (--add-qkv-bias; Qwen2-MoE's qkv_bias)
     # Multi-latent attention (DeepSeek-V3 style); num_query_groups / kv_channels do not apply.
     multi_latent_attention: bool = False
     q_lora_rank: Optional[int] = None
@@ -118,6 +119,10 @@ class ModelConfig:
                 raise ConversionError(f"DeepSeek-V3's latent norms use eps 1e-6, this model {self.norm_epsilon:g} "
                                       "for every norm; only --norm-epsilon 1e-6 converts (or --to safetensors).")
             return "deepseek_v3"
+        if self.add_qkv_bias and not self.add_bias_linear and not (llama and self.num_experts
+                                                                    and self.moe_shared_expert_intermediate_size):
+            raise ConversionError("q/k/v biases alone (--add-qkv-bias) convert only in a Qwen2-MoE style model; "
+                                  "convert this model --to safetensors instead.")
         if gpt2 and not self.num_experts and not self.qk_layernorm:
             return "gpt2"
         if llama and self.qk_layernorm and not self.num_experts:
@@ -172,6 +177,7 @@ class ModelConfig:
             **({"moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size,
                 "moe_shared_expert_gate": True} if self.moe_shared_expert_intermediate_size else {}),
             **({"qk_layernorm": True} if self.qk_layernorm else {}),
+            **({"add_qkv_bias": True} if self.add_qkv_bias else {}),
             **({"multi_latent_attention": True, "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
                 "qk_head_dim": self.qk_head_dim, "qk_pos_emb_head_dim": self.qk_pos_emb_head_dim,
                 "v_head_dim": self.v_head_dim} if self.multi_latent_attention else {}),
@@ -205,6 +211,8 @@ class ModelConfig:
             flags.append("--openai-gelu")
         if not self.add_bias_linear:
             flags.append("--disable-bias-linear")
+        if self.add_qkv_bias:
+            flags.append("--add-qkv-bias")
         if not self.tied_embeddings:
             flags.append("--untie-embeddings-and-output-weights")
         if self.num_experts:
@@ -283,7 +291,10 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         normalization="RMSNorm" if rms else "LayerNorm",
         position_embedding_type="learned_absolute" if learned else "rope",
         gated_linear_unit=gated, activation=activation,
-        add_bias_linear="decoder.layers.0.self_attention.linear_qkv.bias" in shapes,
+        # linear_proj's bias tells add_bias_linear; a linear_qkv bias without it is --add-qkv-bias.
+        add_bias_linear="decoder.layers.0.self_attention.linear_proj.bias" in shapes,
+        add_qkv_bias=("decoder.layers.0.self_attention.linear_qkv.bias" in shapes
+                      and "decoder.layers.0.self_attention.linear_proj.bias" not in shapes),
         tied_embeddings="output_layer.weight" not in shapes,
         norm_epsilon=float(args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))),
         rotary_base=float(args.get("rotary_base", 10000.0)),
@@ -458,6 +469,9 @@ def to_hf(ours: Tensors, cfg: ModelConfig, vocab_size: Optional[int] = None) -> 
             gate, up = ours[m + "mlp.linear_fc1." + kind].chunk(2, dim=0)
             out[o + "mlp.gate_proj." + kind], out[o + "mlp.up_proj." + kind] = gate.contiguous(), up.contiguous()
             out[o + "mlp.down_proj." + kind] = ours[m + "mlp.linear_fc2." + kind]
+        if cfg.add_qkv_bias:
+            q, k, v = split_qkv(ours[m + "self_attention.linear_qkv.bias"], cfg)
+            out[o + "self_attn.q_proj.bias"], out[o + "self_attn.k_proj.bias"], out[o + "self_attn.v_proj.bias"] = q, k, v
         out[o + "input_layernorm.weight"] = ours[m + "input_layernorm.weight"]
         out[o + "post_attention_layernorm.weight"] = ours[m + "pre_mlp_layernorm.weight"]
         if style == "qwen3":
@@ -537,7 +551,7 @@ def hf_config(cfg: ModelConfig, vocab_size: Optional[int] = None, base: Optional
                        "num_experts_per_tok": cfg.moe_router_topk, "moe_intermediate_size": cfg.moe_ffn_hidden_size,
                        "shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
                        "norm_topk_prob": not cfg.moe_router_pre_softmax, "decoder_sparse_step": 1,
-                       "mlp_only_layers": [], "qkv_bias": False, "use_sliding_window": False,
+                       "mlp_only_layers": [], "qkv_bias": cfg.add_qkv_bias, "use_sliding_window": False,
                        "max_window_layers": cfg.num_layers, "layer_types": ["full_attention"] * cfg.num_layers,
                        "output_router_logits": False})
         config.update(_attention_fields(cfg, vocab, dtype_name))
@@ -619,9 +633,6 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
                                    moe_ffn_hidden_size=config["intermediate_size"],
                                    moe_router_topk=config.get("num_experts_per_tok", 2))
     if kind == "qwen2_moe":
-        if config.get("qkv_bias", True):
-            raise ConversionError("Qwen2-MoE with qkv_bias has biases in q/k/v only; this model has one switch for "
-                                  "all linear biases (add_bias_linear), so only qkv_bias=false converts.")
         if config.get("use_sliding_window"):
             raise ConversionError("Qwen2-MoE with sliding-window attention is not supported (full causal attention "
                                   "only).")
@@ -635,7 +646,8 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
                                    moe_ffn_hidden_size=config["moe_intermediate_size"],
                                    moe_router_topk=config.get("num_experts_per_tok", 2),
                                    moe_router_pre_softmax=not config.get("norm_topk_prob", False),
-                                   moe_shared_expert_intermediate_size=config["shared_expert_intermediate_size"])
+                                   moe_shared_expert_intermediate_size=config["shared_expert_intermediate_size"],
+                                   add_qkv_bias=bool(config.get("qkv_bias", True)))
     if kind == "deepseek_v3":
         layers = config["num_hidden_layers"]
         if config.get("first_k_dense_replace", 0) < layers:
@@ -766,6 +778,10 @@ def from_hf(theirs: Tensors, cfg: ModelConfig, padded_vocab: Optional[int] = Non
             out[m + "mlp.linear_fc1." + kind] = torch.cat(
                 [_need(theirs, o + "mlp.gate_proj." + kind), _need(theirs, o + "mlp.up_proj." + kind)])
             out[m + "mlp.linear_fc2." + kind] = _need(theirs, o + "mlp.down_proj." + kind)
+        if cfg.add_qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = merge_qkv(
+                _need(theirs, o + "self_attn.q_proj.bias"), _need(theirs, o + "self_attn.k_proj.bias"),
+                _need(theirs, o + "self_attn.v_proj.bias"), cfg)
         out[m + "input_layernorm.weight"] = _need(theirs, o + "input_layernorm.weight")
         out[m + "pre_mlp_layernorm.weight"] = _need(theirs, o + "post_attention_layernorm.weight")
         if cfg.style == "qwen3":

@@ -102,6 +102,7 @@ class TransformerConfig:
     gated_linear_unit: bool = False
     activation_func: Optional[Union[str, Callable]] = None
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # a bias on linear_qkv only (Qwen2); implied by add_bias_linear, as upstream
     init_method_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
     recompute_granularity: Optional[str] = None
