@@ -35,8 +35,16 @@ Two model styles convert:
   ``linear_kv_down_proj`` / ``kv_layernorm`` / ``linear_kv_up_proj`` are
   ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``, ``linear_proj`` is ``o_proj``.
   Hugging Face's latent norms have eps 1e-6 whatever ``rms_norm_eps`` says, ours the one
-  ``--norm-epsilon``: only 1e-6 converts. Its MoE layers (sigmoid routing with groups and a
-  correction bias) and YaRN RoPE scaling do not convert yet.
+  ``--norm-epsilon``: only 1e-6 converts. MoE layers after the first ``first_k_dense_replace``
+  dense ones (our ``--moe-layer-freq`` pattern) convert too: sigmoid scores
+  (``--moe-router-score-function sigmoid``, renormalised: ``norm_topk_prob``), times
+  ``routed_scaling_factor`` (``--moe-router-topk-scaling-factor``), chosen with
+  ``e_score_correction_bias`` (our ``mlp.router.expert_bias``, ``--moe-router-enable-expert-bias``)
+  in ``n_group`` groups (``--moe-router-num-groups``; a group's score is the sum of its top
+  k / topk_group experts here and of its top 2 there, so with groups only k = 2 x
+  topk_group converts), and an ungated shared expert of ``n_shared_experts x
+  moe_intermediate_size`` (``mlp.shared_experts``, gate_proj/up_proj/down_proj). YaRN RoPE
+  scaling does not convert yet.
 
 The QKV projection is interleaved per query group in our layout (attention.py): for each
 group g, ``P = heads / groups`` query heads, then one key head, then one value head, each
@@ -91,6 +99,13 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: Optional[int] = None  # a gated shared expert (Qwen2-MoE style)
     rotary_interleaved: bool = False  # RoPE pairs (2i, 2i + 1): no Hugging Face style here has them
     add_qkv_bias: bool = False  # a bias on linear_qkv only (--add-qkv-bias; Qwen2-MoE's qkv_bias)
+    # DeepSeek-V3 routing (sigmoid scores, correction bias, groups) and its first dense layers.
+    moe_router_score_function: str = "softmax"
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_first_dense_layers: int = 0
     # Multi-latent attention (DeepSeek-V3 style); num_query_groups / kv_channels do not apply.
     multi_latent_attention: bool = False
     q_lora_rank: Optional[int] = None
@@ -110,11 +125,18 @@ class ModelConfig:
         llama = (self.position_embedding_type == "rope" and self.normalization == "RMSNorm"
                  and self.gated_linear_unit and self.activation == "silu")
         if self.multi_latent_attention:
-            if not llama or self.num_experts or self.add_bias_linear or not self.qk_layernorm:
+            if not llama or self.add_bias_linear or not self.qk_layernorm:
                 raise ConversionError(
-                    "multi-latent attention converts only as DeepSeek-V3 with dense SwiGLU MLPs (RoPE, RMSNorm, "
-                    "no linear biases, the latent norms of --qk-layernorm, no MoE layers yet); convert this model "
-                    "--to safetensors instead.")
+                    "multi-latent attention converts only as DeepSeek-V3 (RoPE, RMSNorm, SwiGLU, no linear biases, "
+                    "the latent norms of --qk-layernorm); convert this model --to safetensors instead.")
+            if self.num_experts and (self.moe_router_score_function != "sigmoid"
+                                     or not self.moe_shared_expert_intermediate_size):
+                raise ConversionError("DeepSeek-V3's MoE layers route by sigmoid scores and have a shared expert; "
+                                      "this model's do not (convert it --to safetensors instead).")
+            if self.moe_router_num_groups and self.moe_router_topk != 2 * self.moe_router_group_topk:
+                raise ConversionError("DeepSeek-V3 scores a group by its top 2 experts, this model by its top "
+                                      f"{self.moe_router_topk // self.moe_router_group_topk}: only --moe-router-topk = 2 "
+                                      "x --moe-router-group-topk converts.")
             if self.norm_epsilon != 1e-6:
                 raise ConversionError(f"DeepSeek-V3's latent norms use eps 1e-6, this model {self.norm_epsilon:g} "
                                       "for every norm; only --norm-epsilon 1e-6 converts (or --to safetensors).")
@@ -178,6 +200,11 @@ class ModelConfig:
                 "moe_shared_expert_gate": True} if self.moe_shared_expert_intermediate_size else {}),
             **({"qk_layernorm": True} if self.qk_layernorm else {}),
             **({"add_qkv_bias": True} if self.add_qkv_bias else {}),
+            **({"moe_router_score_function": "sigmoid", "moe_router_topk_scaling_factor":
+                self.moe_router_topk_scaling_factor, "moe_router_enable_expert_bias": True,
+                "moe_router_num_groups": self.moe_router_num_groups, "moe_router_group_topk": self.moe_router_group_topk,
+                "moe_layer_freq": [0] * self.moe_first_dense_layers + [1] * (self.num_layers - self.moe_first_dense_layers),
+                "moe_shared_expert_gate": False} if self.num_experts and self.multi_latent_attention else {}),
             **({"multi_latent_attention": True, "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
                 "qk_head_dim": self.qk_head_dim, "qk_pos_emb_head_dim": self.qk_pos_emb_head_dim,
                 "v_head_dim": self.v_head_dim} if self.multi_latent_attention else {}),
@@ -221,8 +248,15 @@ class ModelConfig:
             if self.moe_router_pre_softmax:
                 flags.append("--moe-router-pre-softmax")
         if self.moe_shared_expert_intermediate_size:
-            flags.append(f"--moe-shared-expert-intermediate-size {self.moe_shared_expert_intermediate_size} "
-                         "--moe-shared-expert-gate")
+            flags.append(f"--moe-shared-expert-intermediate-size {self.moe_shared_expert_intermediate_size}"
+                         + ("" if self.multi_latent_attention else " --moe-shared-expert-gate"))
+        if self.num_experts and self.multi_latent_attention:
+            freq = f"([0]*{self.moe_first_dense_layers}+[1]*{self.num_layers - self.moe_first_dense_layers})"
+            flags.append(f"--moe-layer-freq {freq} --moe-router-score-function sigmoid --moe-router-enable-expert-bias"
+                         + (f" --moe-router-topk-scaling-factor {self.moe_router_topk_scaling_factor:g}"
+                            if self.moe_router_topk_scaling_factor else "")
+                         + (f" --moe-router-num-groups {self.moe_router_num_groups} --moe-router-group-topk "
+                            f"{self.moe_router_group_topk}" if self.moe_router_num_groups else ""))
         return flags
 
 
@@ -270,14 +304,16 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
             raise ConversionError(f"linear_qkv has {qkv_rows} rows, not a multiple of heads + 2 * groups = "
                                   f"{heads + 2 * groups}; check --num-attention-heads / --num-query-groups.")
         kv_channels = qkv_rows // (heads + 2 * groups)
-    moe = _moe_from_tensors(shapes, args, len(layers))
-    mlp = "decoder.layers.0.mlp.experts." if moe else "decoder.layers.0.mlp."
+    moe = _deepseek_moe_from_tensors(shapes, args, len(layers)) if mla else _moe_from_tensors(shapes, args, len(layers))
+    first_moe = moe.get("moe_first_dense_layers", 0)
+    mlp = f"decoder.layers.{first_moe}.mlp.experts." if moe else "decoder.layers.0.mlp."
     ffn = shapes[mlp + "linear_fc2.weight"][1]
     fc1_rows = shapes[mlp + "linear_fc1.weight"][0] // (moe["num_experts"] if moe else 1)
     gated = fc1_rows == 2 * ffn
     if moe:
         moe["moe_ffn_hidden_size"] = ffn
-        ffn = int(args.get("ffn_hidden_size") or ffn)
+        dense = "decoder.layers.0.mlp.linear_fc2.weight"
+        ffn = int(args.get("ffn_hidden_size") or (shapes[dense][1] if dense in shapes else ffn))
     learned = "embedding.position_embeddings.weight" in shapes
     max_positions = shapes["embedding.position_embeddings.weight"][0] if learned else int(
         args.get("max_position_embeddings") or args.get("seq_length") or 2048)
@@ -306,6 +342,30 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
                       "decoder.layers.0.self_attention.q_layernorm.weight") in shapes,
         **moe, **mla,
     )
+
+
+def _deepseek_moe_from_tensors(shapes, args, num_layers) -> Dict[str, Any]:
+    """DeepSeek-V3's MoE fields ({} without MoE layers): dense layers first, then MoE layers."""
+    routers = [i for i in range(num_layers) if f"decoder.layers.{i}.mlp.router.weight" in shapes]
+    if not routers:
+        return {}
+    first = routers[0]
+    if routers != list(range(first, num_layers)):
+        raise ConversionError(f"MoE layers {routers} of {num_layers}: DeepSeek-V3 has dense layers first, then only "
+                              "MoE layers (convert --to safetensors instead).")
+    m = f"decoder.layers.{first}.mlp."
+    fields = {"num_experts": shapes[m + "router.weight"][0], "moe_router_topk": int(args.get("moe_router_topk") or 2),
+              "moe_first_dense_layers": first,
+              "moe_router_score_function": args.get("moe_router_score_function") or "softmax",
+              "moe_router_topk_scaling_factor": args.get("moe_router_topk_scaling_factor"),
+              "moe_router_enable_expert_bias": m + "router.expert_bias" in shapes,
+              "moe_router_num_groups": args.get("moe_router_num_groups"),
+              "moe_router_group_topk": args.get("moe_router_group_topk")}
+    if m + "shared_experts.gate_weight" in shapes:
+        raise ConversionError("DeepSeek-V3's shared expert has no gate; this model gates it (--moe-shared-expert-gate).")
+    if m + "shared_experts.linear_fc2.weight" in shapes:
+        fields["moe_shared_expert_intermediate_size"] = shapes[m + "shared_experts.linear_fc2.weight"][1]
+    return fields
 
 
 def _mla_from_tensors(shapes, args, heads) -> Dict[str, Any]:
@@ -455,6 +515,9 @@ def to_hf(ours: Tensors, cfg: ModelConfig, vocab_size: Optional[int] = None) -> 
             if style == "qwen2_moe":
                 out.update(_qwen2_moe_to_hf(ours, cfg, m, o))
                 continue
+            if style == "deepseek_v3" and cfg.num_experts and i >= cfg.moe_first_dense_layers:
+                out.update(_deepseek_moe_to_hf(ours, cfg, m, o))
+                continue
             if style == "mixtral":
                 experts, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
                 moe = o + "block_sparse_moe."
@@ -480,6 +543,17 @@ def to_hf(ours: Tensors, cfg: ModelConfig, vocab_size: Optional[int] = None) -> 
     return out
 
 
+def _deepseek_moe_to_hf(ours: Tensors, cfg: ModelConfig, m: str, o: str) -> Tensors:
+    """One MoE layer in DeepSeek-V3's file format: Qwen2-MoE's experts, an ungated shared
+    expert, and the router's correction bias (zeros where ours has no expert bias)."""
+    out = _qwen2_moe_to_hf(ours, cfg, m, o, gated=False)
+    out = {k.replace(o + "mlp.shared_expert.", o + "mlp.shared_experts."): v for k, v in out.items()}
+    bias = ours.get(m + "mlp.router.expert_bias")
+    out[o + "mlp.gate.e_score_correction_bias"] = (bias if bias is not None else
+                                                   torch.zeros(cfg.num_experts, dtype=torch.float32))
+    return out
+
+
 def _mla_names(cfg: ModelConfig):
     """(our name, DeepSeek-V3's) of one layer's MLA tensors, without the linear_proj/o_proj."""
     q = ([("linear_q_down_proj.weight", "q_a_proj.weight"), ("q_layernorm.weight", "q_a_layernorm.weight"),
@@ -489,7 +563,7 @@ def _mla_names(cfg: ModelConfig):
                 ("kv_layernorm.weight", "kv_a_layernorm.weight"), ("linear_kv_up_proj.weight", "kv_b_proj.weight")]
 
 
-def _qwen2_moe_to_hf(ours: Tensors, cfg: ModelConfig, m: str, o: str) -> Tensors:
+def _qwen2_moe_to_hf(ours: Tensors, cfg: ModelConfig, m: str, o: str, gated: bool = True) -> Tensors:
     """One layer's router, per-expert and shared-expert tensors, in Qwen2-MoE's file format."""
     experts, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
     out = {o + "mlp.gate.weight": ours[m + "mlp.router.weight"]}
@@ -503,7 +577,8 @@ def _qwen2_moe_to_hf(ours: Tensors, cfg: ModelConfig, m: str, o: str) -> Tensors
     out[o + "mlp.shared_expert.gate_proj.weight"], out[o + "mlp.shared_expert.up_proj.weight"] = (
         gate.contiguous(), up.contiguous())
     out[o + "mlp.shared_expert.down_proj.weight"] = ours[m + "mlp.shared_experts.linear_fc2.weight"]
-    out[o + "mlp.shared_expert_gate.weight"] = ours[m + "mlp.shared_experts.gate_weight"]
+    if gated:
+        out[o + "mlp.shared_expert_gate.weight"] = ours[m + "mlp.shared_experts.gate_weight"]
     return out
 
 
@@ -563,6 +638,16 @@ def hf_config(cfg: ModelConfig, vocab_size: Optional[int] = None, base: Optional
                        "qk_nope_head_dim": cfg.qk_head_dim, "qk_rope_head_dim": cfg.qk_pos_emb_head_dim,
                        "v_head_dim": cfg.v_head_dim, "head_dim": cfg.qk_pos_emb_head_dim, "rope_interleave": True,
                        "attention_bias": False})
+        if cfg.num_experts:
+            shared = cfg.moe_shared_expert_intermediate_size
+            if shared % cfg.moe_ffn_hidden_size:
+                raise ConversionError(f"DeepSeek-V3's shared expert is n_shared_experts x moe_intermediate_size wide; "
+                                      f"{shared} is not a multiple of {cfg.moe_ffn_hidden_size}.")
+            config.update({"first_k_dense_replace": cfg.moe_first_dense_layers, "n_routed_experts": cfg.num_experts,
+                           "num_experts_per_tok": cfg.moe_router_topk, "moe_intermediate_size": cfg.moe_ffn_hidden_size,
+                           "n_shared_experts": shared // cfg.moe_ffn_hidden_size, "norm_topk_prob": True,
+                           "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0,
+                           "n_group": cfg.moe_router_num_groups or 1, "topk_group": cfg.moe_router_group_topk or 1})
         config.update(_attention_fields(cfg, vocab, dtype_name))
         config["head_dim"] = cfg.qk_pos_emb_head_dim  # Hugging Face's RoPE table size
         return config
@@ -650,10 +735,16 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
                                    add_qkv_bias=bool(config.get("qkv_bias", True)))
     if kind == "deepseek_v3":
         layers = config["num_hidden_layers"]
-        if config.get("first_k_dense_replace", 0) < layers:
-            raise ConversionError(f"DeepSeek-V3 with MoE layers (first_k_dense_replace "
-                                  f"{config.get('first_k_dense_replace')} < {layers} layers) does not convert yet; "
-                                  "only models whose every layer has a dense MLP do.")
+        first_moe = min(int(config.get("first_k_dense_replace", 3)), layers)
+        topk, groups, group_topk = (config.get("num_experts_per_tok", 8), config.get("n_group", 1) or 1,
+                                    config.get("topk_group", 1) or 1)
+        if first_moe < layers and topk > 1 and not config.get("norm_topk_prob", True):
+            raise ConversionError("DeepSeek-V3 with norm_topk_prob false does not convert: sigmoid routing "
+                                  "renormalises the top-k weights here.")
+        if first_moe < layers and groups > 1 and topk != 2 * group_topk:
+            raise ConversionError("DeepSeek-V3 scores a group by its top 2 experts, Megatron by its top "
+                                  "num_experts_per_tok / topk_group: with n_group > 1 only num_experts_per_tok = 2 x "
+                                  "topk_group converts.")
         if not config.get("rope_interleave", True):
             raise ConversionError("DeepSeek-V3 with rope_interleave false rotates halves of its rope part; "
                                   "Megatron's multi-latent attention rotates interleaved pairs: not convertible.")
@@ -675,7 +766,14 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
             dense, num_query_groups=heads, kv_channels=config["qk_nope_head_dim"] + config["qk_rope_head_dim"],
             qk_layernorm=True, multi_latent_attention=True, q_lora_rank=config.get("q_lora_rank"),
             kv_lora_rank=config["kv_lora_rank"], qk_head_dim=config["qk_nope_head_dim"],
-            qk_pos_emb_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"])
+            qk_pos_emb_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"],
+            **({} if first_moe >= layers else dict(
+                num_experts=config["n_routed_experts"], moe_ffn_hidden_size=config["moe_intermediate_size"],
+                moe_router_topk=topk, moe_first_dense_layers=first_moe, moe_router_score_function="sigmoid",
+                moe_router_topk_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+                moe_router_enable_expert_bias=True, moe_router_num_groups=groups if groups > 1 else None,
+                moe_router_group_topk=group_topk if groups > 1 else None,
+                moe_shared_expert_intermediate_size=config["moe_intermediate_size"] * config.get("n_shared_experts", 1))))
     if kind == "qwen3":
         if config.get("attention_bias"):
             raise ConversionError("Qwen3 with attention_bias has biases in attention but not in the MLP; this model "
@@ -775,6 +873,10 @@ def from_hf(theirs: Tensors, cfg: ModelConfig, padded_vocab: Optional[int] = Non
             if cfg.style == "qwen2_moe":
                 out.update(_qwen2_moe_from_hf(theirs, cfg, m, o))
                 continue
+            if cfg.style == "deepseek_v3" and cfg.num_experts and i >= cfg.moe_first_dense_layers:
+                out.update(_qwen2_moe_from_hf(theirs, cfg, m, o, shared=o + "mlp.shared_experts."))
+                out[m + "mlp.router.expert_bias"] = _need(theirs, o + "mlp.gate.e_score_correction_bias").float()
+                continue
             out[m + "mlp.linear_fc1." + kind] = torch.cat(
                 [_need(theirs, o + "mlp.gate_proj." + kind), _need(theirs, o + "mlp.up_proj." + kind)])
             out[m + "mlp.linear_fc2." + kind] = _need(theirs, o + "mlp.down_proj." + kind)
@@ -809,7 +911,7 @@ def _mixtral_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str) -> T
             m + "mlp.experts.linear_fc2.weight": fc2.contiguous()}
 
 
-def _qwen2_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str) -> Tensors:
+def _qwen2_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str, shared: Optional[str] = None) -> Tensors:
     """One layer's router, stacked experts and gated shared expert, from Qwen2-MoE's per-expert
     file tensors or the 3-D in-memory ``mlp.experts.gate_up_proj`` / ``down_proj``."""
     experts, h = cfg.num_experts, cfg.hidden_size
@@ -820,10 +922,13 @@ def _qwen2_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str) -> Ten
         fc1 = torch.cat([torch.cat([_need(theirs, f"{o}mlp.experts.{j}.gate_proj.weight"),
                                     _need(theirs, f"{o}mlp.experts.{j}.up_proj.weight")]) for j in range(experts)])
         fc2 = torch.cat([_need(theirs, f"{o}mlp.experts.{j}.down_proj.weight") for j in range(experts)])
-    shared = o + "mlp.shared_expert."
-    return {m + "mlp.router.weight": _need(theirs, o + "mlp.gate.weight"),
+    gated = shared is None  # Qwen2-MoE's; DeepSeek-V3 passes its ungated shared_experts prefix
+    shared = shared or o + "mlp.shared_expert."
+    out = {m + "mlp.router.weight": _need(theirs, o + "mlp.gate.weight"),
             m + "mlp.experts.linear_fc1.weight": fc1.contiguous(), m + "mlp.experts.linear_fc2.weight": fc2.contiguous(),
             m + "mlp.shared_experts.linear_fc1.weight": torch.cat(
                 [_need(theirs, shared + "gate_proj.weight"), _need(theirs, shared + "up_proj.weight")]),
-            m + "mlp.shared_experts.linear_fc2.weight": _need(theirs, shared + "down_proj.weight"),
-            m + "mlp.shared_experts.gate_weight": _need(theirs, o + "mlp.shared_expert_gate.weight")}
+            m + "mlp.shared_experts.linear_fc2.weight": _need(theirs, shared + "down_proj.weight")}
+    if gated:
+        out[m + "mlp.shared_experts.gate_weight"] = _need(theirs, o + "mlp.shared_expert_gate.weight")
+    return out

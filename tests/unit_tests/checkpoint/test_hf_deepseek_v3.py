@@ -1,5 +1,6 @@
 """tools/checkpoint/convert.py with multi-latent attention: MFSDP <-> Hugging Face DeepSeek-V3
-(every layer a dense SwiGLU MLP: ``first_k_dense_replace`` = the layers; default RoPE).
+(default RoPE): every layer a dense SwiGLU MLP, and dense then MoE layers (sigmoid routing
+with the correction bias and groups, an ungated shared expert).
 
 Ours (--multi-latent-attention, its latent norms) -> DeepSeek-V3: ``DeepseekV3ForCausalLM``
 built from the written config gives our logits (fp32, max |diff| <= 1e-5). DeepSeek-V3 ->
@@ -127,11 +128,79 @@ def test_what_deepseek_v3_cannot_express_is_refused():
     with pytest.raises(ConversionError, match="the latent norms of --qk-layernorm"):
         config_from_tensors(no_norms, args).style
     base = _deepseek_v3(20).config.to_dict()
-    with pytest.raises(ConversionError, match="MoE layers"):
-        config_from_hf(dict(base, first_k_dense_replace=1))
+    ungated = {k: v.shape for k, v in _ours_moe().state_dict().items()}
+    assert config_from_tensors(ungated, dict(args, moe_router_score_function="sigmoid")).style == "deepseek_v3"
+    with pytest.raises(ConversionError, match="route by sigmoid scores"):
+        config_from_tensors(ungated, args).style  # softmax routing
     with pytest.raises(ConversionError, match="rope_interleave false"):
         config_from_hf(dict(base, rope_interleave=False))
     with pytest.raises(ConversionError, match="YaRN"):
         config_from_hf(dict(base, rope_parameters={"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0}))
     with pytest.raises(ConversionError, match="rms_norm_eps other than 1e-6"):
         config_from_hf(dict(base, rms_norm_eps=1e-5))
+
+
+# DeepSeek-V3 with MoE layers: layer 0 dense, layer 1 MoE (sigmoid scores with the correction
+# bias, 2 groups of which 1 is chosen, routed_scaling_factor, one ungated shared expert).
+MOE_HF = dict(first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+              routed_scaling_factor=2.5, n_shared_experts=1, moe_intermediate_size=16, norm_topk_prob=True)
+MOE_OURS = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq=[0, 1],
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_topk_scaling_factor=2.5, moe_router_num_groups=2, moe_router_group_topk=1,
+                moe_shared_expert_intermediate_size=16)
+
+
+def _ours_moe(seed=0):
+    torch.manual_seed(seed)
+    model = GPTModel(TransformerConfig(**CONFIG, q_lora_rank=20, **MOE_OURS), VOCAB, SEQ,
+                     share_embeddings_and_output_weights=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        model.decoder.layers[1].mlp.router.weight.normal_(0, 0.5)  # routing that depends on the token
+        model.decoder.layers[1].mlp.router.expert_bias.normal_(0, 0.1)
+    return model.eval()
+
+
+def test_deepseek_v3_moe_layers_convert_both_ways(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = _deepseek_v3(20, **MOE_HF)
+    with torch.no_grad():
+        gate = hf.model.layers[1].mlp.gate
+        gate.weight.normal_(0, 0.5)  # initialized to zero
+        gate.e_score_correction_bias.normal_(0, 0.1)
+    assert_round_trip_is_bit_exact(hf, tmp_path)
+    cfg = config_from_hf(json.load(open(tmp_path / "hf" / "config.json")))
+    assert (cfg.num_experts, cfg.moe_first_dense_layers, cfg.moe_router_num_groups) == (4, 1, 2)
+    assert "--moe-router-enable-expert-bias" in " ".join(cfg.command_line())
+    ours = GPTModel(TransformerConfig(**CONFIG, q_lora_rank=20, **MOE_OURS), 128, SEQ,
+                    share_embeddings_and_output_weights=False).eval()
+    load_checkpoint(ours, None, None, argparse.Namespace(load=str(tmp_path / "mfsdp")))
+    with torch.no_grad():
+        diff = max_abs_diff(ours(_ids(2))[..., :VOCAB], hf(_ids(2)).logits)
+    print(f"DeepSeek-V3 (MoE) -> ours logits max |diff| {diff:.3g}")
+    assert diff <= 1e-5
+
+    model = _ours_moe()
+    args = argparse.Namespace(save=str(tmp_path / "ckpt"), num_layers=2, hidden_size=32, num_attention_heads=4,
+                              ffn_hidden_size=48, norm_epsilon=1e-6, rotary_base=500.0, qk_layernorm=True,
+                              multi_latent_attention=True, q_lora_rank=20, tokenizer_type="NullTokenizer",
+                              vocab_size=VOCAB, padded_vocab_size=VOCAB, num_experts=4, moe_router_topk=2,
+                              moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5,
+                              moe_router_num_groups=2, moe_router_group_topk=1, **MLA)
+    save_checkpoint(5, model, None, None, args)
+    run_convert(["--input", str(tmp_path / "ckpt"), "--to", "hf", "--output", str(tmp_path / "hf2")])
+    config = json.load(open(tmp_path / "hf2" / "config.json"))
+    assert (config["first_k_dense_replace"], config["n_group"], config["routed_scaling_factor"]) == (1, 2, 2.5)
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"), attn_implementation="eager",
+                                                dtype=torch.float32).eval()
+    with torch.no_grad():
+        diff = max_abs_diff(back(_ids(3)).logits, model(_ids(3)))
+    print(f"ours (MoE) -> DeepSeek-V3 logits max |diff| {diff:.3g}")
+    assert diff <= 1e-5
+    base = hf.config.to_dict()
+    with pytest.raises(ConversionError, match="norm_topk_prob false"):
+        config_from_hf(dict(base, norm_topk_prob=False))
+    with pytest.raises(ConversionError, match="only num_experts_per_tok = 2 x topk_group"):
+        config_from_hf(dict(base, topk_group=2))
