@@ -38,10 +38,10 @@ LAYOUTS = list(dict.fromkeys(LAYOUTS))
 
 
 @contextlib.contextmanager
-def expert_view(tp: int, etp: int, ep: int):
+def expert_view(tp: int, etp: int, ep: int, instances: int = 1):
     """The trainer's parallel state with the expert view (etp, ep) of the same ranks."""
     parallel_state.destroy_model_parallel()
-    state = parallel_state.initialize_model_parallel(tp, 1, "cpu", expert_model_parallel_size=ep,
+    state = parallel_state.initialize_model_parallel(tp, instances, "cpu", expert_model_parallel_size=ep,
                                                      expert_tensor_parallel_size=etp)
     try:
         yield state
@@ -49,16 +49,17 @@ def expert_view(tp: int, etp: int, ep: int):
         parallel_state.destroy_model_parallel()
 
 
-def etp_args(tp, etp, ep, sp, losses):
+def etp_args(tp, etp, ep, sp, losses, instances=1):
     flags = MOE + (ROUTER_LOSSES if losses else NO_ROUTER_LOSSES) + [
         "--use-mfsdp", "--tensor-model-parallel-size", str(tp), "--expert-tensor-parallel-size", str(etp),
         "--expert-model-parallel-size", str(ep)] + (["--sequence-parallel"] if sp else [])
+    flags += ["--num-distributed-optimizer-instances", str(instances)] if instances > 1 else []
     return trainer_args("gpt2" if losses else "llama", *flags, world_size=WORLD)
 
 
-def run_case(tp, etp, ep, sp, losses, check_grads=True):
-    with expert_view(tp, etp, ep) as state:
-        args = etp_args(tp, etp, ep, sp, losses)
+def run_case(tp, etp, ep, sp, losses, check_grads=True, instances=1):
+    with expert_view(tp, etp, ep, instances) as state:
+        args = etp_args(tp, etp, ep, sp, losses, instances)
         built = build_model(gpt_provider, args, torch.device("cpu"))
         reference = reference_model("gpt2" if losses else "llama", losses)
         compare_weights(built, reference, rtol=0, atol=0)  # the same global weights at every layout
@@ -91,6 +92,21 @@ def test_experts_split_apart_from_tp_match_the_reference(layout):
                 assert metrics[key + name] == pytest.approx(ref_metrics[key + name], rel=1e-5)
         else:
             assert metrics[key + "max_tokens_per_expert"] == ref_metrics[key + "max_tokens_per_expert"]
+
+
+def test_experts_split_apart_from_tp_under_hsdp_match_the_reference():
+    """HSDP over 2 instances: the expert view (expert_outer, expert_inner, ep, tp) with TP=2,
+    ETP=1 at 4 ranks (each instance's 2 ranks are one TP pair). Below 4 ranks no instance
+    holds 2 ranks: plain HSDP experts (the same path at ETP = TP)."""
+    layout = (2, 1, 1, False, True) if WORLD >= 4 else (1, 1, 1, False, True)
+    instances = 2 if WORLD >= 2 else 1
+    built, reference, (mine, ref, norms, ref_norms), _ = run_case(*layout, instances=instances)
+    if instances > 1:
+        mesh = built.unwrapped.decoder.layers[0].mlp.experts.linear_fc1.weight.device_mesh
+        assert mesh.mesh_dim_names == ("expert_outer", "expert_inner")
+    assert mine == pytest.approx(ref, rel=2e-5)
+    assert norms == pytest.approx(ref_norms, rel=2e-5)
+    compare_weights(built, reference)
 
 
 # A layout whose divisor EP x ETP / TP is not EP (1/2 at TP=2, ETP=1, EP=1).
