@@ -27,6 +27,7 @@ def core_transformer_config_from_args(args):
     from megatron.core.transformer import TransformerConfig
     from megatron.training.context_parallel_arguments import context_parallel_config_kwargs
     from megatron.training.model_builder import activation_from_args
+    from megatron.training.mla_arguments import mla_config_kwargs
     from megatron.training.moe_arguments import moe_config_kwargs
 
     config = TransformerConfig(
@@ -42,6 +43,7 @@ def core_transformer_config_from_args(args):
         gated_linear_unit=args.swiglu,
         activation_func=activation_from_args(vars(args)),
         add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=getattr(args, "add_qkv_bias", False),
         init_method_std=args.init_method_std,
         params_dtype=args.params_dtype,
         recompute_granularity=args.recompute_granularity,
@@ -64,6 +66,7 @@ def core_transformer_config_from_args(args):
         **tensor_parallel_config_from_args(args),
         **context_parallel_config_kwargs(args),
         **moe_config_kwargs(args),
+        **mla_config_kwargs(args),
     )
     if getattr(args, "squared_relu", False):
         config.activation_func = "squared_relu"
@@ -96,11 +99,12 @@ def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
         if not torch.distributed.is_initialized():
             # One process (tools reading a checkpoint with its saved flags): every expert is
             # local. Checkpoints store experts globally, so any saved EP size loads.
-            config = dataclasses.replace(config, expert_model_parallel_size=1)
+            config = dataclasses.replace(config, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
         expert_parallel = build_expert_parallel(config.expert_model_parallel_size, getattr(args, "device_type", "cpu"),
                                                 tp_size=config.tensor_model_parallel_size,
                                                 dp_outer_size=getattr(args, "dp_outer_size", 1)
-                                                if torch.distributed.is_initialized() else 1)
+                                                if torch.distributed.is_initialized() else 1,
+                                                expert_tp_size=config.expert_tensor_parallel_size)
     layer_numbers = None
     if getattr(args, "pipeline_model_parallel_size", 1) > 1:
         layer_numbers = pipeline_layout_from_args(args).layers_of(parallel_state.get_pipeline_model_parallel_rank(),

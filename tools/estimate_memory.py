@@ -226,6 +226,13 @@ def main(argv=None):
         raise SystemExit("estimate_memory.py: error: plans of a mixture of experts with "
                          "--tensor-model-parallel-size > 1 and full recompute are not supported yet; "
                          "plan it without --recompute-granularity full.")
+    if args.num_experts and (args.expert_tensor_parallel_size or args.tensor_model_parallel_size) != \
+            args.tensor_model_parallel_size:
+        # The expert units over (stage / (EP x ETP)) ranks and the token path's collectives
+        # (moe_layer.py) are not modelled yet.
+        raise SystemExit("estimate_memory.py: error: plans with --expert-tensor-parallel-size other than "
+                         "--tensor-model-parallel-size are not supported yet; plan with the experts split like the "
+                         "dense layers (drop --expert-tensor-parallel-size).")
     if args.pipeline_model_parallel_size > 1 and (args.num_experts or args.recompute_granularity == "full"):
         # Which stage holds which MoE layers' traffic, and full recompute's chunks per
         # stage, are not modelled yet.

@@ -22,11 +22,16 @@ with ``cp`` folded into the innermost one (1-D ``("dp",)`` over dp x cp ranks, o
 HSDP ``("outer", "inner")`` with inner x cp ranks inside; a separate 2-D mesh would mean
 replicating over CP). Token counts for the loss normalization run over ``dp_cp_group``.
 
-The expert view reads the same ranks differently: within one pipeline stage the
-data-parallel ranks, CP folded in as above, are ``("expert_dp", "ep")``, or
-``("expert_outer", "expert_inner", "ep")`` under HSDP/HFSDP, with ``tp`` innermost as
-before (``megatron/core/transformer/moe/expert_parallel.py`` says why the experts are
-laid out so). Both views come from one tensor of ranks, so their groups always agree.
+The expert view reads the same ranks differently: within one pipeline stage the ranks
+(data-parallel x CP x TP, in that order) are ``("expert_dp", "ep", "tp")``, or
+``("expert_outer", "expert_inner", "ep", "tp")`` under HSDP/HFSDP, where this ``tp`` axis
+is the expert tensor-parallel size (``--expert-tensor-parallel-size``, default the TP
+size: then it is the world mesh's ``tp`` axis and ``(expert_dp, ep)`` its data-parallel
+ranks, CP folded in as for ``dp_cp_mesh``), innermost as in upstream's expert rank
+generator (etp, then ep, then expert-dp). Under CP each rank routes its own tokens, so
+for the experts CP ranks are data-parallel ranks like any other.
+``megatron/core/transformer/moe/expert_parallel.py`` says why the experts are laid out
+so. Both views come from one tensor of ranks, so their groups always agree.
 
 ``initialize_model_parallel`` builds the state once per process and the getters read it
 (Megatron's ``parallel_state`` API): model providers, which receive only the arguments,
@@ -77,6 +82,7 @@ class ParallelState:
     dp_cp_group: Optional[dist.ProcessGroup] = None
     expert_mesh: Any = None  # ("expert_dp", "ep", "tp") or ("expert_outer", "expert_inner", "ep", "tp") of this stage
     ep_size: int = 1
+    etp_size: int = 1  # the expert mesh's "tp" axis: --expert-tensor-parallel-size (default the TP size)
 
     @property
     def dp_axes(self) -> Tuple[str, ...]:
@@ -91,11 +97,11 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
 
-def _check_sizes(world: int, tp: int, pp: int, cp: int, dp_outer: int, ep: int) -> int:
+def _check_sizes(world: int, tp: int, pp: int, cp: int, dp_outer: int, ep: int, etp: int = 1) -> int:
     """The data-parallel size, or a ValueError naming the flags that do not fit."""
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("--context-parallel-size", cp), ("--num-distributed-optimizer-instances", dp_outer),
-                        ("--expert-model-parallel-size", ep)):
+                        ("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
         if int(value) != value or value < 1:
             raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}.")
     if world % (tp * pp * cp * dp_outer):
@@ -104,20 +110,40 @@ def _check_sizes(world: int, tp: int, pp: int, cp: int, dp_outer: int, ep: int) 
             f"({cp}) x --num-distributed-optimizer-instances ({dp_outer}) must divide the world size ({world}); "
             "pick sizes whose product divides it."
         )
+    check_expert_mesh_sizes(world, pp, dp_outer, ep, etp)
     return world // (tp * pp * cp)
+
+
+def check_expert_mesh_sizes(world: int, pp: int, dp_outer: int, ep: int, etp: int) -> None:
+    """The expert view cuts one pipeline stage's ranks into (expert-dp, ep, etp) (and the
+    expert-dp ranks into the HSDP/HFSDP instances): a ValueError naming the flags unless
+    they divide it (upstream: world % (etp x ep x pp) == 0)."""
+    stage = world // pp
+    if stage % (ep * etp):
+        raise ValueError(
+            f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}) must divide the ranks of "
+            f"one pipeline stage ({stage} = world size {world} / --pipeline-model-parallel-size {pp}); pick sizes "
+            f"whose product divides {stage}.")
+    if dp_outer > 1 and (stage // dp_outer) % (ep * etp):
+        raise ValueError(
+            f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}) must divide the ranks of "
+            f"one HSDP/HFSDP instance of a stage ({stage // dp_outer} = {stage} / --num-distributed-optimizer-instances "
+            f"{dp_outer}); pick sizes whose product divides {stage // dp_outer}, or fewer instances.")
 
 
 def build_parallel_state(tensor_model_parallel_size: int = 1, dp_outer_size: int = 1,
                          device_type: str = "cpu", *, pipeline_model_parallel_size: int = 1,
                          context_parallel_size: int = 1, virtual_pipeline_model_parallel_size: Optional[int] = None,
                          expert_model_parallel_size: Optional[int] = None,
-                         hierarchical_context_parallel_sizes: Optional[Tuple[int, ...]] = None) -> ParallelState:
+                         hierarchical_context_parallel_sizes: Optional[Tuple[int, ...]] = None,
+                         expert_tensor_parallel_size: Optional[int] = None) -> ParallelState:
     """The mesh for ``world = pp x dp_outer x dp_inner x cp x tp`` (every rank calls it).
 
     ``hierarchical_context_parallel_sizes`` (a2a size, p2p size), whose product is the CP
     size: build the groups of cp_comm_type "a2a+p2p" (a2a groups of consecutive CP ranks).
 
-    ``expert_model_parallel_size``: build the expert view too (a MoE model), else None.
+    ``expert_model_parallel_size``: build the expert view too (a MoE model), else None;
+    ``expert_tensor_parallel_size`` its ``tp`` axis (default: the TP size).
     Every group is created here, on every rank in the same order, so that a stage without
     expert layers still takes part in creating the other stages' expert groups."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -125,7 +151,11 @@ def build_parallel_state(tensor_model_parallel_size: int = 1, dp_outer_size: int
     world = dist.get_world_size()
     tp, pp, cp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size), int(context_parallel_size)
     ep = 1 if expert_model_parallel_size is None else int(expert_model_parallel_size)
-    dp = _check_sizes(world, tp, pp, cp, dp_outer_size, ep)
+    etp = tp if expert_tensor_parallel_size is None else int(expert_tensor_parallel_size)
+    dp = _check_sizes(world, tp, pp, cp, dp_outer_size, ep, etp)
+    if cp > 1 and etp != tp:
+        raise ValueError(f"--expert-tensor-parallel-size ({etp}) other than --tensor-model-parallel-size ({tp}) "
+                         "with --context-parallel-size > 1 is not supported; leave the expert TP size at the TP size.")
     if hierarchical_context_parallel_sizes is not None and math.prod(hierarchical_context_parallel_sizes) != cp:
         raise ValueError(f"--hierarchical-context-parallel-sizes {hierarchical_context_parallel_sizes} must "
                          f"multiply to --context-parallel-size ({cp}); pick sizes whose product is {cp}.")
@@ -156,7 +186,8 @@ def build_parallel_state(tensor_model_parallel_size: int = 1, dp_outer_size: int
         embedding_group = _group_per_line(ranks, lambda line: [line[0], line[-1]], pp_ranks)
         if pp_rank not in (0, pp - 1):
             embedding_group = None
-    expert_mesh = None if expert_model_parallel_size is None else _expert_mesh(device_type, ranks, dp_outer_size, ep)
+    expert_mesh = None if expert_model_parallel_size is None else \
+        _expert_mesh(device_type, ranks, dp_outer_size, ep, etp)
     return ParallelState(
         world_mesh=world_mesh,
         dp_mesh=dp_mesh,
@@ -181,6 +212,7 @@ def build_parallel_state(tensor_model_parallel_size: int = 1, dp_outer_size: int
         dp_cp_group=dp_cp_group,
         expert_mesh=expert_mesh,
         ep_size=ep,
+        etp_size=etp,
     )
 
 
@@ -227,22 +259,22 @@ def _group_per_line(ranks: torch.Tensor, members, own_line: Tuple[int, ...]):
     return mine
 
 
-def _expert_mesh(device_type: str, ranks: torch.Tensor, dp_outer: int, ep: int):
-    """The expert view of this rank's stage: its data-parallel ranks, with the CP ranks
-    folded in as for ``dp_cp_mesh`` (cp fastest), as (expert-dp, ep). Under CP each rank
-    routes its own tokens, so for the experts CP ranks are data-parallel ranks like any
-    other: EP groups take consecutive (dp, cp) ranks, as Megatron carves them from dp x cp."""
+def _expert_mesh(device_type: str, ranks: torch.Tensor, dp_outer: int, ep: int, etp: int):
+    """The expert view of this rank's stage: its ranks as (expert-dp, ep, etp), etp innermost.
+    The stage's ranks flatten in (dp, cp, tp) order, so at etp = tp the first two axes are
+    its data-parallel ranks with the CP ranks folded in (cp fastest, as ``dp_cp_mesh``): EP
+    groups take consecutive (dp, cp) ranks, as Megatron carves them from dp x cp."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    pp, tp = ranks.shape[0], ranks.shape[-1]
-    dp = ranks[0].numel() // tp  # data-parallel x context-parallel ranks of one TP coordinate
-    if dp % ep or (dp // dp_outer) % ep:
+    pp = ranks.shape[0]
+    stage = ranks[0].numel()  # dp x cp x tp ranks, tp innermost
+    if stage % (ep * etp) or (stage // dp_outer) % (ep * etp):
         return None  # the MoE layout check (expert_parallel.py) names the flags at model build
     if dp_outer > 1:
-        shape, names = (dp_outer, dp // dp_outer // ep, ep), ("expert_outer", "expert_inner", "ep")
+        shape, names = (dp_outer, stage // dp_outer // (ep * etp), ep), ("expert_outer", "expert_inner", "ep")
     else:
-        shape, names = (dp // ep, ep), ("expert_dp", "ep")
-    mesh = DeviceMesh(device_type, ranks.reshape((pp,) + shape + (tp,)), mesh_dim_names=("pp",) + names + ("tp",))
+        shape, names = (stage // (ep * etp), ep), ("expert_dp", "ep")
+    mesh = DeviceMesh(device_type, ranks.reshape((pp,) + shape + (etp,)), mesh_dim_names=("pp",) + names + ("tp",))
     return mesh[names + ("tp",)]
 
 
@@ -254,7 +286,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, dp_outer_size
                               context_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
                               expert_model_parallel_size: Optional[int] = None,
-                              hierarchical_context_parallel_sizes: Optional[Tuple[int, ...]] = None) -> ParallelState:
+                              hierarchical_context_parallel_sizes: Optional[Tuple[int, ...]] = None,
+                              expert_tensor_parallel_size: Optional[int] = None) -> ParallelState:
     """Build this process's parallel state (after the default process group exists)."""
     global _STATE
     if _STATE is not None:
@@ -264,7 +297,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, dp_outer_size
                                   context_parallel_size=context_parallel_size,
                                   virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
                                   expert_model_parallel_size=expert_model_parallel_size,
-                                  hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes)
+                                  hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+                                  expert_tensor_parallel_size=expert_tensor_parallel_size)
     return _STATE
 
 

@@ -21,6 +21,7 @@ from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.context_parallel_arguments import (
     add_context_parallel_args, validate_context_parallel_args, validate_context_parallel_size)
+from megatron.training.mla_arguments import add_mla_args, validate_mla_args
 from megatron.training.moe_arguments import add_moe_args, validate_moe_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 
@@ -77,6 +78,8 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="a bias on linear_qkv only (Qwen2), even with --disable-bias-linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -524,6 +527,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         raise ValueError("--wandb-exp-name needs --wandb-project (W&B logging is enabled by the project).")
     _validate_fidelity(args)
     validate_moe_args(args)
+    validate_mla_args(args)
     _validate_paths(args)
     return args
 
@@ -680,6 +684,7 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-output-gate", action="store_true",
                    help="Qwen3-Next gated attention: linear_qkv also outputs a gate; the attention output is "
                         "multiplied by its sigmoid before linear_proj")
+    add_mla_args(g)
     g.add_argument("--squared-relu", action="store_true", help="squared ReLU activation in the MLP")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                    help="linear layers return their weight gradient to autograd, which MFSDP then copies into "

@@ -95,7 +95,6 @@ REJECTED: Dict[str, str] = {
     "--use-torch-fsdp2": "PyTorch FSDP2 is not wired into this trainer; use --use-mfsdp (Megatron FSDP v2)",
     "--use-legacy-models": "only the Megatron-Core GPT model exists; drop it",
     "--use-checkpoint-args": "pass the model flags explicitly (the checkpoint's common.json lists them)",
-    "--multi-latent-attention": "multi-latent attention is not implemented; use standard attention (GQA via --num-query-groups)",
     "--use-mup": "muP is not implemented; drop it",
     "--enable-cuda-graph": "CUDA graphs are not supported; drop it",
     "--cuda-graph-impl": "CUDA graphs are not supported; drop it",

@@ -220,8 +220,8 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
 def shard_experts(layer: torch.nn.Module, args, policy) -> list:
     """A MoE layer's experts as their own unit: sharded over the expert-data-parallel mesh
     (the ranks holding the same experts; 2-D under HSDP/HFSDP) with the run's strategy and
-    ``grad_divisor`` = the EP size (``megatron/core/transformer/moe/expert_parallel.py``
-    says why). [] for a dense layer."""
+    ``grad_divisor`` = the EP size, EP x ETP / TP with the expert TP size apart from TP
+    (``megatron/core/transformer/moe/expert_parallel.py`` says why). [] for a dense layer."""
     from megatron.core.distributed.mfsdp_v2 import fully_shard
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -236,7 +236,7 @@ def shard_experts(layer: torch.nn.Module, args, policy) -> list:
             f"{args.dp_outer_size}; build it with build_expert_parallel(..., dp_outer_size={args.dp_outer_size})."
         )
     return [fully_shard(moe.experts, ep.expert_dp_mesh, build_placements(args, ep.expert_dp_dims),
-                        mixed_precision_policy=policy, grad_divisor=ep.size)]
+                        mixed_precision_policy=policy, grad_divisor=ep.grad_divisor)]
 
 
 META_BUILD_FAILED = (
@@ -362,7 +362,7 @@ def get_grad_norm_and_clip(args, built: BuiltModel, optimizer: Optional[torch.op
     from megatron.core.optimizer import clip_grad_norm
     from megatron.core.optimizer.clip_grads import clip_grads_to
     from megatron.core.transformer.moe.expert_parallel import (
-        clip_grad_norm_with_experts, expert_parallel_of, expert_parameters)
+        clip_grad_norm_with_experts, expert_parallel_of, expert_parameters, expert_tensor_parallel_args)
 
     params = [p for p in built.unwrapped.parameters() if p.requires_grad]
     ep = expert_parallel_of(built.unwrapped)
@@ -370,10 +370,11 @@ def get_grad_norm_and_clip(args, built: BuiltModel, optimizer: Optional[torch.op
     pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
     max_norm = 0.0 if pipelined else args.clip_grad  # a stage alone only measures
     counted = _counted_once(built, params) if pipelined else params
-    if ep is not None and ep.size > 1:
-        # Expert gradients differ across the EP group: their norm adds up over it too.
+    if ep is not None and (ep.size > 1 or ep.tensor_parallel_apart):
+        # Expert gradients differ across the EP group: their norm adds up over it too (and
+        # their TP pieces over their own TP group).
         norm = clip_grad_norm_with_experts(counted, expert_parameters(built.unwrapped), ep, max_norm,
-                                           **tensor_parallel)
+                                           expert_tensor_parallel_args(built.unwrapped, ep), **tensor_parallel)
     else:
         norm = clip_grad_norm(counted, max_norm, **tensor_parallel)
     if not pipelined:
@@ -446,15 +447,17 @@ def get_params_norm_of(args, built: BuiltModel, params) -> torch.Tensor:
     """--log-params-norm: the global norm of ``params`` (each TP piece and each expert counted once)."""
     from megatron.core.optimizer import get_params_norm
     from megatron.core.transformer.moe.expert_parallel import (
-        expert_parallel_of, expert_parameters, norm_with_experts)
+        expert_parallel_of, expert_parameters, expert_tensor_parallel_args, norm_with_experts)
 
     ep = expert_parallel_of(built.unwrapped)
     tensor_parallel = tensor_parallel_norm_args(args, built)
     pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
     params = _counted_once(built, params) if pipelined else params
-    if ep is not None and ep.size > 1:
+    if ep is not None and (ep.size > 1 or ep.tensor_parallel_apart):
+        expert_tp = expert_tensor_parallel_args(built.unwrapped, ep)
         norm = norm_with_experts(params, expert_parameters(built.unwrapped), ep,
-                                 lambda ps: get_params_norm(ps, **tensor_parallel))
+                                 lambda ps: get_params_norm(ps, **tensor_parallel),
+                                 None if expert_tp is None else (lambda ps: get_params_norm(ps, **expert_tp)))
     else:
         norm = get_params_norm(params, **tensor_parallel)
     return _sum_over_pipeline(norm.double() ** 2).sqrt().float() if pipelined else norm
@@ -464,14 +467,15 @@ def count_zeros_of(args, built: BuiltModel, params) -> int:
     """--log-num-zeros-in-grad: zero gradient entries of ``params`` (each TP piece and each expert once)."""
     from megatron.core.optimizer import count_zeros
     from megatron.core.transformer.moe.expert_parallel import (
-        count_zeros_with_experts, expert_parallel_of, expert_parameters)
+        count_zeros_with_experts, expert_parallel_of, expert_parameters, expert_tensor_parallel_args)
 
     ep = expert_parallel_of(built.unwrapped)
     tensor_parallel = tensor_parallel_norm_args(args, built)
     pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
     params = _counted_once(built, params) if pipelined else params
-    if ep is not None and ep.size > 1:
-        zeros = count_zeros_with_experts(params, expert_parameters(built.unwrapped), ep, **tensor_parallel)
+    if ep is not None and (ep.size > 1 or ep.tensor_parallel_apart):
+        zeros = count_zeros_with_experts(params, expert_parameters(built.unwrapped), ep,
+                                         expert_tensor_parallel_args(built.unwrapped, ep), **tensor_parallel)
     else:
         zeros = count_zeros(params, **tensor_parallel)
     return int(_sum_over_pipeline(torch.tensor(float(zeros), dtype=torch.float64))) if pipelined else zeros

@@ -57,7 +57,8 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks that split each layer's experts (inner within the data-parallel ranks)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="ranks that split each expert (default and only value: --tensor-model-parallel-size)")
+                   help="ranks that split each expert (default --tensor-model-parallel-size); innermost in the "
+                        "expert view of a pipeline stage's ranks, then EP, then expert data parallelism")
 
 
 def moe_config_kwargs(args) -> dict:
@@ -119,14 +120,45 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     check_moe_config(types.SimpleNamespace(**fields))
     args.moe_router_load_balancing_type = fields["moe_router_load_balancing_type"]
     args.moe_aux_loss_coeff = fields["moe_aux_loss_coeff"]
+    _validate_expert_tensor_parallel(args)
     if args.num_experts is None:
         return
-    ep = args.expert_model_parallel_size
+    ep, tp = args.expert_model_parallel_size, getattr(args, "tensor_model_parallel_size", 1)
     cp = getattr(args, "context_parallel_size", 1)  # CP ranks route their own tokens: EP spans DP x CP
-    check_expert_parallel_size(ep, args.data_parallel_size * cp, getattr(args, "tensor_model_parallel_size", 1),
-                               args.dp_outer_size, cp_size=cp)
+    if (args.expert_tensor_parallel_size or tp) == tp:  # else the expert view's own check above
+        check_expert_parallel_size(ep, args.data_parallel_size * cp, tp, args.dp_outer_size, cp_size=cp)
     if ep > 1 and not args.use_mfsdp:
         raise ValueError(
             f"--expert-model-parallel-size {ep} needs --use-mfsdp: DDP would average the gradients of "
             "different experts across the expert-parallel ranks."
         )
+
+
+def _validate_expert_tensor_parallel(args: argparse.Namespace) -> None:
+    """--expert-tensor-parallel-size: the expert view (etp x ep x expert-dp) must cut each
+    pipeline stage's ranks, as upstream asserts for any model; experts split apart from TP
+    need MFSDP (their gradients are averaged over ranks of several TP coordinates) and,
+    without sequence parallelism, a sequence that splits over TP (each TP rank routes its
+    chunk of the tokens)."""
+    from megatron.core.parallel_state import check_expert_mesh_sizes
+
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    etp = args.expert_tensor_parallel_size or tp
+    if etp == tp:  # the expert-parallel size check (EP | data-parallel size) says the same
+        return
+    check_expert_mesh_sizes(args.world_size, getattr(args, "pipeline_model_parallel_size", 1),
+                            args.dp_outer_size if args.num_experts else 1, args.expert_model_parallel_size, etp)
+    if args.num_experts is None:
+        return
+    if getattr(args, "context_parallel_size", 1) > 1:  # the token path apart from TP is not built for CP splits
+        raise ValueError(f"--expert-tensor-parallel-size {etp} apart from --tensor-model-parallel-size {tp} with "
+                         "--context-parallel-size > 1 is not supported; set --expert-tensor-parallel-size "
+                         f"{tp} (or --context-parallel-size 1).")
+    if not args.use_mfsdp:
+        raise ValueError(f"--expert-tensor-parallel-size {etp} apart from --tensor-model-parallel-size {tp} needs "
+                         "--use-mfsdp: DDP averages over the TP coordinate's data-parallel ranks only; add it, or "
+                         f"set --expert-tensor-parallel-size {tp}.")
+    if tp > 1 and not getattr(args, "sequence_parallel", False) and args.seq_length % tp:
+        raise ValueError(f"--seq-length ({args.seq_length}) must be a multiple of --tensor-model-parallel-size ({tp}) "
+                         f"when --expert-tensor-parallel-size ({etp}) differs from it: each TP rank routes its chunk "
+                         "of the sequence; pad the sequence or add --sequence-parallel.")

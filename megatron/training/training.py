@@ -255,7 +255,8 @@ def _initialize_parallel_state(args, device):
         context_parallel_size=args.context_parallel_size,
         hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size if args.num_experts else None)
+        expert_model_parallel_size=args.expert_model_parallel_size if args.num_experts else None,
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
 
 
 def _model_parameter_count(built: BuiltModel) -> int:

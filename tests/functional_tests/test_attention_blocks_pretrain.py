@@ -43,3 +43,33 @@ def test_tp2_equals_tp1_with_qk_layernorm_and_output_gate(runs):
     for it in range(1, ITERS + 1):
         assert train[it]["lm_loss"] == pytest.approx(reference[it]["lm_loss"], rel=2e-5, abs=1e-6), it
         assert train[it]["grad_norm"] == pytest.approx(reference[it]["grad_norm"], rel=1e-4, abs=1e-6), it
+
+
+# Multi-latent attention (DeepSeek-V3 style, q compression and the latent norms): the down
+# projections are replicated, the up projections split by heads, the shared rope key's
+# gradient summed over TP (without SP by the model, with SP by the gather's backward).
+MLA_ARGS = list(ARGS[:ARGS.index("--qk-layernorm")]) + [
+    "--qk-layernorm", "--use-mfsdp", "--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16",
+    "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "12"]
+
+
+@pytest.fixture(scope="module")
+def mla_runs(tmp_path_factory):
+    out = {}
+    for name, nproc, flags in (("tp1", 1, []), ("tp2", 2, ["--tensor-model-parallel-size", "2"]),
+                               ("tp2-sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
+        log_dir = tmp_path_factory.mktemp("mla-" + name) / "logs"
+        proc = run_torchrun(MLA_ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
+        out[name] = read_metrics(str(log_dir))[0], proc.stdout
+    return out
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2-sp"])
+def test_tp2_equals_tp1_with_multi_latent_attention(mla_runs, name):
+    reference, _ = mla_runs["tp1"]
+    train, _ = mla_runs[name]
+    assert sorted(train) == sorted(reference) == list(range(1, ITERS + 1))
+    assert reference[ITERS]["lm_loss"] != reference[1]["lm_loss"]
+    for it in range(1, ITERS + 1):
+        assert train[it]["lm_loss"] == pytest.approx(reference[it]["lm_loss"], rel=2e-5, abs=1e-6), it
+        assert train[it]["grad_norm"] == pytest.approx(reference[it]["grad_norm"], rel=1e-4, abs=1e-6), it

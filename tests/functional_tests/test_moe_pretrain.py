@@ -107,3 +107,26 @@ def test_expert_bias_is_updated_by_the_trainer_saved_and_resumed(tmp_path):
         assert resumed[it]["lm_loss"] == pytest.approx(full[it]["lm_loss"], rel=2e-5)
         assert resumed[it]["global_load_balancing_loss"] == pytest.approx(
             full[it]["global_load_balancing_loss"], rel=1e-5)
+
+
+def test_experts_split_apart_from_tp_match_ep1_and_reshard_across_etp(layouts, tmp_path):
+    """--expert-tensor-parallel-size 1 under TP=2 (EP=2: the EP groups are the TP pairs;
+    each TP rank routes its half of the sequence) trains like EP=1 at 2 ranks; its
+    checkpoint of iteration 2 resumes at TP=2 with the experts split like the dense layers
+    (ETP=2, EP=1) exactly where it went on."""
+    ep1, _, _, _ = layouts
+    save = tmp_path / "ckpt"
+    etp1, log = run(tmp_path, "tp2-etp1-ep2", 4, "--tensor-model-parallel-size", "2",
+                    "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2",
+                    "--save", str(save), "--save-interval", "2")
+    for it in range(1, ITERS + 1):
+        assert etp1[it]["lm_loss"] == pytest.approx(ep1[it]["lm_loss"], rel=2e-5), it
+        assert etp1[it]["grad_norm"] == pytest.approx(ep1[it]["grad_norm"], rel=1e-4), it
+    for layer in (1, 2):  # counted once per token
+        assert etp1[1][f"moe/layer{layer}/max_tokens_per_expert"] == ep1[1][f"moe/layer{layer}/max_tokens_per_expert"]
+    resumed, log = run(tmp_path, "resumed-etp2", 4, "--tensor-model-parallel-size", "2",
+                       "--load", str(save / "iter_0000002"))
+    assert "resumed from" in log
+    for it in (3, 4):
+        assert resumed[it]["lm_loss"] == pytest.approx(etp1[it]["lm_loss"], rel=2e-5)
+        assert resumed[it]["grad_norm"] == pytest.approx(etp1[it]["grad_norm"], rel=1e-4)

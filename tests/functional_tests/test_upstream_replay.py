@@ -10,8 +10,9 @@ sys.path.insert(0, os.path.join(HERE, os.pardir, os.pardir, "scripts"))
 import replay_upstream_configs as replay  # noqa: E402
 
 # Lines that parse with their own parallel sizes (25 at first; 29 after the fidelity flags;
-# 102 with pipeline parallelism; 119 with context parallelism).
-ACCEPTED = 119
+# 102 with pipeline parallelism; 119 with context parallelism; 127 with --expert-tensor-parallel-size;
+# 129 with multi-latent attention).
+ACCEPTED = 129
 
 
 def test_replay_counts_do_not_drop(capsys):

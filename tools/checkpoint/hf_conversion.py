@@ -18,13 +18,33 @@ Two model styles convert:
   in-memory names of transformers 5 (``mlp.experts.gate_up_proj`` [E, 2F, H],
   ``mlp.experts.down_proj`` [E, H, F]; our tensors reshaped) are read too.
 * Qwen2-MoE style -- the Mixtral style plus a shared expert gated by
-  ``--moe-shared-expert-gate`` -> ``Qwen2MoeForCausalLM`` without q/k/v biases
-  (``qkv_bias`` false: our linears have one bias switch). Its router's ``norm_topk_prob``
+  ``--moe-shared-expert-gate`` -> ``Qwen2MoeForCausalLM``. Its router's ``norm_topk_prob``
   false is our ``--moe-router-pre-softmax`` (the top-k of the softmax over all experts),
   true our default (the softmax of the top-k logits, the same numbers). Per-expert file
   tensors ``mlp.experts.{j}.gate_proj`` / ``up_proj`` / ``down_proj``, ``mlp.shared_expert.*``
   (our ``mlp.shared_experts.linear_fc1`` = [gate_proj; up_proj], ``linear_fc2`` = down_proj)
   and ``mlp.shared_expert_gate.weight`` = our ``mlp.shared_experts.gate_weight`` ([1, H]).
+  ``qkv_bias`` true is our ``--add-qkv-bias`` (a bias on linear_qkv only, split like its rows).
+
+* DeepSeek-V3 style -- multi-latent attention (``--multi-latent-attention`` with the latent
+  norms of ``--qk-layernorm``, multi_latent_attention.py) in a Llama-style model with dense
+  SwiGLU MLPs -> ``DeepseekV3ForCausalLM`` with ``first_k_dense_replace`` = every layer and
+  ``rope_interleave`` (Megatron's MLA RoPE pairs). The layouts are the same, so every
+  tensor maps whole: ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj`` (or
+  ``linear_q_proj``) are ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` (``q_proj``),
+  ``linear_kv_down_proj`` / ``kv_layernorm`` / ``linear_kv_up_proj`` are
+  ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``, ``linear_proj`` is ``o_proj``.
+  Hugging Face's latent norms have eps 1e-6 whatever ``rms_norm_eps`` says, ours the one
+  ``--norm-epsilon``: only 1e-6 converts. MoE layers after the first ``first_k_dense_replace``
+  dense ones (our ``--moe-layer-freq`` pattern) convert too: sigmoid scores
+  (``--moe-router-score-function sigmoid``, renormalised: ``norm_topk_prob``), times
+  ``routed_scaling_factor`` (``--moe-router-topk-scaling-factor``), chosen with
+  ``e_score_correction_bias`` (our ``mlp.router.expert_bias``, ``--moe-router-enable-expert-bias``)
+  in ``n_group`` groups (``--moe-router-num-groups``; a group's score is the sum of its top
+  k / topk_group experts here and of its top 2 there, so with groups only k = 2 x
+  topk_group converts), and an ungated shared expert of ``n_shared_experts x
+  moe_intermediate_size`` (``mlp.shared_experts``, gate_proj/up_proj/down_proj). YaRN RoPE
+  scaling does not convert yet.
 
 The QKV projection is interleaved per query group in our layout (attention.py): for each
 group g, ``P = heads / groups`` query heads, then one key head, then one value head, each
@@ -78,6 +98,21 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None  # a gated shared expert (Qwen2-MoE style)
     rotary_interleaved: bool = False  # RoPE pairs (2i, 2i + 1): no Hugging Face style here has them
+    add_qkv_bias: bool = False  # a bias on linear_qkv only (--add-qkv-bias; Qwen2-MoE's qkv_bias)
+    # DeepSeek-V3 routing (sigmoid scores, correction bias, groups) and its first dense layers.
+    moe_router_score_function: str = "softmax"
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_first_dense_layers: int = 0
+    # Multi-latent attention (DeepSeek-V3 style); num_query_groups / kv_channels do not apply.
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def style(self) -> str:
@@ -89,6 +124,27 @@ class ModelConfig:
                 and not self.gated_linear_unit and self.activation in ("gelu", "gelu_tanh"))
         llama = (self.position_embedding_type == "rope" and self.normalization == "RMSNorm"
                  and self.gated_linear_unit and self.activation == "silu")
+        if self.multi_latent_attention:
+            if not llama or self.add_bias_linear or not self.qk_layernorm:
+                raise ConversionError(
+                    "multi-latent attention converts only as DeepSeek-V3 (RoPE, RMSNorm, SwiGLU, no linear biases, "
+                    "the latent norms of --qk-layernorm); convert this model --to safetensors instead.")
+            if self.num_experts and (self.moe_router_score_function != "sigmoid"
+                                     or not self.moe_shared_expert_intermediate_size):
+                raise ConversionError("DeepSeek-V3's MoE layers route by sigmoid scores and have a shared expert; "
+                                      "this model's do not (convert it --to safetensors instead).")
+            if self.moe_router_num_groups and self.moe_router_topk != 2 * self.moe_router_group_topk:
+                raise ConversionError("DeepSeek-V3 scores a group by its top 2 experts, this model by its top "
+                                      f"{self.moe_router_topk // self.moe_router_group_topk}: only --moe-router-topk = 2 "
+                                      "x --moe-router-group-topk converts.")
+            if self.norm_epsilon != 1e-6:
+                raise ConversionError(f"DeepSeek-V3's latent norms use eps 1e-6, this model {self.norm_epsilon:g} "
+                                      "for every norm; only --norm-epsilon 1e-6 converts (or --to safetensors).")
+            return "deepseek_v3"
+        if self.add_qkv_bias and not self.add_bias_linear and not (llama and self.num_experts
+                                                                    and self.moe_shared_expert_intermediate_size):
+            raise ConversionError("q/k/v biases alone (--add-qkv-bias) convert only in a Qwen2-MoE style model; "
+                                  "convert this model --to safetensors instead.")
         if gpt2 and not self.num_experts and not self.qk_layernorm:
             return "gpt2"
         if llama and self.qk_layernorm and not self.num_experts:
@@ -143,6 +199,15 @@ class ModelConfig:
             **({"moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size,
                 "moe_shared_expert_gate": True} if self.moe_shared_expert_intermediate_size else {}),
             **({"qk_layernorm": True} if self.qk_layernorm else {}),
+            **({"add_qkv_bias": True} if self.add_qkv_bias else {}),
+            **({"moe_router_score_function": "sigmoid", "moe_router_topk_scaling_factor":
+                self.moe_router_topk_scaling_factor, "moe_router_enable_expert_bias": True,
+                "moe_router_num_groups": self.moe_router_num_groups, "moe_router_group_topk": self.moe_router_group_topk,
+                "moe_layer_freq": [0] * self.moe_first_dense_layers + [1] * (self.num_layers - self.moe_first_dense_layers),
+                "moe_shared_expert_gate": False} if self.num_experts and self.multi_latent_attention else {}),
+            **({"multi_latent_attention": True, "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+                "qk_head_dim": self.qk_head_dim, "qk_pos_emb_head_dim": self.qk_pos_emb_head_dim,
+                "v_head_dim": self.v_head_dim} if self.multi_latent_attention else {}),
         }
 
     def command_line(self) -> list:
@@ -151,7 +216,7 @@ class ModelConfig:
                  f"--num-attention-heads {self.num_attention_heads}", f"--ffn-hidden-size {self.ffn_hidden_size}",
                  f"--max-position-embeddings {self.max_position_embeddings}", f"--norm-epsilon {self.norm_epsilon:g}",
                  f"--hidden-dropout {self.hidden_dropout:g}", f"--attention-dropout {self.attention_dropout:g}"]
-        if self.kv_channels * self.num_attention_heads != self.hidden_size:
+        if self.kv_channels * self.num_attention_heads != self.hidden_size and not self.multi_latent_attention:
             flags.append(f"--kv-channels {self.kv_channels}")
         if self.num_query_groups != self.num_attention_heads:
             flags.append(f"--group-query-attention --num-query-groups {self.num_query_groups}")
@@ -165,10 +230,16 @@ class ModelConfig:
             flags.append("--swiglu")
         if self.qk_layernorm:
             flags.append("--qk-layernorm")
+        if self.multi_latent_attention:
+            flags.append("--multi-latent-attention" + (f" --q-lora-rank {self.q_lora_rank}" if self.q_lora_rank else "")
+                         + f" --kv-lora-rank {self.kv_lora_rank} --qk-head-dim {self.qk_head_dim} "
+                         f"--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim} --v-head-dim {self.v_head_dim}")
         if self.activation == "gelu_tanh":
             flags.append("--openai-gelu")
         if not self.add_bias_linear:
             flags.append("--disable-bias-linear")
+        if self.add_qkv_bias:
+            flags.append("--add-qkv-bias")
         if not self.tied_embeddings:
             flags.append("--untie-embeddings-and-output-weights")
         if self.num_experts:
@@ -177,8 +248,15 @@ class ModelConfig:
             if self.moe_router_pre_softmax:
                 flags.append("--moe-router-pre-softmax")
         if self.moe_shared_expert_intermediate_size:
-            flags.append(f"--moe-shared-expert-intermediate-size {self.moe_shared_expert_intermediate_size} "
-                         "--moe-shared-expert-gate")
+            flags.append(f"--moe-shared-expert-intermediate-size {self.moe_shared_expert_intermediate_size}"
+                         + ("" if self.multi_latent_attention else " --moe-shared-expert-gate"))
+        if self.num_experts and self.multi_latent_attention:
+            freq = f"([0]*{self.moe_first_dense_layers}+[1]*{self.num_layers - self.moe_first_dense_layers})"
+            flags.append(f"--moe-layer-freq {freq} --moe-router-score-function sigmoid --moe-router-enable-expert-bias"
+                         + (f" --moe-router-topk-scaling-factor {self.moe_router_topk_scaling_factor:g}"
+                            if self.moe_router_topk_scaling_factor else "")
+                         + (f" --moe-router-num-groups {self.moe_router_num_groups} --moe-router-group-topk "
+                            f"{self.moe_router_group_topk}" if self.moe_router_num_groups else ""))
         return flags
 
 
@@ -217,19 +295,25 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         raise ConversionError("the number of attention heads is not recorded in this checkpoint; pass "
                               "--num-attention-heads (and --num-query-groups for grouped-query attention).")
     groups = args.get("num_query_groups") or heads
-    qkv_rows = shapes["decoder.layers.0.self_attention.linear_qkv.weight"][0]
-    if qkv_rows % (heads + 2 * groups):
-        raise ConversionError(f"linear_qkv has {qkv_rows} rows, not a multiple of heads + 2 * groups = "
-                              f"{heads + 2 * groups}; check --num-attention-heads / --num-query-groups.")
-    kv_channels = qkv_rows // (heads + 2 * groups)
-    moe = _moe_from_tensors(shapes, args, len(layers))
-    mlp = "decoder.layers.0.mlp.experts." if moe else "decoder.layers.0.mlp."
+    mla = _mla_from_tensors(shapes, args, heads)
+    if mla:
+        groups, kv_channels = heads, mla["qk_head_dim"] + mla["qk_pos_emb_head_dim"]
+    else:
+        qkv_rows = shapes["decoder.layers.0.self_attention.linear_qkv.weight"][0]
+        if qkv_rows % (heads + 2 * groups):
+            raise ConversionError(f"linear_qkv has {qkv_rows} rows, not a multiple of heads + 2 * groups = "
+                                  f"{heads + 2 * groups}; check --num-attention-heads / --num-query-groups.")
+        kv_channels = qkv_rows // (heads + 2 * groups)
+    moe = _deepseek_moe_from_tensors(shapes, args, len(layers)) if mla else _moe_from_tensors(shapes, args, len(layers))
+    first_moe = moe.get("moe_first_dense_layers", 0)
+    mlp = f"decoder.layers.{first_moe}.mlp.experts." if moe else "decoder.layers.0.mlp."
     ffn = shapes[mlp + "linear_fc2.weight"][1]
     fc1_rows = shapes[mlp + "linear_fc1.weight"][0] // (moe["num_experts"] if moe else 1)
     gated = fc1_rows == 2 * ffn
     if moe:
         moe["moe_ffn_hidden_size"] = ffn
-        ffn = int(args.get("ffn_hidden_size") or ffn)
+        dense = "decoder.layers.0.mlp.linear_fc2.weight"
+        ffn = int(args.get("ffn_hidden_size") or (shapes[dense][1] if dense in shapes else ffn))
     learned = "embedding.position_embeddings.weight" in shapes
     max_positions = shapes["embedding.position_embeddings.weight"][0] if learned else int(
         args.get("max_position_embeddings") or args.get("seq_length") or 2048)
@@ -243,7 +327,10 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         normalization="RMSNorm" if rms else "LayerNorm",
         position_embedding_type="learned_absolute" if learned else "rope",
         gated_linear_unit=gated, activation=activation,
-        add_bias_linear="decoder.layers.0.self_attention.linear_qkv.bias" in shapes,
+        # linear_proj's bias tells add_bias_linear; a linear_qkv bias without it is --add-qkv-bias.
+        add_bias_linear="decoder.layers.0.self_attention.linear_proj.bias" in shapes,
+        add_qkv_bias=("decoder.layers.0.self_attention.linear_qkv.bias" in shapes
+                      and "decoder.layers.0.self_attention.linear_proj.bias" not in shapes),
         tied_embeddings="output_layer.weight" not in shapes,
         norm_epsilon=float(args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))),
         rotary_base=float(args.get("rotary_base", 10000.0)),
@@ -251,9 +338,59 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         unpadded_vocab_size=args.get("unpadded_vocab_size"),
         hidden_dropout=float(args.get("hidden_dropout", 0.0)),
         attention_dropout=float(args.get("attention_dropout", 0.0)),
-        qk_layernorm="decoder.layers.0.self_attention.q_layernorm.weight" in shapes,
-        **moe,
+        qk_layernorm=("decoder.layers.0.self_attention.kv_layernorm.weight" if mla else
+                      "decoder.layers.0.self_attention.q_layernorm.weight") in shapes,
+        **moe, **mla,
     )
+
+
+def _deepseek_moe_from_tensors(shapes, args, num_layers) -> Dict[str, Any]:
+    """DeepSeek-V3's MoE fields ({} without MoE layers): dense layers first, then MoE layers."""
+    routers = [i for i in range(num_layers) if f"decoder.layers.{i}.mlp.router.weight" in shapes]
+    if not routers:
+        return {}
+    first = routers[0]
+    if routers != list(range(first, num_layers)):
+        raise ConversionError(f"MoE layers {routers} of {num_layers}: DeepSeek-V3 has dense layers first, then only "
+                              "MoE layers (convert --to safetensors instead).")
+    m = f"decoder.layers.{first}.mlp."
+    fields = {"num_experts": shapes[m + "router.weight"][0], "moe_router_topk": int(args.get("moe_router_topk") or 2),
+              "moe_first_dense_layers": first,
+              "moe_router_score_function": args.get("moe_router_score_function") or "softmax",
+              "moe_router_topk_scaling_factor": args.get("moe_router_topk_scaling_factor"),
+              "moe_router_enable_expert_bias": m + "router.expert_bias" in shapes,
+              "moe_router_num_groups": args.get("moe_router_num_groups"),
+              "moe_router_group_topk": args.get("moe_router_group_topk")}
+    if m + "shared_experts.gate_weight" in shapes:
+        raise ConversionError("DeepSeek-V3's shared expert has no gate; this model gates it (--moe-shared-expert-gate).")
+    if m + "shared_experts.linear_fc2.weight" in shapes:
+        fields["moe_shared_expert_intermediate_size"] = shapes[m + "shared_experts.linear_fc2.weight"][1]
+    return fields
+
+
+def _mla_from_tensors(shapes, args, heads) -> Dict[str, Any]:
+    """The MLA fields ({} for standard attention): the head dimensions from the saved
+    arguments (the shapes fix only their sums), checked against the shapes."""
+    attention = "decoder.layers.0.self_attention."
+    if attention + "linear_kv_down_proj.weight" not in shapes:
+        return {}
+    fields = {"multi_latent_attention": True, "q_lora_rank": None}
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        if args.get(name) is None:
+            raise ConversionError(f"this multi-latent attention checkpoint does not record {name}; pass "
+                                  f"--{name.replace('_', '-')}.")
+        fields[name] = int(args[name])
+    if attention + "linear_q_down_proj.weight" in shapes:
+        fields["q_lora_rank"] = shapes[attention + "linear_q_down_proj.weight"][0]
+    q_up = attention + ("linear_q_up_proj.weight" if fields["q_lora_rank"] else "linear_q_proj.weight")
+    expected = {attention + "linear_kv_down_proj.weight": fields["kv_lora_rank"] + fields["qk_pos_emb_head_dim"],
+                attention + "linear_kv_up_proj.weight": heads * (fields["qk_head_dim"] + fields["v_head_dim"]),
+                q_up: heads * (fields["qk_head_dim"] + fields["qk_pos_emb_head_dim"])}
+    for name, rows in expected.items():
+        if shapes[name][0] != rows:
+            raise ConversionError(f"{name} has {shapes[name][0]} rows, the recorded MLA sizes give {rows}; check "
+                                  "--num-attention-heads and the MLA head dimensions.")
+    return fields
 
 
 def _moe_from_tensors(shapes, args, num_layers) -> Dict[str, Any]:
@@ -367,12 +504,19 @@ def to_hf(ours: Tensors, cfg: ModelConfig, vocab_size: Optional[int] = None) -> 
         m, o = f"decoder.layers.{i}.", f"model.layers.{i}."
         kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
         for kind in kinds:
-            q, k, v = split_qkv(ours[m + "self_attention.linear_qkv." + kind], cfg)
-            out[o + "self_attn.q_proj." + kind], out[o + "self_attn.k_proj." + kind] = q, k
-            out[o + "self_attn.v_proj." + kind] = v
+            if style == "deepseek_v3":
+                out.update({o + "self_attn." + hf: ours[m + "self_attention." + mine]
+                            for mine, hf in _mla_names(cfg)})
+            else:
+                q, k, v = split_qkv(ours[m + "self_attention.linear_qkv." + kind], cfg)
+                out[o + "self_attn.q_proj." + kind], out[o + "self_attn.k_proj." + kind] = q, k
+                out[o + "self_attn.v_proj." + kind] = v
             out[o + "self_attn.o_proj." + kind] = ours[m + "self_attention.linear_proj." + kind]
             if style == "qwen2_moe":
                 out.update(_qwen2_moe_to_hf(ours, cfg, m, o))
+                continue
+            if style == "deepseek_v3" and cfg.num_experts and i >= cfg.moe_first_dense_layers:
+                out.update(_deepseek_moe_to_hf(ours, cfg, m, o))
                 continue
             if style == "mixtral":
                 experts, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
@@ -388,6 +532,9 @@ def to_hf(ours: Tensors, cfg: ModelConfig, vocab_size: Optional[int] = None) -> 
             gate, up = ours[m + "mlp.linear_fc1." + kind].chunk(2, dim=0)
             out[o + "mlp.gate_proj." + kind], out[o + "mlp.up_proj." + kind] = gate.contiguous(), up.contiguous()
             out[o + "mlp.down_proj." + kind] = ours[m + "mlp.linear_fc2." + kind]
+        if cfg.add_qkv_bias:
+            q, k, v = split_qkv(ours[m + "self_attention.linear_qkv.bias"], cfg)
+            out[o + "self_attn.q_proj.bias"], out[o + "self_attn.k_proj.bias"], out[o + "self_attn.v_proj.bias"] = q, k, v
         out[o + "input_layernorm.weight"] = ours[m + "input_layernorm.weight"]
         out[o + "post_attention_layernorm.weight"] = ours[m + "pre_mlp_layernorm.weight"]
         if style == "qwen3":
@@ -396,7 +543,27 @@ def to_hf(ours: Tensors, cfg: ModelConfig, vocab_size: Optional[int] = None) -> 
     return out
 
 
-def _qwen2_moe_to_hf(ours: Tensors, cfg: ModelConfig, m: str, o: str) -> Tensors:
+def _deepseek_moe_to_hf(ours: Tensors, cfg: ModelConfig, m: str, o: str) -> Tensors:
+    """One MoE layer in DeepSeek-V3's file format: Qwen2-MoE's experts, an ungated shared
+    expert, and the router's correction bias (zeros where ours has no expert bias)."""
+    out = _qwen2_moe_to_hf(ours, cfg, m, o, gated=False)
+    out = {k.replace(o + "mlp.shared_expert.", o + "mlp.shared_experts."): v for k, v in out.items()}
+    bias = ours.get(m + "mlp.router.expert_bias")
+    out[o + "mlp.gate.e_score_correction_bias"] = (bias if bias is not None else
+                                                   torch.zeros(cfg.num_experts, dtype=torch.float32))
+    return out
+
+
+def _mla_names(cfg: ModelConfig):
+    """(our name, DeepSeek-V3's) of one layer's MLA tensors, without the linear_proj/o_proj."""
+    q = ([("linear_q_down_proj.weight", "q_a_proj.weight"), ("q_layernorm.weight", "q_a_layernorm.weight"),
+          ("linear_q_up_proj.weight", "q_b_proj.weight")] if cfg.q_lora_rank else
+         [("linear_q_proj.weight", "q_proj.weight")])
+    return q + [("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
+                ("kv_layernorm.weight", "kv_a_layernorm.weight"), ("linear_kv_up_proj.weight", "kv_b_proj.weight")]
+
+
+def _qwen2_moe_to_hf(ours: Tensors, cfg: ModelConfig, m: str, o: str, gated: bool = True) -> Tensors:
     """One layer's router, per-expert and shared-expert tensors, in Qwen2-MoE's file format."""
     experts, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
     out = {o + "mlp.gate.weight": ours[m + "mlp.router.weight"]}
@@ -410,7 +577,8 @@ def _qwen2_moe_to_hf(ours: Tensors, cfg: ModelConfig, m: str, o: str) -> Tensors
     out[o + "mlp.shared_expert.gate_proj.weight"], out[o + "mlp.shared_expert.up_proj.weight"] = (
         gate.contiguous(), up.contiguous())
     out[o + "mlp.shared_expert.down_proj.weight"] = ours[m + "mlp.shared_experts.linear_fc2.weight"]
-    out[o + "mlp.shared_expert_gate.weight"] = ours[m + "mlp.shared_experts.gate_weight"]
+    if gated:
+        out[o + "mlp.shared_expert_gate.weight"] = ours[m + "mlp.shared_experts.gate_weight"]
     return out
 
 
@@ -458,10 +626,30 @@ def hf_config(cfg: ModelConfig, vocab_size: Optional[int] = None, base: Optional
                        "num_experts_per_tok": cfg.moe_router_topk, "moe_intermediate_size": cfg.moe_ffn_hidden_size,
                        "shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
                        "norm_topk_prob": not cfg.moe_router_pre_softmax, "decoder_sparse_step": 1,
-                       "mlp_only_layers": [], "qkv_bias": False, "use_sliding_window": False,
+                       "mlp_only_layers": [], "qkv_bias": cfg.add_qkv_bias, "use_sliding_window": False,
                        "max_window_layers": cfg.num_layers, "layer_types": ["full_attention"] * cfg.num_layers,
                        "output_router_logits": False})
         config.update(_attention_fields(cfg, vocab, dtype_name))
+        return config
+    if cfg.style == "deepseek_v3":
+        config.update({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                       "intermediate_size": cfg.ffn_hidden_size, "first_k_dense_replace": cfg.num_layers,
+                       "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+                       "qk_nope_head_dim": cfg.qk_head_dim, "qk_rope_head_dim": cfg.qk_pos_emb_head_dim,
+                       "v_head_dim": cfg.v_head_dim, "head_dim": cfg.qk_pos_emb_head_dim, "rope_interleave": True,
+                       "attention_bias": False})
+        if cfg.num_experts:
+            shared = cfg.moe_shared_expert_intermediate_size
+            if shared % cfg.moe_ffn_hidden_size:
+                raise ConversionError(f"DeepSeek-V3's shared expert is n_shared_experts x moe_intermediate_size wide; "
+                                      f"{shared} is not a multiple of {cfg.moe_ffn_hidden_size}.")
+            config.update({"first_k_dense_replace": cfg.moe_first_dense_layers, "n_routed_experts": cfg.num_experts,
+                           "num_experts_per_tok": cfg.moe_router_topk, "moe_intermediate_size": cfg.moe_ffn_hidden_size,
+                           "n_shared_experts": shared // cfg.moe_ffn_hidden_size, "norm_topk_prob": True,
+                           "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0,
+                           "n_group": cfg.moe_router_num_groups or 1, "topk_group": cfg.moe_router_group_topk or 1})
+        config.update(_attention_fields(cfg, vocab, dtype_name))
+        config["head_dim"] = cfg.qk_pos_emb_head_dim  # Hugging Face's RoPE table size
         return config
     if cfg.style == "qwen3":
         config.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
@@ -530,9 +718,6 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
                                    moe_ffn_hidden_size=config["intermediate_size"],
                                    moe_router_topk=config.get("num_experts_per_tok", 2))
     if kind == "qwen2_moe":
-        if config.get("qkv_bias", True):
-            raise ConversionError("Qwen2-MoE with qkv_bias has biases in q/k/v only; this model has one switch for "
-                                  "all linear biases (add_bias_linear), so only qkv_bias=false converts.")
         if config.get("use_sliding_window"):
             raise ConversionError("Qwen2-MoE with sliding-window attention is not supported (full causal attention "
                                   "only).")
@@ -546,7 +731,49 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
                                    moe_ffn_hidden_size=config["moe_intermediate_size"],
                                    moe_router_topk=config.get("num_experts_per_tok", 2),
                                    moe_router_pre_softmax=not config.get("norm_topk_prob", False),
-                                   moe_shared_expert_intermediate_size=config["shared_expert_intermediate_size"])
+                                   moe_shared_expert_intermediate_size=config["shared_expert_intermediate_size"],
+                                   add_qkv_bias=bool(config.get("qkv_bias", True)))
+    if kind == "deepseek_v3":
+        layers = config["num_hidden_layers"]
+        first_moe = min(int(config.get("first_k_dense_replace", 3)), layers)
+        topk, groups, group_topk = (config.get("num_experts_per_tok", 8), config.get("n_group", 1) or 1,
+                                    config.get("topk_group", 1) or 1)
+        if first_moe < layers and topk > 1 and not config.get("norm_topk_prob", True):
+            raise ConversionError("DeepSeek-V3 with norm_topk_prob false does not convert: sigmoid routing "
+                                  "renormalises the top-k weights here.")
+        if first_moe < layers and groups > 1 and topk != 2 * group_topk:
+            raise ConversionError("DeepSeek-V3 scores a group by its top 2 experts, Megatron by its top "
+                                  "num_experts_per_tok / topk_group: with n_group > 1 only num_experts_per_tok = 2 x "
+                                  "topk_group converts.")
+        if not config.get("rope_interleave", True):
+            raise ConversionError("DeepSeek-V3 with rope_interleave false rotates halves of its rope part; "
+                                  "Megatron's multi-latent attention rotates interleaved pairs: not convertible.")
+        if config.get("attention_bias"):
+            raise ConversionError("DeepSeek-V3 with attention_bias is not supported (no linear biases here).")
+        if float(config.get("rms_norm_eps", 1e-6)) != 1e-6:
+            raise ConversionError("DeepSeek-V3 with rms_norm_eps other than 1e-6 (its latent norms' fixed eps) "
+                                  "does not convert: this model has one --norm-epsilon for every norm.")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ConversionError(f"DeepSeek-V3 with RoPE scaling {rope.get('rope_type')!r} (YaRN) does not convert "
+                                  "yet; only default RoPE does.")
+        dense = config_from_hf(dict(config, model_type="llama", attention_bias=False, mlp_bias=False,
+                                    rope_parameters={"rope_type": "default",
+                                                     "rope_theta": rope.get("rope_theta", config.get("rope_theta",
+                                                                                                     10000.0))}))
+        heads = config["num_attention_heads"]
+        return dataclasses.replace(
+            dense, num_query_groups=heads, kv_channels=config["qk_nope_head_dim"] + config["qk_rope_head_dim"],
+            qk_layernorm=True, multi_latent_attention=True, q_lora_rank=config.get("q_lora_rank"),
+            kv_lora_rank=config["kv_lora_rank"], qk_head_dim=config["qk_nope_head_dim"],
+            qk_pos_emb_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"],
+            **({} if first_moe >= layers else dict(
+                num_experts=config["n_routed_experts"], moe_ffn_hidden_size=config["moe_intermediate_size"],
+                moe_router_topk=topk, moe_first_dense_layers=first_moe, moe_router_score_function="sigmoid",
+                moe_router_topk_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+                moe_router_enable_expert_bias=True, moe_router_num_groups=groups if groups > 1 else None,
+                moe_router_group_topk=group_topk if groups > 1 else None,
+                moe_shared_expert_intermediate_size=config["moe_intermediate_size"] * config.get("n_shared_experts", 1))))
     if kind == "qwen3":
         if config.get("attention_bias"):
             raise ConversionError("Qwen3 with attention_bias has biases in attention but not in the MLP; this model "
@@ -579,7 +806,8 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
             attention_dropout=float(config.get("attention_dropout", 0.0)),
         )
     raise ConversionError(f"Hugging Face model_type {kind!r} is not supported; GPT-2 ('gpt2'), Llama "
-                          "('llama'), Qwen3 ('qwen3'), Mixtral ('mixtral') and Qwen2-MoE ('qwen2_moe') models convert.")
+                          "('llama'), Qwen3 ('qwen3'), Mixtral ('mixtral'), Qwen2-MoE ('qwen2_moe') and DeepSeek-V3 "
+                          "('deepseek_v3', dense MLPs) models convert.")
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -631,9 +859,13 @@ def from_hf(theirs: Tensors, cfg: ModelConfig, padded_vocab: Optional[int] = Non
     for i in range(cfg.num_layers):
         m, o = f"decoder.layers.{i}.", f"model.layers.{i}."
         for kind in (("weight", "bias") if cfg.add_bias_linear else ("weight",)):
-            out[m + "self_attention.linear_qkv." + kind] = merge_qkv(
-                _need(theirs, o + "self_attn.q_proj." + kind), _need(theirs, o + "self_attn.k_proj." + kind),
-                _need(theirs, o + "self_attn.v_proj." + kind), cfg)
+            if cfg.style == "deepseek_v3":
+                out.update({m + "self_attention." + mine: _need(theirs, o + "self_attn." + hf)
+                            for mine, hf in _mla_names(cfg)})
+            else:
+                out[m + "self_attention.linear_qkv." + kind] = merge_qkv(
+                    _need(theirs, o + "self_attn.q_proj." + kind), _need(theirs, o + "self_attn.k_proj." + kind),
+                    _need(theirs, o + "self_attn.v_proj." + kind), cfg)
             out[m + "self_attention.linear_proj." + kind] = _need(theirs, o + "self_attn.o_proj." + kind)
             if cfg.style == "mixtral":
                 out.update(_mixtral_moe_from_hf(theirs, cfg, m, o))
@@ -641,9 +873,17 @@ def from_hf(theirs: Tensors, cfg: ModelConfig, padded_vocab: Optional[int] = Non
             if cfg.style == "qwen2_moe":
                 out.update(_qwen2_moe_from_hf(theirs, cfg, m, o))
                 continue
+            if cfg.style == "deepseek_v3" and cfg.num_experts and i >= cfg.moe_first_dense_layers:
+                out.update(_qwen2_moe_from_hf(theirs, cfg, m, o, shared=o + "mlp.shared_experts."))
+                out[m + "mlp.router.expert_bias"] = _need(theirs, o + "mlp.gate.e_score_correction_bias").float()
+                continue
             out[m + "mlp.linear_fc1." + kind] = torch.cat(
                 [_need(theirs, o + "mlp.gate_proj." + kind), _need(theirs, o + "mlp.up_proj." + kind)])
             out[m + "mlp.linear_fc2." + kind] = _need(theirs, o + "mlp.down_proj." + kind)
+        if cfg.add_qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = merge_qkv(
+                _need(theirs, o + "self_attn.q_proj.bias"), _need(theirs, o + "self_attn.k_proj.bias"),
+                _need(theirs, o + "self_attn.v_proj.bias"), cfg)
         out[m + "input_layernorm.weight"] = _need(theirs, o + "input_layernorm.weight")
         out[m + "pre_mlp_layernorm.weight"] = _need(theirs, o + "post_attention_layernorm.weight")
         if cfg.style == "qwen3":
@@ -671,7 +911,7 @@ def _mixtral_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str) -> T
             m + "mlp.experts.linear_fc2.weight": fc2.contiguous()}
 
 
-def _qwen2_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str) -> Tensors:
+def _qwen2_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str, shared: Optional[str] = None) -> Tensors:
     """One layer's router, stacked experts and gated shared expert, from Qwen2-MoE's per-expert
     file tensors or the 3-D in-memory ``mlp.experts.gate_up_proj`` / ``down_proj``."""
     experts, h = cfg.num_experts, cfg.hidden_size
@@ -682,10 +922,13 @@ def _qwen2_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str) -> Ten
         fc1 = torch.cat([torch.cat([_need(theirs, f"{o}mlp.experts.{j}.gate_proj.weight"),
                                     _need(theirs, f"{o}mlp.experts.{j}.up_proj.weight")]) for j in range(experts)])
         fc2 = torch.cat([_need(theirs, f"{o}mlp.experts.{j}.down_proj.weight") for j in range(experts)])
-    shared = o + "mlp.shared_expert."
-    return {m + "mlp.router.weight": _need(theirs, o + "mlp.gate.weight"),
+    gated = shared is None  # Qwen2-MoE's; DeepSeek-V3 passes its ungated shared_experts prefix
+    shared = shared or o + "mlp.shared_expert."
+    out = {m + "mlp.router.weight": _need(theirs, o + "mlp.gate.weight"),
             m + "mlp.experts.linear_fc1.weight": fc1.contiguous(), m + "mlp.experts.linear_fc2.weight": fc2.contiguous(),
             m + "mlp.shared_experts.linear_fc1.weight": torch.cat(
                 [_need(theirs, shared + "gate_proj.weight"), _need(theirs, shared + "up_proj.weight")]),
-            m + "mlp.shared_experts.linear_fc2.weight": _need(theirs, shared + "down_proj.weight"),
-            m + "mlp.shared_experts.gate_weight": _need(theirs, o + "mlp.shared_expert_gate.weight")}
+            m + "mlp.shared_experts.linear_fc2.weight": _need(theirs, shared + "down_proj.weight")}
+    if gated:
+        out[m + "mlp.shared_experts.gate_weight"] = _need(theirs, o + "mlp.shared_expert_gate.weight")
+    return out

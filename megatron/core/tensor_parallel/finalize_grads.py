@@ -9,6 +9,9 @@ sequence-parallel region (norms, row-parallel biases, learned position embedding
 look up this rank's positions only, a MoE router, which routes this rank's chunk, and an
 expert's fc2 bias, which TP rank 0 alone adds), so each rank holds the gradient of its
 sequence chunk, and the gradient is their sum over TP: ``all_reduce_sequence_parallel_grads``.
+Experts whose TP group is not the TP group (``--expert-tensor-parallel-size`` apart from
+it; their modules say ``tensor_parallel_apart``) are neither: their gradients are whole
+for their own layout already (``moe/experts.py``), so the TP sum leaves them out.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def all_reduce_sequence_parallel_grads(model: nn.Module, tp_group: Optional[dist
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         return
     split = {id(p) for p in tensor_parallel_parameters(model)}
+    split |= {id(p) for m in model.modules() if getattr(m, "tensor_parallel_apart", False) for p in m.parameters()}
     grads = [_local(p.grad) for p in model.parameters() if id(p) not in split and p.grad is not None]
     if not grads:
         return

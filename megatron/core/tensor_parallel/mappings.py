@@ -11,6 +11,7 @@ reduce_from_tensor_model_parallel_region   all-reduce              identity
 gather_from_tensor_model_parallel_region   all-gather (last dim)   split (last dim)
 scatter_to_sequence_parallel_region        split (seq)             all-gather (seq)
 gather_from_sequence_parallel_region       all-gather (seq)        reduce-scatter (seq)
+  (tensor_parallel_output_grad=False)      all-gather (seq)        split (seq)
 reduce_scatter_to_sequence_parallel_region reduce-scatter (seq)    all-gather (seq)
 =========================================  ======================  ======================
 
@@ -115,7 +116,18 @@ gather_from_tensor_model_parallel_region = _region(
     "gather_from_tensor_model_parallel_region", _last(_all_gather), _last(_split))
 scatter_to_sequence_parallel_region = _region(
     "scatter_to_sequence_parallel_region", _sequence(_split), _sequence(_all_gather))
-gather_from_sequence_parallel_region = _region(
+_gather_from_sequence_parallel_region = _region(
     "gather_from_sequence_parallel_region", _sequence(_all_gather), _sequence(_reduce_scatter))
+# Megatron's tensor_parallel_output_grad=False: the gathered tensor's gradient is the same
+# on every rank (a TP-replicated region follows), so backward keeps this rank's chunk.
+_gather_from_sequence_parallel_region_replicated_grad = _region(
+    "gather_from_sequence_parallel_region", _sequence(_all_gather), _sequence(_split))
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup],
+                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    if tensor_parallel_output_grad:
+        return _gather_from_sequence_parallel_region(x, group)
+    return _gather_from_sequence_parallel_region_replicated_grad(x, group)
 reduce_scatter_to_sequence_parallel_region = _region(
     "reduce_scatter_to_sequence_parallel_region", _sequence(_reduce_scatter), _sequence(_all_gather))

@@ -79,7 +79,8 @@ class SelfAttention(nn.Module):
         self.head_dim = config.kv_channels
         self.gated = config.attention_output_gate
         qkv_size = config.query_projection_size + config.gate_projection_size + 2 * config.kv_projection_size
-        self.linear_qkv = build_parallel_linear(config, config.hidden_size, qkv_size, bias=config.add_bias_linear,
+        self.linear_qkv = build_parallel_linear(config, config.hidden_size, qkv_size,
+                                                bias=config.add_bias_linear or config.add_qkv_bias,
                                                 init_std=config.init_method_std, split="column")
         self.q_layernorm = self.k_layernorm = self.qk_norm_group = None
         if config.qk_layernorm:

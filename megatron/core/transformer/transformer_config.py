@@ -102,6 +102,7 @@ class TransformerConfig:
     gated_linear_unit: bool = False
     activation_func: Optional[Union[str, Callable]] = None
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # a bias on linear_qkv only (Qwen2); implied by add_bias_linear, as upstream
     init_method_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
     recompute_granularity: Optional[str] = None
@@ -125,6 +126,15 @@ class TransformerConfig:
     # and the attention output is multiplied by its sigmoid before linear_proj
     # (attention.py documents the row layout).
     attention_output_gate: bool = False
+    # Multi-latent attention (DeepSeek-V2/V3; multi_latent_attention.py), Megatron-LM's
+    # MLATransformerConfig fields and the trainer's defaults. q_lora_rank None: no query
+    # compression (linear_q_proj). num_query_groups and kv_channels do not apply to it.
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     # Linear layers compute their weight gradient straight into the data-parallel wrapper's
     # reduction buffer where it offers one (tensor_parallel/grad_accumulation_fusion.py).
     gradient_accumulation_fusion: bool = True
@@ -169,8 +179,8 @@ class TransformerConfig:
     moe_shared_expert_gate: bool = False
     moe_token_dispatcher_type: str = "alltoall"
     expert_model_parallel_size: int = 1
-    # Each expert's split over TP (Megatron's field): None or the TP size; other sizes are
-    # not implemented (moe/config.py says so).
+    # Each expert's tensor-parallel split (Megatron's field); None: the TP size. Another size
+    # splits the experts over the expert mesh's own "tp" axis (moe/expert_parallel.py).
     expert_tensor_parallel_size: Optional[int] = None
 
     def __post_init__(self):
@@ -271,7 +281,26 @@ class TransformerConfig:
                              "moe_shared_expert_intermediate_size, or drop it.")
         self._check_tensor_parallel()
         self._check_context_parallel()
+        self._check_multi_latent_attention()
         check_moe_config(self)
+
+    def _check_multi_latent_attention(self) -> None:
+        if not self.multi_latent_attention:
+            return
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim") + \
+                (("q_lora_rank",) if self.q_lora_rank is not None else ()):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer for multi-latent attention, "
+                                 f"got {value!r}.")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"--qk-pos-emb-head-dim ({self.qk_pos_emb_head_dim}) must be even: RoPE rotates pairs "
+                             "of dimensions.")
+        if self.attention_output_gate:
+            raise ValueError("--attention-output-gate is not supported with --multi-latent-attention; drop one.")
+        if self.context_parallel_size > 1:
+            raise ValueError("--multi-latent-attention with --context-parallel-size > 1 is not supported yet (its "
+                             "values are narrower than its queries); use --context-parallel-size 1.")
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_model_parallel_size

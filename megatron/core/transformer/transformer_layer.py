@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from .attention import SelfAttention
 from .layers import reset_parameters_of
 from .mlp import MLP
+from .multi_latent_attention import MLASelfAttention
 from .moe.config import is_moe_layer
 from .norms import build_norm
 from .transformer_config import TransformerConfig
@@ -32,7 +33,8 @@ class TransformerLayer(nn.Module):
         self.config = config
         self.layer_number = layer_number  # 1-based, as in Megatron
         self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = SelfAttention(config, layer_number)
+        self.self_attention = (MLASelfAttention if config.multi_latent_attention else SelfAttention)(config,
+                                                                                                   layer_number)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
         # A MoE layer (moe/moe_layer.py) replaces the MLP where --moe-layer-freq says so.
         if is_moe_layer(config, layer_number):

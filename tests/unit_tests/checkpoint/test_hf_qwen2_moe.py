@@ -1,5 +1,5 @@
 """tools/checkpoint/convert.py with a gated shared expert: MFSDP <-> Hugging Face Qwen2-MoE
-(``qkv_bias`` false).
+(``qkv_bias`` false, and true: our --add-qkv-bias).
 
 Ours -> Qwen2-MoE: ``Qwen2MoeForCausalLM`` built from the written config gives our logits
 (fp32), for both softmax routings (``norm_topk_prob`` false = --moe-router-pre-softmax).
@@ -93,7 +93,8 @@ def _ours_from_config(cfg):
         gated_linear_unit=True, add_bias_linear=False, position_embedding_type="rope", rotary_base=cfg.rotary_base,
         layernorm_epsilon=cfg.norm_epsilon, num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, moe_router_pre_softmax=cfg.moe_router_pre_softmax,
-        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size, moe_shared_expert_gate=True),
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size, moe_shared_expert_gate=True,
+        add_qkv_bias=cfg.add_qkv_bias),
         128, cfg.max_position_embeddings, share_embeddings_and_output_weights=False).eval()
 
 
@@ -120,10 +121,50 @@ def test_qwen2_moe_round_trip_is_bit_exact_and_loads_into_our_model(tmp_path):
 
 def test_what_qwen2_moe_cannot_express_is_refused():
     base = _qwen2_moe().config.to_dict()
-    for overrides, match in ((dict(qkv_bias=True), "qkv_bias"), (dict(decoder_sparse_step=2), "dense layers"),
+    for overrides, match in ((dict(decoder_sparse_step=2), "dense layers"),
                              (dict(mlp_only_layers=[1]), "dense layers"), (dict(use_sliding_window=True), "sliding")):
         with pytest.raises(ConversionError, match=match):
             config_from_hf(dict(base, **overrides))
     ungated = {k: v.shape for k, v in _ours(True).state_dict().items() if not k.endswith("gate_weight")}
     with pytest.raises(ConversionError, match="ungated shared expert"):
         config_from_tensors(ungated, dict(num_attention_heads=4, num_query_groups=2))
+
+
+def test_qwen2_moe_with_qkv_bias_converts_both_ways(tmp_path):
+    """qkv_bias true (Qwen2-MoE's default) is our --add-qkv-bias: q/k/v biases in linear_qkv's
+    row order, no other linear bias. Round trip bit for bit, logits equal both ways; a
+    Mixtral-style model with it is refused."""
+    from transformers import AutoModelForCausalLM
+
+    hf = _qwen2_moe(qkv_bias=True)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0, 0.5)  # Hugging Face initializes them to zero
+    assert_round_trip_is_bit_exact(hf, tmp_path)
+    cfg = config_from_hf(json.load(open(tmp_path / "hf" / "config.json")))
+    assert cfg.add_qkv_bias and not cfg.add_bias_linear and "--add-qkv-bias" in cfg.command_line()
+    ours = _ours_from_config(cfg)
+    assert ours.decoder.layers[0].self_attention.linear_qkv.bias is not None
+    assert ours.decoder.layers[0].self_attention.linear_proj.bias is None
+    load_checkpoint(ours, None, None, argparse.Namespace(load=str(tmp_path / "mfsdp")))
+    with torch.no_grad():
+        diff = max_abs_diff(ours(_ids(2))[..., :VOCAB], hf(_ids(2)).logits)
+    print(f"Qwen2-MoE (qkv_bias) -> ours logits max |diff| {diff:.3g}")
+    assert diff <= 1e-5
+    args = argparse.Namespace(save=str(tmp_path / "ckpt"), num_layers=2, hidden_size=32, num_attention_heads=4,
+                              num_query_groups=2, ffn_hidden_size=40, norm_epsilon=1e-6, rotary_base=500.0,
+                              num_experts=4, moe_router_topk=2, moe_router_pre_softmax=True, add_qkv_bias=True,
+                              tokenizer_type="NullTokenizer", vocab_size=VOCAB, padded_vocab_size=VOCAB)
+    save_checkpoint(5, ours, None, None, args)
+    run_convert(["--input", str(tmp_path / "ckpt"), "--to", "hf", "--output", str(tmp_path / "hf2")])
+    assert json.load(open(tmp_path / "hf2" / "config.json"))["qkv_bias"] is True
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"), attn_implementation="eager",
+                                                dtype=torch.float32).eval()
+    with torch.no_grad():
+        diff = max_abs_diff(back(_ids(3)).logits[..., :VOCAB], ours(_ids(3))[..., :VOCAB])
+    print(f"ours (--add-qkv-bias) -> Qwen2-MoE logits max |diff| {diff:.3g}")
+    assert diff <= 1e-5
+    shapes = {k: v.shape for k, v in ours.state_dict().items() if "shared_experts" not in k}
+    with pytest.raises(ConversionError, match="--add-qkv-bias"):
+        config_from_tensors(shapes, dict(num_attention_heads=4, num_query_groups=2)).style

@@ -217,9 +217,22 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
     # Experts under tensor parallelism.
     ("--num-experts 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --use-mfsdp", 2,
      r"must divide the data-parallel size \(1 = world size 2 / tensor-parallel size 2\)"),
+    # Experts split apart from TP (--expert-tensor-parallel-size): the expert view of a stage's ranks.
+    ("--expert-tensor-parallel-size 2", 1, r"--expert-tensor-parallel-size \(2\) x --expert-model-parallel-size \(1\) "
+     r"must divide the ranks of one pipeline stage \(1 = world size 1 / --pipeline-model-parallel-size 1\)"),
+    ("--num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --expert-model-parallel-size 4 "
+     "--use-mfsdp", 2, r"\(1\) x --expert-model-parallel-size \(4\) must divide the ranks of one pipeline stage \(2"),
+    ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --expert-tensor-parallel-size 4",
+     4, r"\(4\) x --expert-model-parallel-size \(1\) must divide the ranks of one pipeline stage \(2 = world size 4"),
+    ("--num-experts 4 --expert-tensor-parallel-size 2 --expert-model-parallel-size 4 --use-mfsdp "
+     "--num-distributed-optimizer-instances 2", 8, r"must divide the ranks of one HSDP/HFSDP instance of a stage \(4"),
     ("--num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1", 2,
-     "--expert-tensor-parallel-size 1 is not supported with --tensor-model-parallel-size 2.*set it to 2"),
-    ("--expert-tensor-parallel-size 2", 1, "set it to 1"),
+     "--expert-tensor-parallel-size 1 apart from --tensor-model-parallel-size 2 needs --use-mfsdp"),
+    ("--num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --use-mfsdp --seq-length 31", 2,
+     r"--seq-length \(31\) must be a multiple of --tensor-model-parallel-size \(2\).*add --sequence-parallel"),
+    ("--num-experts 4 --expert-tensor-parallel-size 2 --moe-ffn-hidden-size 33 --use-mfsdp", 2,
+     r"--moe-ffn-hidden-size \(33\) must be divisible by --expert-tensor-parallel-size \(2\)"),
+    ("--num-experts 4 --expert-tensor-parallel-size 0", 1, "must be a positive integer"),
     ("--num-experts 4 --tensor-model-parallel-size 2 --moe-ffn-hidden-size 33", 2,
      r"--moe-ffn-hidden-size \(33\) must be divisible by --tensor-model-parallel-size \(2\)"),
     ("--num-experts 4 --tensor-model-parallel-size 2 --moe-shared-expert-intermediate-size 15", 2,

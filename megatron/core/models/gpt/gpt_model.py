@@ -152,6 +152,9 @@ class GPTModel(nn.Module):
             self.rotary_pos_emb = None
         self.decoder = TransformerBlock(config, expert_parallel=expert_parallel, layer_numbers=layer_numbers,
                                         post_layer_norm=self.post_process)
+        if config.multi_latent_attention:
+            # MLA rotates only its decoupled part (qk_pos_emb_head_dim), always, as upstream.
+            self.rotary_pos_emb = RotaryEmbedding(config.qk_pos_emb_head_dim, config.rotary_base)
         self.output_layer = None
         if self.post_process and not self._tied_copy:
             self.output_layer = _output_projection(config, vocab_size, tied=share_embeddings_and_output_weights)

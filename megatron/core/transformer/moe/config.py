@@ -82,12 +82,10 @@ def check_moe_config(config) -> None:
     ep = config.expert_model_parallel_size
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"expert_model_parallel_size must be a positive integer, got {ep!r}.")
-    tp, etp = getattr(config, "tensor_model_parallel_size", 1), getattr(config, "expert_tensor_parallel_size", None)
-    if etp is not None and etp != tp:
-        raise ValueError(
-            f"--expert-tensor-parallel-size {etp} is not supported with --tensor-model-parallel-size {tp}: only "
-            f"experts split like the dense layers are implemented; drop the flag or set it to {tp}."
-        )
+    etp = getattr(config, "expert_tensor_parallel_size", None)
+    if etp is not None and (not isinstance(etp, int) or etp < 1):
+        raise ValueError(f"--expert-tensor-parallel-size must be a positive integer, got {etp!r}; leave it unset "
+                         "to split the experts like the dense layers (--tensor-model-parallel-size).")
     experts = config.num_moe_experts
     if experts is None:
         if ep > 1:
@@ -152,7 +150,7 @@ def check_moe_config(config) -> None:
             )
         # grouped_mm wants 16-byte aligned rows: 8 elements covers bf16/fp16 and fp32. Under
         # TP a rank's expert is moe_ffn_hidden_size / TP wide.
-        tp = getattr(config, "tensor_model_parallel_size", 1)
+        tp = getattr(config, "expert_tensor_parallel_size", None) or getattr(config, "tensor_model_parallel_size", 1)
         widths = {"--hidden-size": config.hidden_size,
                   "--moe-ffn-hidden-size" + (f" / TP {tp}" if tp > 1 else ""): config.moe_ffn_hidden_size // tp}
         odd = [f"{flag} {width}" for flag, width in widths.items() if width % 8]
@@ -232,16 +230,21 @@ def _check_router_selection(config, experts: int) -> None:
 
 
 def _check_moe_tensor_parallel(config) -> None:
-    """Experts under TP: each expert split over the TP group, as Megatron does by default."""
+    """Experts under TP: each expert split over the expert TP group (the TP group, as
+    Megatron does by default, or --expert-tensor-parallel-size ranks), the shared expert
+    over TP like a dense MLP."""
     tp = getattr(config, "tensor_model_parallel_size", 1)
+    etp = getattr(config, "expert_tensor_parallel_size", None) or tp
+    etp_flag = "--tensor-model-parallel-size" if etp == tp else "--expert-tensor-parallel-size"
+    sizes = {"--moe-ffn-hidden-size": (config.moe_ffn_hidden_size, etp, etp_flag),
+             "--moe-shared-expert-intermediate-size": (config.moe_shared_expert_intermediate_size, tp,
+                                                        "--tensor-model-parallel-size")}
+    for flag, (size, parts, parts_flag) in sizes.items():
+        if size is not None and size % parts:
+            raise ValueError(f"{flag} ({size}) must be divisible by {parts_flag} ({parts}); "
+                             "each TP rank holds an equal piece of every expert.")
     if tp == 1:
         return
-    sizes = {"--moe-ffn-hidden-size": config.moe_ffn_hidden_size,
-             "--moe-shared-expert-intermediate-size": config.moe_shared_expert_intermediate_size}
-    for flag, size in sizes.items():
-        if size is not None and size % tp:
-            raise ValueError(f"{flag} ({size}) must be divisible by --tensor-model-parallel-size ({tp}); "
-                             "each TP rank holds an equal piece of every expert.")
     if getattr(config, "sequence_parallel", False) and config.moe_expert_capacity_factor is not None:
         raise ValueError(
             "--moe-expert-capacity-factor with --sequence-parallel is not supported: each TP rank routes its own "

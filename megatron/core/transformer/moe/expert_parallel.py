@@ -42,6 +42,19 @@ data-parallel rank at C = P = 2. The loss of every rank is averaged over the W r
 (the trainer scales it by C), so the divisor stays P. ``megatron/core/parallel_state.py``
 builds that view.
 
+Expert tensor parallelism apart from TP (``--expert-tensor-parallel-size`` ETP != T, as
+large MoE runs use, often ETP = 1): the mesh's ``tp`` axis has size ETP, and the mesh
+cuts one pipeline stage's ``W * T`` ranks as ``(W * T / (P * ETP), P, ETP)`` with ETP
+innermost, then EP, then expert-dp, upstream's expert rank order. An EP group may then
+span dense TP ranks (T = 2, ETP = 1, P = 2: the EP groups are the TP groups). The
+tokens are made distinct per rank first (``moe_layer.py``), so every rank of the stage
+routes its own ones and an expert's gradient on a rank sums the tokens of the P * ETP
+ranks of its (ep, tp) block, which hold P * ETP / T data-parallel ranks' worth of data;
+averaging over the W * T / (P * ETP) expert-data-parallel ranks leaves the divisor
+``P * ETP / T`` (``grad_divisor``; P at ETP = T, possibly below 1). The router's token
+statistics are summed over the dense data-parallel group (``token_groups``), since the
+mesh's other axes now mix TP ranks.
+
 This module is the one place that builds the expert layout; it needs nothing from
 ``parallel_state`` but the TP size and the number of instances (both put TP innermost and
 the instances outermost, so their TP groups and instances agree).
@@ -68,6 +81,25 @@ class ExpertParallel:
     rank: int = 0
     group: Any = None
     mesh: Any = None
+    # With the expert TP size apart from the TP size: the groups over which the router sums
+    # token statistics (the dense data-parallel group); None: the mesh's axes other than tp.
+    token_groups: Optional[Tuple[Any, ...]] = None
+    dense_tp_size: Optional[int] = None  # the model's TP size when it differs from tp_size
+
+    @property
+    def tensor_parallel_apart(self) -> bool:
+        """Whether the experts' TP axis (``tp_size``) is not the dense layers' TP group."""
+        return self.dense_tp_size is not None
+
+    @property
+    def tp_group(self):
+        """The expert tensor-parallel group (None at size 1)."""
+        return self.mesh.get_group("tp") if self.tp_size > 1 else None
+
+    @property
+    def grad_divisor(self) -> float:
+        """What MFSDP divides the experts' gradients by beyond the expert-dp average (module docstring)."""
+        return self.size * self.tp_size / self.dense_tp_size if self.tensor_parallel_apart else self.size
 
     @property
     def expert_dp_dims(self) -> Tuple[str, ...]:
@@ -137,12 +169,16 @@ def check_expert_parallel_size(ep_size: int, dp_size: int, tp_size: int = 1, dp_
         )
 
 
-def build_expert_parallel(ep_size: int, device_type: str, tp_size: int = 1, dp_outer_size: int = 1) -> ExpertParallel:
+def build_expert_parallel(ep_size: int, device_type: str, tp_size: int = 1, dp_outer_size: int = 1,
+                          expert_tp_size: Optional[int] = None) -> ExpertParallel:
     """The layout for EP size ``ep_size`` over the default process group, with TP size
     ``tp_size`` innermost and ``dp_outer_size`` HSDP/HFSDP instances outermost (every rank
-    calls it). Without an initialized process group only sizes 1 exist (a single process)."""
+    calls it). Without an initialized process group only sizes 1 exist (a single process).
+    ``expert_tp_size`` other than ``tp_size`` takes the run's parallel state's expert view
+    (``parallel_state.initialize_model_parallel(..., expert_tensor_parallel_size=)``)."""
+    etp = tp_size if expert_tp_size is None else int(expert_tp_size)
     if not dist.is_initialized():
-        if ep_size != 1 or tp_size != 1 or dp_outer_size != 1:
+        if ep_size != 1 or tp_size != 1 or dp_outer_size != 1 or etp != 1:
             raise ValueError(f"expert parallelism of size {ep_size} with TP size {tp_size} and {dp_outer_size} "
                              "instances needs torch.distributed (launch with torchrun).")
         return ExpertParallel()
@@ -153,14 +189,22 @@ def build_expert_parallel(ep_size: int, device_type: str, tp_size: int = 1, dp_o
     if parallel_state.model_parallel_is_initialized():
         # The run's one mesh: the expert view of this rank's pipeline stage.
         state = parallel_state.get_parallel_state()
-        if state.expert_mesh is not None and (state.ep_size, state.tp_size) == (ep_size, tp_size) and \
-                _outer_size_of(state.expert_mesh) == dp_outer_size:
+        if state.expert_mesh is not None and (state.ep_size, state.tp_size, state.etp_size) == \
+                (ep_size, tp_size, etp) and _outer_size_of(state.expert_mesh) == dp_outer_size:
             mesh = state.expert_mesh
+            apart = {}
+            if etp != tp_size:
+                apart = dict(token_groups=(state.dp_group,) if state.dp_size > 1 else (), dense_tp_size=tp_size)
             return ExpertParallel(size=ep_size, rank=mesh.get_local_rank("ep"),
-                                  group=mesh.get_group("ep") if ep_size > 1 else None, mesh=mesh)
-        if state.pp_size > 1 or state.cp_size > 1:  # the world alone would not say which ranks split a stage
-            raise ValueError(f"the run's parallel state has no expert view for EP size {ep_size}; initialize it with "
-                             f"initialize_model_parallel(..., expert_model_parallel_size={ep_size}).")
+                                  group=mesh.get_group("ep") if ep_size > 1 else None, mesh=mesh, **apart)
+        if state.pp_size > 1 or state.cp_size > 1 or etp != tp_size:
+            # the world alone would not say which ranks split a stage (or a CP group)
+            raise ValueError(f"the run's parallel state has no expert view for EP size {ep_size} and expert TP size "
+                             f"{etp}; initialize it with initialize_model_parallel(..., expert_model_parallel_size="
+                             f"{ep_size}, expert_tensor_parallel_size={etp}).")
+    if etp != tp_size:
+        raise ValueError(f"an expert TP size ({etp}) other than the TP size ({tp_size}) needs the run's parallel "
+                         f"state; call initialize_model_parallel(..., expert_tensor_parallel_size={etp}) first.")
     world = dist.get_world_size()
     if tp_size < 1 or dp_outer_size < 1 or world % (tp_size * dp_outer_size):
         raise ValueError(f"the TP size ({tp_size}) x the instances ({dp_outer_size}) must divide the world size "
@@ -201,6 +245,20 @@ def expert_parameters(model: nn.Module) -> List[nn.Parameter]:
     return [p for layer in moe_layers(model) for p in layer.experts.parameters()]
 
 
+def expert_tensor_parallel_parameters(model: nn.Module) -> List[nn.Parameter]:
+    """The expert parameters split over the expert TP group when it is not the TP group."""
+    return [module._parameters[name] for layer in moe_layers(model) for module in layer.experts.modules()
+            for name in getattr(module, "expert_tensor_parallel_split", ())]
+
+
+def expert_tensor_parallel_args(model: nn.Module, ep: ExpertParallel) -> Optional[dict]:
+    """``tensor_parallel_params`` / ``tp_group`` of the experts for the norms when their TP
+    group is not the dense one (None otherwise: the experts are counted with the TP pieces)."""
+    if ep is None or not ep.tensor_parallel_apart:
+        return None
+    return dict(tensor_parallel_params=expert_tensor_parallel_parameters(model), tp_group=ep.tp_group)
+
+
 def _split(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor]):
     expert_ids = {id(p) for p in experts}
     params = list(params)
@@ -215,27 +273,31 @@ def _sum_over_ep(value: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
 
 
 def norm_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor], ep: ExpertParallel,
-                      norm_of) -> torch.Tensor:
+                      norm_of, expert_norm_of=None) -> torch.Tensor:
     """The global 2-norm ``norm_of`` (e.g. ``get_grad_norm``, ``get_params_norm``, with
     their tensor-parallel arguments bound) gives for a list of tensors, when some of them
     (``experts``, a subset of ``params``) differ across the EP group: their squared norm
     (already reduced over the expert-DP mesh, and over TP for TP pieces) is summed over
-    the EP group as well."""
+    the EP group as well. ``expert_norm_of``: the experts' own (expert TP group apart from TP)."""
     _, dense, expert = _split(params, experts)
     dense_sq = norm_of(dense).double().cpu() ** 2
-    expert_sq = _sum_over_ep(norm_of(expert) ** 2, ep)
+    expert_sq = _sum_over_ep((expert_norm_of or norm_of)(expert) ** 2, ep)
     return torch.sqrt(dense_sq + expert_sq).float()
 
 
 def clip_grad_norm_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor],
-                                ep: ExpertParallel, max_norm: float, **tensor_parallel) -> torch.Tensor:
+                                ep: ExpertParallel, max_norm: float, expert_tensor_parallel: Optional[dict] = None,
+                                **tensor_parallel) -> torch.Tensor:
     """Global gradient 2-norm (``norm_with_experts``), and clipping to ``max_norm`` (> 0),
     with the coefficient of ``torch.nn.utils.clip_grad_norm_``. ``tensor_parallel``:
-    ``get_grad_norm``'s ``tensor_parallel_params`` and ``tp_group``, under TP."""
+    ``get_grad_norm``'s ``tensor_parallel_params`` and ``tp_group``, under TP;
+    ``expert_tensor_parallel`` the experts' (``expert_tensor_parallel_args``)."""
     from megatron.core.optimizer.clip_grads import get_grad_norm
 
     params = list(params)
-    total = norm_with_experts(params, experts, ep, lambda ps: get_grad_norm(ps, **tensor_parallel))
+    expert_norm_of = None if expert_tensor_parallel is None else \
+        (lambda ps: get_grad_norm(ps, **expert_tensor_parallel))
+    total = norm_with_experts(params, experts, ep, lambda ps: get_grad_norm(ps, **tensor_parallel), expert_norm_of)
     if max_norm > 0 and math.isfinite(float(total)):
         coef = min(max_norm / (float(total) + 1e-6), 1.0)
         for p in params:
@@ -246,13 +308,15 @@ def clip_grad_norm_with_experts(params: Iterable[torch.Tensor], experts: Iterabl
 
 
 def count_zeros_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor],
-                             ep: ExpertParallel, **tensor_parallel) -> int:
+                             ep: ExpertParallel, expert_tensor_parallel: Optional[dict] = None,
+                             **tensor_parallel) -> int:
     """Zero gradient entries over the whole model, the experts' counted over the EP group too
-    (``tensor_parallel`` as for ``clip_grad_norm_with_experts``)."""
+    (``tensor_parallel``, ``expert_tensor_parallel`` as for ``clip_grad_norm_with_experts``)."""
     from megatron.core.optimizer import count_zeros
 
     _, dense, expert = _split(params, experts)
-    expert_zeros = float(count_zeros(expert, **tensor_parallel))
+    expert_zeros = float(count_zeros(expert, **(tensor_parallel if expert_tensor_parallel is None
+                                                else expert_tensor_parallel)))
     return count_zeros(dense, **tensor_parallel) + int(_sum_over_ep(torch.tensor(expert_zeros), ep))
 
 

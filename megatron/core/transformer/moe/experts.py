@@ -20,6 +20,14 @@ expert's gate and up blocks split on their own, so a rank's gate and up rows mat
 rank's experts, then (``inner``) its TP rows or columns of them. The layer computes a
 partial output (fc2's bias added on TP rank 0 only); ``MoELayer`` sums it over TP.
 
+With ``--expert-tensor-parallel-size`` apart from the TP size the same split runs over
+the expert mesh's ``tp`` axis (``expert_parallel.tp_group``) instead of the TP group.
+Its linears then say ``expert_tensor_parallel_split`` instead of ``tensor_parallel_split``
+and ``tensor_parallel_apart``: the dense TP machinery (``finalize_grads``, the norms'
+TP pieces) leaves them alone, since their ranks are not the TP group's. ``MoELayer``
+hands the experts the same rows on every rank of the expert TP group, so fc2's bias
+gradient is summed over that group by the copy into it (no sequence parallelism here).
+
 The rows of each expert's tokens are contiguous (``tokens_per_expert``); with
 ``moe_grouped_gemm`` one ``torch.nn.functional.grouped_mm`` per linear runs them all, else
 a loop of ``F.linear``. The router weight of each row multiplies the activation before
@@ -51,8 +59,10 @@ class ExpertLinear(nn.Module):
 
     def __init__(self, num_local_experts: int, in_features: int, out_features: int, bias: bool, init_std: float,
                  num_experts: int, ep_rank: int, ep_size: int, dtype: torch.dtype, grouped_gemm: bool,
-                 tp_split: Optional[str] = None, tp_group=None, sequence_parallel: bool = False, blocks: int = 1):
+                 tp_split: Optional[str] = None, tp_group=None, sequence_parallel: bool = False, blocks: int = 1,
+                 tensor_parallel_apart: bool = False):
         super().__init__()
+        self.tensor_parallel_apart = tensor_parallel_apart
         self.num_local_experts = num_local_experts
         self.in_features = in_features
         self.out_features = out_features
@@ -84,6 +94,14 @@ class ExpertLinear(nn.Module):
     @property
     def tensor_parallel_split(self):
         """The parameters split over TP (read by ``tensor_parallel.tensor_parallel_parameters``)."""
+        return () if self.tensor_parallel_apart else self._split_names()
+
+    @property
+    def expert_tensor_parallel_split(self):
+        """The parameters split over an expert TP group that is not the TP group."""
+        return self._split_names() if self.tensor_parallel_apart else ()
+
+    def _split_names(self):
         return tuple(name for name, piece in self.global_slices.items() if piece.inner is not None)
 
     def reset_parameters(self) -> None:
@@ -133,10 +151,15 @@ class GroupedMLP(nn.Module):
         self.gated = config.gated_linear_unit
         self.activation = config.activation
         ffn = config.moe_ffn_hidden_size
+        if getattr(expert_parallel, "tensor_parallel_apart", False):
+            tensor_parallel = dict(tp_group=expert_parallel.tp_group, sequence_parallel=False,
+                                   tensor_parallel_apart=True)
+        else:
+            tensor_parallel = dict(tp_group=config.tp_group if config.tensor_model_parallel_size > 1 else None,
+                                   sequence_parallel=config.sequence_parallel)
         common = dict(num_experts=experts, ep_rank=expert_parallel.rank, ep_size=expert_parallel.size,
                       dtype=config.params_dtype, grouped_gemm=config.moe_grouped_gemm, bias=config.add_bias_linear,
-                      tp_group=config.tp_group if config.tensor_model_parallel_size > 1 else None,
-                      sequence_parallel=config.sequence_parallel)
+                      **tensor_parallel)
         self.linear_fc1 = ExpertLinear(self.num_local_experts, config.hidden_size, ffn * (2 if self.gated else 1),
                                        init_std=config.init_method_std, tp_split="column",
                                        blocks=2 if self.gated else 1, **common)

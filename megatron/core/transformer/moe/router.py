@@ -254,7 +254,10 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
 def data_parallel_groups(expert_parallel) -> Tuple:
     """Process groups whose successive all-reduces sum over the data-parallel ranks of this
     TP coordinate: one per dimension of the expert-parallel mesh other than ``tp`` (size-1
-    dimensions left out); none without a mesh (one process)."""
+    dimensions left out); none without a mesh (one process). With the expert TP size apart
+    from TP those axes mix TP ranks: the layout names the groups (``token_groups``)."""
+    if getattr(expert_parallel, "token_groups", None) is not None:
+        return tuple(expert_parallel.token_groups)
     mesh = getattr(expert_parallel, "mesh", None)
     if mesh is None:
         return ()

@@ -101,3 +101,41 @@ def test_qk_norm_gradients_cover_every_head(sequence_parallel):
     for name, p in model.named_parameters():
         if name in names:
             torch.testing.assert_close(p.grad, expected[name].grad, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+MLA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, normalization="RMSNorm",
+           gated_linear_unit=True, add_bias_linear=False, position_embedding_type="rope", qk_layernorm=True,
+           multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
+           v_head_dim=12)
+
+
+@pytest.mark.skipif(dist.get_world_size() % 2 != 0, reason="needs an even world size for TP 2")
+@pytest.mark.parametrize("sequence_parallel", (False, True))
+def test_multi_latent_attention_gradients_under_tensor_parallelism(sequence_parallel):
+    """Every gradient of a TP=2 MLA model (down projections and latent norms replicated, up
+    projections split by heads, the shared rope key summed over TP) is its piece of the
+    TP=1 model's, after the trainer's SP reduction; so are the logits."""
+    state = parallel_state(2)
+
+    def build(tp):
+        config = TransformerConfig(**MLA, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1,
+                                   tp_group=state.tp_group if tp > 1 else None)
+        model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, unpadded_vocab_size=UNPADDED_VOCAB,
+                         share_embeddings_and_output_weights=False)
+        initialize_parameters_(model, SEED)
+        return model
+
+    reference, model = build(1), build(2)
+    ids, labels = global_batches(1)[0][0]
+    reference(ids, labels=labels).mean().backward()
+    model(ids, labels=labels).mean().backward()
+    if sequence_parallel:
+        all_reduce_sequence_parallel_grads(model, state.tp_group)
+    pieces, expected = global_slices_by_name(model), dict(reference.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    assert "decoder.layers.0.self_attention.linear_kv_down_proj.weight" in names
+    assert "decoder.layers.0.self_attention.q_layernorm.weight" in names
+    for name, p in model.named_parameters():
+        ref = expected[name].grad
+        ref = pieces[name].take(ref) if name in pieces else ref
+        torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")

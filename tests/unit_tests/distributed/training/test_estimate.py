@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
 import os
 import subprocess
 import sys
@@ -530,3 +531,23 @@ def test_pipeline_plans_per_stage_hold_the_schedules_microbatches():
         assert run.returncode == 0, run.stderr[-2000:]
         assert "stage 0: layers 0-1;" in run.stdout and "stage 1: layers 2-3;" in run.stdout, run.stdout
         assert "2 microbatch(es) of one chunk in flight" in run.stdout
+
+
+MLA_FLAGS = ("--multi-latent-attention --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 4 "
+             "--v-head-dim 12 --qk-layernorm").split()
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_planner_counts_multi_latent_attention_weights(strategy):
+    """The units the tool plans for an MLA model (its down/up projections and latent norms)
+    give the engine's persistent bytes, and every weight is in one unit."""
+    world = dist.get_world_size()
+    args = trainer_args("llama", "--use-mfsdp", "--global-batch-size", str(4 * world), *SHAPE, *MLA_FLAGS,
+                        *FLAGS[strategy])
+    built = build_model(gpt_provider, args, torch.device("cpu"))
+    units = planned_units(built.unwrapped)
+    assert sum(u.numel for u in units) == sum(math.prod(p.shape) for p in built.unwrapped.parameters())
+    optimizer, microbatches = one_step(built, args)
+    predicted = plan(units, strategy, world, microbatches=microbatches, rank=dist.get_rank())
+    check_persistent(predicted, built, optimizer)
+    assert predicted.comm_bytes == built.context.counter.bytes_by_kind()
