@@ -28,6 +28,7 @@ def core_transformer_config_from_args(args):
     from megatron.training.context_parallel_arguments import context_parallel_config_kwargs
     from megatron.training.model_builder import activation_from_args
     from megatron.training.moe_arguments import moe_config_kwargs
+    from megatron.training.recipe_arguments import recipe_config_kwargs
 
     config = TransformerConfig(
         num_layers=args.num_layers,
@@ -64,6 +65,7 @@ def core_transformer_config_from_args(args):
         **tensor_parallel_config_from_args(args),
         **context_parallel_config_kwargs(args),
         **moe_config_kwargs(args),
+        **recipe_config_kwargs(args),
     )
     if getattr(args, "squared_relu", False):
         config.activation_func = "squared_relu"

@@ -214,6 +214,10 @@ def main(argv=None):
         raise SystemExit("estimate_memory.py: error: plans of a mixture of experts with "
                          "--tensor-model-parallel-size > 1 and full recompute are not supported yet; "
                          "plan it without --recompute-granularity full.")
+    if args.recompute_granularity == "selective" and args.recompute_modules != ["core_attn"]:
+        # The activation model knows selective recompute of the attention core only.
+        raise SystemExit("estimate_memory.py: error: plans with --recompute-modules other than core_attn are not "
+                         "supported yet; plan without --recompute-modules.")
     if args.pipeline_model_parallel_size > 1 and (args.num_experts or args.recompute_granularity == "full"):
         # Which stage holds which MoE layers' traffic, and full recompute's chunks per
         # stage, are not modelled yet.

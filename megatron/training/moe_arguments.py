@@ -53,7 +53,7 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-shared-expert-gate", action="store_true",
                    help="Qwen2-MoE: scale the shared expert's output by sigmoid(x @ gate_weight), a [1, hidden] weight")
     g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"), default="alltoall",
-                   help="alltoall (allgather runs it too: same results); flex is not implemented")
+                   help="alltoall (allgather and flex run it too: same results)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks that split each layer's experts (inner within the data-parallel ranks)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
@@ -86,7 +86,7 @@ def moe_config_kwargs(args) -> dict:
         moe_grouped_gemm=get("moe_grouped_gemm", False),
         moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size"),
         moe_shared_expert_gate=get("moe_shared_expert_gate", False),
-        moe_token_dispatcher_type="alltoall",  # allgather gives the same results
+        moe_token_dispatcher_type="alltoall",  # allgather and flex (DeepEP) give the same results
         expert_model_parallel_size=get("expert_model_parallel_size", 1),
         expert_tensor_parallel_size=get("expert_tensor_parallel_size"),
     )
@@ -107,8 +107,9 @@ def _one_or_list(value):
 
 def validate_moe_args(args: argparse.Namespace) -> None:
     """Parse-time checks (ValueError with the fix). Needs the model shape and MFSDP fields."""
-    if args.moe_token_dispatcher_type == "flex":
-        raise ValueError("--moe-token-dispatcher-type flex (DeepEP) is not supported; use alltoall.")
+    if getattr(args, "moe_enable_deepep", False) and args.moe_token_dispatcher_type != "flex":
+        raise ValueError("--moe-enable-deepep selects the flex dispatcher's backend; add --moe-token-dispatcher-type "
+                         "flex or drop it.")
     if args.moe_shared_expert_gate and args.moe_shared_expert_intermediate_size is None:
         raise ValueError("--moe-shared-expert-gate gates the shared expert; add --num-experts and "
                          "--moe-shared-expert-intermediate-size, or drop it.")

@@ -10,8 +10,13 @@ sys.path.insert(0, os.path.join(HERE, os.pardir, os.pardir, "scripts"))
 import replay_upstream_configs as replay  # noqa: E402
 
 # Lines that parse with their own parallel sizes (25 at first; 29 after the fidelity flags;
-# 102 with pipeline parallelism; 119 with context parallelism).
-ACCEPTED = 119
+# 102 with pipeline parallelism; 119 with context parallelism; 120 with the GPU-only MoE flags
+# accepted and upstream's [ ] list values).
+ACCEPTED = 120
+# Upstream's MoE recipes (test_cases/moe, --suite moe): 16 of 51 before the GPU-only flags,
+# YaRN, --recompute-modules and --logging-level; 17 after (the rest need MLA, expert TP, EP
+# without --use-mfsdp, MTP, Muon or MoE under CP).
+ACCEPTED_MOE = 17
 
 
 def test_replay_counts_do_not_drop(capsys):
@@ -20,3 +25,10 @@ def test_replay_counts_do_not_drop(capsys):
     assert counts["skipped (MODE inference/rl)"] == 44 and counts["training lines"] == 161
     assert counts["accepted"] >= ACCEPTED, dict(rejections)
     assert counts["blocked by PP/CP"] == 0, dict(rejections)  # both are in the trainer
+
+
+def test_moe_replay_counts_do_not_drop():
+    _, configs = replay.load_snapshot(replay.SUITES["moe"][1])
+    counts, rejections = replay.replay(configs)
+    assert counts["skipped (MODE inference/rl)"] == 14 and counts["training lines"] == 51
+    assert counts["accepted"] >= ACCEPTED_MOE, dict(rejections)

@@ -12,17 +12,20 @@ Attention always runs in torch's ``scaled_dot_product_attention`` (flash / cuDNN
 on GPU).
 """
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .attention import SelfAttention
 from .layers import reset_parameters_of
 from .mlp import MLP
 from .moe.config import is_moe_layer
 from .norms import build_norm
+from .recompute import recompute_saved, recomputes
 from .transformer_config import TransformerConfig
 
 
@@ -41,6 +44,9 @@ class TransformerLayer(nn.Module):
             self.mlp = MoELayer(config, layer_number, expert_parallel)
         else:
             self.mlp = MLP(config)
+        # Selective recompute (recompute.py): the norms' outputs, and the whole dense MLP or MoE layer.
+        self.recompute_layernorm = recomputes(config, "layernorm")
+        self.recompute_mlp = recomputes(config, "moe" if is_moe_layer(config, layer_number) else "mlp")
 
     def reset_parameters(self) -> None:
         """Re-run Megatron's initialization for this layer's parameters."""
@@ -49,7 +55,24 @@ class TransformerLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         dropout = self.config.hidden_dropout
-        attention_out = self.self_attention(self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb)
+        recompute = self.training and torch.is_grad_enabled()
+        with self._norm_output(self.input_layernorm, hidden_states, recompute) as normed:
+            attention_out = self.self_attention(normed, attention_mask, rotary_pos_emb)
         hidden_states = hidden_states + F.dropout(attention_out, p=dropout, training=self.training)
-        mlp_out = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        with self._norm_output(self.pre_mlp_layernorm, hidden_states, recompute) as normed:
+            if recompute and self.recompute_mlp:
+                mlp_out = checkpoint(self.mlp, normed, use_reentrant=False)
+            else:
+                mlp_out = self.mlp(normed)
         return hidden_states + F.dropout(mlp_out, p=dropout, training=self.training)
+
+    @contextlib.contextmanager
+    def _norm_output(self, norm, hidden_states, recompute):
+        """norm(hidden_states); with "layernorm" recompute, the ops inside the block do not keep
+        it for their backward but recompute it from hidden_states (kept for the residual)."""
+        normed = norm(hidden_states)
+        if not (recompute and self.recompute_layernorm):
+            yield normed
+            return
+        with recompute_saved(normed, lambda: norm(hidden_states)):
+            yield normed

@@ -213,7 +213,7 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
      "--outer-dp-sharding-strategy optim", 2, "must divide the ranks of one HSDP/HFSDP instance"),
     ("--num-experts 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 4 --use-mfsdp "
      "--num-distributed-optimizer-instances 2", 8, r"instance \(2 = data-parallel size 4 /"),
-    ("--num-experts 4 --moe-token-dispatcher-type flex", 1, "flex"),
+    ("--num-experts 4 --moe-enable-deepep", 1, "--moe-token-dispatcher-type flex"),
     # Experts under tensor parallelism.
     ("--num-experts 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --use-mfsdp", 2,
      r"must divide the data-parallel size \(1 = world size 2 / tensor-parallel size 2\)"),

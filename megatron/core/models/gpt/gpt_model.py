@@ -26,7 +26,7 @@ from megatron.core.models.common.language_model_embedding import LanguageModelEm
 from megatron.core.transformer.layers import reset_parameters_of
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_block import TransformerBlock
-from megatron.core.transformer.transformer_config import _POSITION_EMBEDDING_TYPES, TransformerConfig
+from megatron.core.transformer.transformer_config import _POSITION_EMBEDDING_TYPES, ROTARY_TYPES, TransformerConfig
 
 
 class OutputLayer(nn.Module):
@@ -81,7 +81,7 @@ class GPTModel(nn.Module):
             longest context the model is fed).
         share_embeddings_and_output_weights: tie the output projection to the word
             embeddings (one Parameter, ``embedding.word_embeddings.weight``).
-        position_embedding_type: "learned_absolute" or "rope"; None uses the config's.
+        position_embedding_type: "learned_absolute", "rope" or "yarn"; None uses the config's.
         unpadded_vocab_size: the tokenizer's vocabulary size when ``vocab_size`` is padded
             beyond it (``--make-vocab-size-divisible-by``). The padding rows are no tokens:
             their logits are -inf, so they take no part in the softmax, the loss or
@@ -121,7 +121,7 @@ class GPTModel(nn.Module):
             raise ValueError(
                 f"position_embedding_type must be one of {_POSITION_EMBEDDING_TYPES}, got {position_embedding_type!r}."
             )
-        if position_embedding_type == "rope" and config.kv_channels % 2 != 0:
+        if position_embedding_type in ROTARY_TYPES and config.kv_channels % 2 != 0:
             raise ValueError(
                 f"rotary position embeddings need an even head dimension, but kv_channels is {config.kv_channels}; "
                 "use learned_absolute positions or an even kv_channels."
@@ -145,9 +145,10 @@ class GPTModel(nn.Module):
         elif self._tied_copy:
             self.embedding = nn.Module()
             self.embedding.word_embeddings = _output_projection(config, vocab_size, tied=False)
-        if position_embedding_type == "rope":
+        if position_embedding_type in ROTARY_TYPES:
             # Sized to the rotated dimensions: with rotary_percent < 1 the rest pass through.
-            self.rotary_pos_emb = RotaryEmbedding(config.rotary_dim, config.rotary_base, config.rotary_interleaved)
+            self.rotary_pos_emb = RotaryEmbedding(config.rotary_dim, config.rotary_base, config.rotary_interleaved,
+                                                  yarn=config.yarn if position_embedding_type == "yarn" else None)
         else:
             self.rotary_pos_emb = None
         self.decoder = TransformerBlock(config, expert_parallel=expert_parallel, layer_numbers=layer_numbers,

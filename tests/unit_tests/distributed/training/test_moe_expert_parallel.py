@@ -186,6 +186,25 @@ def test_expert_parallel_with_recompute_grouped_gemm_shared_experts_and_dropping
         assert collect_moe_metrics(built.unwrapped)["moe_dropped_tokens"] > 0  # the case drops tokens
 
 
+@pytest.mark.parametrize("modules", [("moe", "layernorm"), ("moe_act", "shared_experts", "layernorm", "core_attn")])
+def test_expert_parallel_with_recompute_modules_matches_the_reference_without(modules):
+    """--recompute-modules at the largest EP size (the MoE layer's all-to-alls run again in
+    backward with "moe"), against the EP=1 reference that recomputes nothing."""
+    ep = EP_SIZES[-1]
+    common = ("--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "16")
+    args = moe_args(ep, "optim_grads_params", 0.1, *common, "--recompute-granularity", "selective",
+                    "--recompute-modules", *modules)
+    built = build_model(gpt_provider, args, torch.device("cpu"))
+    ref_args = moe_args(1, None, 0.1, *common, world_size=1, mfsdp=False)
+    assert ref_args.recompute_granularity is None
+    reference = gpt_provider(ref_args)
+    initialize_parameters_(reference, ref_args.seed)
+    losses, ref_losses, norms, ref_norms = train(args, built, reference, 0.1, check_grads=True)
+    assert losses == pytest.approx(ref_losses, rel=2e-5)
+    assert norms == pytest.approx(ref_norms, rel=2e-5)
+    compare_weights(built, reference)
+
+
 @pytest.mark.parametrize("hybrid", sorted(HYBRIDS))
 def test_expert_parallel_under_hsdp_and_hfsdp_matches_the_reference(hybrid):
     """Dense units over ("outer", "inner"), experts over ("expert_outer", "expert_inner")
