@@ -176,7 +176,8 @@ def loss_func(loss_mask, output_tensor):
 
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
-    output_tensor = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output_tensor = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                          loss_mask=batch["loss_mask"])  # read by multi-token prediction only
     return output_tensor, partial(loss_func, batch["loss_mask"])
 
 

@@ -107,6 +107,10 @@ Deviations worth knowing:
   refused (their modules do not exist here). `layernorm` and `moe_act` recompute a
   discarded output through saved-tensor hooks (docs/design.md).
 - `--logging-level N` sets the root Python logger's level (else `MEGATRON_LOGGING_LEVEL`).
+- `--mtp-num-layers D`: DeepSeek-V3's multi-token prediction (upstream's module names
+  `mtp.layers.{{k}}.{{enorm,hnorm,eh_proj,mtp_model_layer,final_layernorm}}`); each depth's loss
+  is logged as `mtp_{{k}} loss`. Not under pipeline or context parallelism, nor with
+  `--calculate-per-token-loss` (refused); evaluation computes no MTP loss.
 - `--moe-router-enable-expert-bias`: the bias is updated after every optimizer step that
   updates the router (upstream: in `finalize_model_grads`, before the step; the next step
   routes with the same bias). A skipped step (fp16 overflow) updates nothing; its token

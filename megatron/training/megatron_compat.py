@@ -151,10 +151,6 @@ REJECTED: Dict[str, str] = {
     "--fim-data": "fill-in-the-middle data is not implemented; drop it",
     "--error-injection-rate": "the re-run machinery is not implemented; drop it",
     "--error-injection-type": "the re-run machinery is not implemented; drop it",
-    "--mtp-num-layers": "multi-token prediction is not implemented yet; drop --mtp-num-layers and "
-                        "--mtp-loss-scaling-factor",
-    "--mtp-loss-scaling-factor": "multi-token prediction is not implemented yet; drop --mtp-num-layers and "
-                                 "--mtp-loss-scaling-factor",
 }
 
 

@@ -40,6 +40,11 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-modules", nargs="*", default=None,
                    help="with --recompute-granularity selective: what to recompute in backward (default core_attn): "
                         "core_attn, layernorm, mlp, moe, moe_act (needs --moe-grouped-gemm), shared_experts")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token prediction: extra depths predicting tokens i+2, i+3, ... (DeepSeek-V3), "
+                        "sharing the embedding and output layer")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="weight of the MTP losses (their mean over the depths)")
     g.add_argument("--logging-level", type=int, default=None,
                    help="Python logging level of the root logger (10 DEBUG, 20 INFO, 30 WARNING, 40 ERROR); "
                         "default: the MEGATRON_LOGGING_LEVEL environment variable, else unchanged")
@@ -74,6 +79,18 @@ def validate_recipe_args(args: argparse.Namespace, note) -> None:
         raise ValueError("--recompute-modules applies to --recompute-granularity selective; add that or drop it.")
     args.recompute_modules = check_recompute_modules(args.recompute_modules, args.recompute_granularity,
                                                      getattr(args, "moe_grouped_gemm", False))
+    if args.mtp_num_layers is not None:
+        if args.mtp_num_layers < 1:
+            raise ValueError(f"--mtp-num-layers must be positive, got {args.mtp_num_layers}; drop it for no MTP.")
+        if args.pipeline_model_parallel_size > 1:
+            raise ValueError("--mtp-num-layers under pipeline parallelism is not built yet; use "
+                             "--pipeline-model-parallel-size 1 or drop --mtp-num-layers.")
+        if args.context_parallel_size > 1:
+            raise ValueError("--mtp-num-layers under context parallelism is not built yet; use "
+                             "--context-parallel-size 1 or drop --mtp-num-layers.")
+        if args.calculate_per_token_loss:
+            raise ValueError("--mtp-num-layers with --calculate-per-token-loss is not built yet (the MTP losses are "
+                             "per micro-batch means); drop one of them.")
     if args.logging_level is not None and args.logging_level < 0:
         raise ValueError(f"--logging-level must be a logging level (10 DEBUG ... 50 CRITICAL), got {args.logging_level}.")
     lines = announced_flags_given(args)
@@ -96,7 +113,9 @@ def _yarn_fields(args) -> dict:
 
 def recipe_config_kwargs(args) -> dict:
     """The TransformerConfig fields (getattr: argument sets saved before these flags existed)."""
-    kwargs = dict(recompute_modules=getattr(args, "recompute_modules", None))
+    kwargs = dict(recompute_modules=getattr(args, "recompute_modules", None),
+                  mtp_num_layers=getattr(args, "mtp_num_layers", None),
+                  mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1))
     if getattr(args, "position_embedding_type", None) == "yarn":
         fields = _yarn_fields(args)
         kwargs.update({"yarn_rotary_scaling_factor" if k == "scaling_factor" else f"yarn_{k}": v

@@ -185,6 +185,10 @@ class TransformerConfig:
     # Selective recompute's modules (recompute_granularity "selective"; recompute.py lists
     # Megatron's names and what each recomputes here). None: ["core_attn"], as upstream.
     recompute_modules: Optional[List[str]] = None
+    # Multi-token prediction (multi_token_prediction.py): extra prediction depths after the
+    # decoder sharing the embedding and output layer; their loss weight (upstream's default 0.1).
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -288,6 +292,11 @@ class TransformerConfig:
         from .recompute import check_recompute_modules
 
         check_recompute_modules(self.recompute_modules, self.recompute_granularity, self.moe_grouped_gemm)
+        if self.mtp_num_layers is not None and (isinstance(self.mtp_num_layers, bool) or self.mtp_num_layers < 1):
+            raise ValueError(f"mtp_num_layers must be a positive integer or None, got {self.mtp_num_layers!r}.")
+        if self.mtp_num_layers and self.context_parallel_size > 1:
+            raise ValueError("multi-token prediction under context parallelism is not built yet (its tokens are "
+                             "rolled across the CP chunks); use context_parallel_size 1.")
         if self.position_embedding_type == "yarn":
             if self.rotary_interleaved:
                 raise ValueError("YaRN rotates halves (as Megatron-LM and DeepSeek-V3); drop rotary_interleaved.")

@@ -30,15 +30,19 @@ from .transformer_config import TransformerConfig
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: TransformerConfig, layer_number: int = 1, expert_parallel=None):
+    def __init__(self, config: TransformerConfig, layer_number: int = 1, expert_parallel=None,
+                 moe: Optional[bool] = None):
+        """``moe``: whether the MLP is a MoE layer (default: what ``moe_layer_freq`` says for
+        ``layer_number``; a multi-token prediction layer takes the last layer's kind)."""
         super().__init__()
+        moe = is_moe_layer(config, layer_number) if moe is None else moe
         self.config = config
         self.layer_number = layer_number  # 1-based, as in Megatron
         self.input_layernorm = build_norm(config, config.hidden_size)
         self.self_attention = SelfAttention(config, layer_number)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
         # A MoE layer (moe/moe_layer.py) replaces the MLP where --moe-layer-freq says so.
-        if is_moe_layer(config, layer_number):
+        if moe:
             from .moe.moe_layer import MoELayer
 
             self.mlp = MoELayer(config, layer_number, expert_parallel)
@@ -46,7 +50,7 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(config)
         # Selective recompute (recompute.py): the norms' outputs, and the whole dense MLP or MoE layer.
         self.recompute_layernorm = recomputes(config, "layernorm")
-        self.recompute_mlp = recomputes(config, "moe" if is_moe_layer(config, layer_number) else "mlp")
+        self.recompute_mlp = recomputes(config, "moe" if moe else "mlp")
 
     def reset_parameters(self) -> None:
         """Re-run Megatron's initialization for this layer's parameters."""

@@ -156,6 +156,16 @@ class GPTModel(nn.Module):
         self.output_layer = None
         if self.post_process and not self._tied_copy:
             self.output_layer = _output_projection(config, vocab_size, tied=share_embeddings_and_output_weights)
+        # Multi-token prediction (multi_token_prediction.py): after the decoder, on the stage
+        # that both embeds and computes the loss (the trainer refuses it under PP).
+        self.mtp = None
+        if getattr(config, "mtp_num_layers", None):
+            if not (self.pre_process and self.post_process):
+                raise ValueError("multi-token prediction needs the embedding and the output layer in one model "
+                                 "chunk; it is not built for pipeline parallelism yet (use PP size 1).")
+            from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+            self.mtp = MultiTokenPredictionBlock(config, expert_parallel)
 
     def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
         """The weight the output layer multiplies with (Megatron's name for it); under
@@ -177,10 +187,11 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [b, s, vocab] when ``labels`` is None, else the per-token cross-entropy
         loss [b, s] in fp32 (no reduction: the caller applies its loss mask). Logits of
-        padding rows (ids >= ``unpadded_vocab_size``) are -inf.
+        padding rows (ids >= ``unpadded_vocab_size``) are -inf. ``loss_mask`` [b, s] is
+        read only by multi-token prediction (its losses are masked and averaged inside).
 
         attention_mask (optional) is Megatron's: bool, True where attention is NOT allowed,
         broadcastable to [b, heads, s, s]; it is combined with the causal mask.
@@ -215,6 +226,13 @@ class GPTModel(nn.Module):
         hidden_states = self.decoder(hidden_states, attention_mask, rotary_pos_emb)
         if not self.post_process:
             return hidden_states
+        if self.mtp is not None and labels is not None and self.training and torch.is_grad_enabled():
+            hidden_states = self.mtp.attach_losses(hidden_states, input_ids, position_ids, labels, loss_mask,
+                                                   self.embedding, self._output, attention_mask, rotary_pos_emb)
+        return self._output(hidden_states, labels)
+
+    def _output(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
+        """Hidden states [b, s, h] -> logits, or the per-token loss [b, s] given labels."""
         projection = self.embedding.word_embeddings if self._tied_copy else self.output_layer
         if self._tied_copy:
             logits = projection(hidden_states)
@@ -234,7 +252,7 @@ class GPTModel(nn.Module):
         # Softmax over a large vocabulary in bf16 loses too much; upcast for the loss.
         loss = F.cross_entropy(logits.float().reshape(-1, self.unpadded_vocab_size), labels.reshape(-1).long(),
                                reduction="none")
-        return loss.view(batch, seq)
+        return loss.view(labels.shape)
 
     def _vocab_parallel_output(self, logits: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         """Logits [b, s, V/tp] of this rank's vocabulary ids -> the per-token loss (no rank

@@ -25,6 +25,7 @@ from megatron.core.global_slices import global_slices_by_name, global_slices_of
 from megatron.core.transformer.initialization import initialize_parameters_
 from megatron.core.transformer.moe.metrics import collect_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
+from megatron.core.transformer.multi_token_prediction import set_mtp_loss_backward_scale
 from megatron.training import model_builder
 from megatron.training.model_builder import build_model, count_zeros_of, get_grad_norm_and_clip, get_params_norm_of
 
@@ -66,6 +67,7 @@ def train(args, built, reference, aux: float, check_grads: bool = False):
     tokens, labels = global_batch()
     mine = slice(dist.get_rank() * ROWS, (dist.get_rank() + 1) * ROWS)
     set_aux_loss_backward_scale(reference, 1.0 / WORLD)
+    set_mtp_loss_backward_scale(reference, 1.0 / WORLD)  # MTP losses are per micro-batch per rank too
     losses, ref_losses, norms, ref_norms = [], [], [], []
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
@@ -166,6 +168,8 @@ def test_expert_parallel_matches_ep1_reference(ep, strategy, aux):
 
 
 @pytest.mark.parametrize("extra", [("--recompute-granularity", "full"), ("--moe-grouped-gemm",),
+                                   ("--mtp-num-layers", "1", "--moe-router-enable-expert-bias",
+                                    "--moe-router-score-function", "sigmoid"),
                                    ("--moe-shared-expert-intermediate-size", "16", "--moe-z-loss-coeff", "0.01"),
                                    ("--moe-expert-capacity-factor", "1.0")])
 def test_expert_parallel_with_recompute_grouped_gemm_shared_experts_and_dropping(extra):
