@@ -214,6 +214,9 @@ def main(argv=None):
         raise SystemExit("estimate_memory.py: error: plans of a mixture of experts with "
                          "--tensor-model-parallel-size > 1 and full recompute are not supported yet; "
                          "plan it without --recompute-granularity full.")
+    if getattr(args, "mtp_num_layers", None):
+        raise SystemExit("estimate_memory.py: error: plans with --mtp-num-layers are not supported yet (the MTP "
+                         "depths' activations are not modelled); plan without it.")
     if args.recompute_granularity == "selective" and args.recompute_modules != ["core_attn"]:
         # The activation model knows selective recompute of the attention core only.
         raise SystemExit("estimate_memory.py: error: plans with --recompute-modules other than core_attn are not "

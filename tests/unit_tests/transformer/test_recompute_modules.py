@@ -124,3 +124,35 @@ def test_bad_recompute_modules_are_refused(modules, granularity, grouped, messag
 def test_default_and_non_selective():
     assert check_recompute_modules(None, "selective") == ["core_attn"]
     assert check_recompute_modules(["mla_up_proj"], None) == ["mla_up_proj"]  # upstream ignores them then
+
+
+@pytest.mark.parametrize("recompute", [dict(recompute_granularity="full"),
+                                       dict(recompute_granularity="selective", recompute_modules=["moe"])])
+def test_global_aux_loss_and_expert_bias_counts_are_not_moved_by_recompute(recompute):
+    """A recompute in backward reuses its forward's running mean of global_aux_loss and does
+    not count its tokens for the expert bias again: with two micro-batches (the second's
+    forward after the first's recompute) the gradients equal those without recompute."""
+    from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
+
+    def run(kw):
+        torch.manual_seed(0)
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                                   hidden_dropout=0.0, attention_dropout=0.0, num_moe_experts=4, moe_router_topk=2,
+                                   moe_ffn_hidden_size=32, moe_router_load_balancing_type="global_aux_loss",
+                                   moe_aux_loss_coeff=1.0, moe_router_score_function="sigmoid",
+                                   moe_router_enable_expert_bias=True, **kw)
+        model = GPTModel(config, vocab_size=64, max_sequence_length=16).train()
+        set_aux_loss_backward_scale(model, 0.5)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):  # two micro-batches of one step
+            tokens = torch.randint(0, 64, (2, 16), generator=g)
+            (model(tokens, labels=tokens).mean() / 2).backward()
+        routers = [m for m in model.modules() if hasattr(m, "global_aux_steps")]
+        counts = torch.stack([r.local_tokens_per_expert for r in routers])
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, counts
+
+    expected, expected_counts = run({})
+    got, counts = run(recompute)
+    torch.testing.assert_close(counts, expected_counts, rtol=0, atol=0)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-7, msg=name)
