@@ -31,10 +31,10 @@ are skipped), 120 parse at their own TP/PP/CP sizes
 (`tests/functional_tests/test_upstream_replay.py` keeps this count from dropping); two
 train on 2 ranks (`tests/functional_tests/test_megatron_command_lines.py`). With `--suite
 moe` it replays upstream's MoE recipes (`test_cases/moe`, snapshot
-`upstream_moe_configs.json`): 17 of the 51 training configurations parse (16 before the
-GPU-only flags, YaRN and `--recompute-modules`); the others need multi-latent attention,
-an expert tensor-parallel size apart from TP, EP without `--use-mfsdp`, multi-token
-prediction, Muon or MoE under CP.
+`upstream_moe_configs.json`): 23 of the 51 training configurations parse (16 before the
+GPU-only flags, YaRN, `--recompute-modules`, MTP and EP without `--use-mfsdp`); the others
+need multi-latent attention, an expert tensor-parallel size apart from TP, Muon or MoE
+under CP.
 
 Deviations worth knowing:
 
@@ -81,7 +81,9 @@ Deviations worth knowing:
   iteration). The TensorBoard tags are this trainer's (`lm-loss`, `global-batch-size`),
   without upstream's `... vs samples` copies.
 - `--moe-token-dispatcher-type allgather` (upstream's default) runs the all-to-all dispatcher,
-  which gives the same results; `--expert-model-parallel-size` above 1 needs `--use-mfsdp`.
+  which gives the same results; `--expert-model-parallel-size` above 1 without `--use-mfsdp`
+  (upstream's DDP) runs MFSDP with `--data-parallel-sharding-strategy no_shard`, DDP's
+  replicated layout (torch's DDP would average different experts), with one line saying so.
 - The MoE load-balancing types are upstream's (`aux_loss` per micro-batch per rank,
   `seq_aux_loss` per sequence, `global_aux_loss` over the data-parallel ranks, `sinkhorn`,
   `none`, or a list of aux-loss types with one `--moe-aux-loss-coeff` each); the log line's

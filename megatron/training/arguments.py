@@ -21,7 +21,7 @@ from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.context_parallel_arguments import (
     add_context_parallel_args, validate_context_parallel_args, validate_context_parallel_size)
-from megatron.training.moe_arguments import add_moe_args, validate_moe_args
+from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_without_mfsdp, validate_moe_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 from megatron.training.recipe_arguments import add_recipe_args, validate_recipe_args
 
@@ -748,6 +748,7 @@ def _apply_fidelity_synonyms(args: argparse.Namespace) -> None:
         args.use_mfsdp = True
         args.data_parallel_sharding_strategy = "optim"
         args.distributed_optimizer_mapped_to_zero1 = True
+    map_expert_parallel_without_mfsdp(args, _note)
 
 
 def _validate_fidelity(args: argparse.Namespace) -> None:

@@ -125,8 +125,25 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     ep = args.expert_model_parallel_size
     check_expert_parallel_size(ep, args.data_parallel_size, getattr(args, "tensor_model_parallel_size", 1),
                                args.dp_outer_size)
-    if ep > 1 and not args.use_mfsdp:
+    if ep > 1 and not args.use_mfsdp:  # map_expert_parallel_without_mfsdp ran first
         raise ValueError(
             f"--expert-model-parallel-size {ep} needs --use-mfsdp: DDP would average the gradients of "
             "different experts across the expert-parallel ranks."
         )
+
+
+def map_expert_parallel_without_mfsdp(args: argparse.Namespace, note) -> None:
+    """Upstream's DDP with --expert-model-parallel-size > 1 (its expert gradients reduced over
+    the expert-data-parallel ranks): here MFSDP no_shard, DDP's replicated layout with the
+    experts a unit of their own on the expert mesh (torch's DDP would average different
+    experts). Resolved before validation, like --use-distributed-optimizer's ZeRO-1."""
+    if args.expert_model_parallel_size <= 1 or args.use_mfsdp:
+        return
+    if args.data_parallel_sharding_strategy not in (None, "no_shard"):
+        raise ValueError(f"--expert-model-parallel-size without --use-mfsdp runs MFSDP no_shard (DDP's layout); drop "
+                         f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} or add --use-mfsdp.")
+    args.use_mfsdp = True
+    args.data_parallel_sharding_strategy = "no_shard"
+    note(f"--expert-model-parallel-size {args.expert_model_parallel_size} without --use-mfsdp: MFSDP runs with "
+         "--data-parallel-sharding-strategy no_shard (DDP's replicated layout, experts reduced over the ranks "
+         "that hold them).")

@@ -190,6 +190,19 @@ def test_expert_parallel_with_recompute_grouped_gemm_shared_experts_and_dropping
         assert collect_moe_metrics(built.unwrapped)["moe_dropped_tokens"] > 0  # the case drops tokens
 
 
+def test_expert_parallel_without_mfsdp_is_mfsdp_no_shard_and_matches_the_reference():
+    """Upstream's command lines run EP under DDP: here that is MFSDP no_shard (DDP's layout)."""
+    ep = EP_SIZES[-1]
+    args = moe_args(ep, None, 0.1, mfsdp=False)
+    assert args.use_mfsdp == (ep > 1) and (ep == 1 or args.data_parallel_sharding_strategy == "no_shard")
+    built = build_model(gpt_provider, args, torch.device("cpu"))
+    reference = reference_model(args)
+    losses, ref_losses, norms, ref_norms = train(args, built, reference, 0.1)
+    assert losses == pytest.approx(ref_losses, rel=2e-5)
+    assert norms == pytest.approx(ref_norms, rel=2e-5)
+    compare_weights(built, reference)
+
+
 @pytest.mark.parametrize("modules", [("moe", "layernorm"), ("moe_act", "shared_experts", "layernorm", "core_attn")])
 def test_expert_parallel_with_recompute_modules_matches_the_reference_without(modules):
     """--recompute-modules at the largest EP size (the MoE layer's all-to-alls run again in
