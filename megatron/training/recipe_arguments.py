@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from megatron.training.megatron_compat import announced_flags_given
 
@@ -93,6 +94,10 @@ def validate_recipe_args(args: argparse.Namespace, note) -> None:
                              "per micro-batch means); drop one of them.")
     if args.logging_level is not None and args.logging_level < 0:
         raise ValueError(f"--logging-level must be a logging level (10 DEBUG ... 50 CRITICAL), got {args.logging_level}.")
+    env_level = os.environ.get("MEGATRON_LOGGING_LEVEL", "")
+    if env_level and not env_level.strip().isdigit():
+        raise ValueError(f"MEGATRON_LOGGING_LEVEL must be a logging level number (10 DEBUG ... 50 CRITICAL), got "
+                         f"{env_level!r}; fix or unset it.")
     lines = announced_flags_given(args)
     if getattr(args, "moe_token_dispatcher_type", None) == "flex":
         lines.insert(0, "--moe-token-dispatcher-type flex: no DeepEP/HybridEP kernels here, the all-to-all "
@@ -126,7 +131,7 @@ def recipe_config_kwargs(args) -> dict:
 def setup_logging(args, environ) -> None:
     """Upstream's precedence: --logging-level, else MEGATRON_LOGGING_LEVEL, else unchanged."""
     level = getattr(args, "logging_level", None)
-    if level is None and environ.get("MEGATRON_LOGGING_LEVEL"):
+    if level is None and environ.get("MEGATRON_LOGGING_LEVEL", "").strip().isdigit():
         level = int(environ["MEGATRON_LOGGING_LEVEL"])
     if level is not None:
         logging.getLogger().setLevel(level)

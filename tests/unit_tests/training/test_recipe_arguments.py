@@ -117,3 +117,9 @@ def test_mtp_flags_reach_the_config_and_pipelines_are_refused():
     with pytest.raises(ValueError, match="under context parallelism is not built yet"):
         parse_args((BASE + " --mtp-num-layers 1 --context-parallel-size 2").split(), world_size=2,
                    cuda_available=False)
+
+
+def test_a_bad_logging_level_environment_variable_is_a_parse_error(monkeypatch):
+    monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", "debug")
+    with pytest.raises(ValueError, match="MEGATRON_LOGGING_LEVEL must be a logging level number"):
+        parse()

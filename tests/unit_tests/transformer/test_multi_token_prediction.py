@@ -52,7 +52,7 @@ def reference_loss(model, tokens, positions, labels, mask):
         table = None if rotary is None else tuple(t[:, :n] for t in rotary)
         hidden = layer(hidden[:, :n], model.embedding(tokens[:, k:], positions[:, k:]), None, table)
         losses.append(masked_mean(model._output(hidden, labels[:, k:]), mask[:, k:]))
-    return total + model.config.mtp_loss_scaling_factor / len(depths) * sum(losses), [float(x) for x in losses]
+    return total + model.config.mtp_loss_scaling_factor / len(depths) * sum(losses), [float(x.detach()) for x in losses]
 
 
 @pytest.mark.parametrize("arch, tied", [("llama", False), ("gpt2", True), ("moe", True)])
