@@ -29,6 +29,7 @@ def core_transformer_config_from_args(args):
     from megatron.training.model_builder import activation_from_args
     from megatron.training.mla_arguments import mla_config_kwargs
     from megatron.training.moe_arguments import moe_config_kwargs
+    from megatron.training.recipe_arguments import recipe_config_kwargs
 
     config = TransformerConfig(
         num_layers=args.num_layers,
@@ -67,6 +68,7 @@ def core_transformer_config_from_args(args):
         **context_parallel_config_kwargs(args),
         **moe_config_kwargs(args),
         **mla_config_kwargs(args),
+        **recipe_config_kwargs(args),
     )
     if getattr(args, "squared_relu", False):
         config.activation_func = "squared_relu"
@@ -178,7 +180,8 @@ def loss_func(loss_mask, output_tensor):
 
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
-    output_tensor = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output_tensor = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                          loss_mask=batch["loss_mask"])  # read by multi-token prediction only
     return output_tensor, partial(loss_func, batch["loss_mask"])
 
 

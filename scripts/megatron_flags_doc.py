@@ -27,9 +27,14 @@ functional-test configuration of upstream (from the mirror, or from its snapshot
 gloo, transformer_engine -> local, FP8 / NCCL user-buffer / TP-comm-overlap flags dropped,
 tiny model, mock data) at each line's own TP/PP/CP sizes, and prints the accepted count and
 the remaining rejections by flag. Of the 161 training configurations (44 inference/RL ones
-are skipped), 119 parse at their own TP/PP/CP sizes
+are skipped), 120 parse at their own TP/PP/CP sizes
 (`tests/functional_tests/test_upstream_replay.py` keeps this count from dropping); two
-train on 2 ranks (`tests/functional_tests/test_megatron_command_lines.py`).
+train on 2 ranks (`tests/functional_tests/test_megatron_command_lines.py`). With `--suite
+moe` it replays upstream's MoE recipes (`test_cases/moe`, snapshot
+`upstream_moe_configs.json`): 23 of the 51 training configurations parse (16 before the
+GPU-only flags, YaRN, `--recompute-modules`, MTP and EP without `--use-mfsdp`); the others
+need multi-latent attention, an expert tensor-parallel size apart from TP, Muon or MoE
+under CP.
 
 Deviations worth knowing:
 
@@ -76,13 +81,38 @@ Deviations worth knowing:
   iteration). The TensorBoard tags are this trainer's (`lm-loss`, `global-batch-size`),
   without upstream's `... vs samples` copies.
 - `--moe-token-dispatcher-type allgather` (upstream's default) runs the all-to-all dispatcher,
-  which gives the same results; `--expert-model-parallel-size` above 1 needs `--use-mfsdp`.
+  which gives the same results; `--expert-model-parallel-size` above 1 without `--use-mfsdp`
+  (upstream's DDP) runs MFSDP with `--data-parallel-sharding-strategy no_shard`, DDP's
+  replicated layout (torch's DDP would average different experts), with one line saying so.
 - The MoE load-balancing types are upstream's (`aux_loss` per micro-batch per rank,
   `seq_aux_loss` per sequence, `global_aux_loss` over the data-parallel ranks, `sinkhorn`,
   `none`, or a list of aux-loss types with one `--moe-aux-loss-coeff` each); the log line's
   `load_balancing_loss` / `seq_load_balancing_loss` / `global_load_balancing_loss` / `z_loss`
   are the losses divided by their coefficients, the mean over MoE layers (docs/design.md,
   "Mixture of experts").
+- Flags that only choose GPU kernels, CUDA graphs, activation offloading or communication
+  overlap (`--moe-permute-fusion`, `--moe-router-fusion`, `--overlap-moe-expert-parallel-comm`,
+  `--delay-wgrad-compute`, the flex dispatcher `--moe-token-dispatcher-type flex` with
+  `--moe-enable-deepep` / `--moe-flex-dispatcher-backend`, `--cuda-graph-*`, ...) are
+  accepted and change no number; each one given prints one line at launch saying what
+  runs instead (`megatron_compat.ANNOUNCED`).
+- `--position-embedding-type yarn` with `--rotary-scaling-factor`, `--mscale`,
+  `--mscale-all-dim`, `--yarn-original-max-position-embeddings`, `--yarn-beta-fast`,
+  `--yarn-beta-slow`: Megatron-LM's `YarnRotaryEmbedding` for standard attention (cos and
+  sin carry the concentration factor). Hugging Face computes the factor as 0.1 ln s + 1
+  whenever `mscale` or `mscale_all_dim` is 0, Megatron as m(s, mscale) / m(s,
+  mscale_all_dim): they differ only for `--mscale` != 1 with `--mscale-all-dim 0`; we
+  follow Megatron. Not with `--rotary-interleaved` or `--rotary-percent` < 1.
+- `--recompute-modules` (with `--recompute-granularity selective`): `core_attn`,
+  `layernorm`, `mlp`, `moe`, `moe_act` (needs `--moe-grouped-gemm`, as upstream),
+  `shared_experts`; `mla_up_proj`, `gdn_norm_out`, `gdp_in_proj`, `gdp_qkv`, `mhc` are
+  refused (their modules do not exist here). `layernorm` and `moe_act` recompute a
+  discarded output through saved-tensor hooks (docs/design.md).
+- `--logging-level N` sets the root Python logger's level (else `MEGATRON_LOGGING_LEVEL`).
+- `--mtp-num-layers D`: DeepSeek-V3's multi-token prediction (upstream's module names
+  `mtp.layers.{{k}}.{{enorm,hnorm,eh_proj,mtp_model_layer,final_layernorm}}`); each depth's loss
+  is logged as `mtp_{{k}} loss`. Not under pipeline or context parallelism, nor with
+  `--calculate-per-token-loss` (refused); evaluation computes no MTP loss.
 - `--moe-router-enable-expert-bias`: the bias is updated after every optimizer step that
   updates the router (upstream: in `finalize_model_grads`, before the step; the next step
   routes with the same bias). A skipped step (fp16 overflow) updates nothing; its token

@@ -35,6 +35,12 @@ sys.path.insert(0, REPO)
 MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
 CASES = "tests/functional_tests/test_cases/gpt"
 SNAPSHOT = os.path.join(REPO, "tests", "functional_tests", "upstream_gpt_configs.json")
+# Upstream's MoE recipes (DeepSeek-V3, Qwen-MoE, Mixtral) live in their own folder: --suite moe.
+SUITES = {
+    "gpt": (CASES, SNAPSHOT),
+    "moe": ("tests/functional_tests/test_cases/moe",
+            os.path.join(REPO, "tests", "functional_tests", "upstream_moe_configs.json")),
+}
 SKIPPED_MODES = ("inference", "rl")
 
 # The tiny model; the parallel sizes stay upstream's.
@@ -73,11 +79,11 @@ def _takes_list(flag: str) -> bool:
     return action is not None and (action.nargs in ("*", "+") or (isinstance(action.nargs, int) and action.nargs > 1))
 
 
-def load_from_mirror():
+def load_from_mirror(cases=CASES):
     """{name: (mode, [[flag, value], ...])} from the mirror's yaml files."""
     import yaml
 
-    names = subprocess.run(["git", "-C", MIRROR, "ls-tree", "--name-only", "HEAD", CASES + "/"],
+    names = subprocess.run(["git", "-C", MIRROR, "ls-tree", "--name-only", "HEAD", cases + "/"],
                            check=True, capture_output=True, text=True).stdout.split()
     commit = subprocess.run(["git", "-C", MIRROR, "rev-parse", "HEAD"], check=True, capture_output=True,
                             text=True).stdout.strip()
@@ -95,16 +101,16 @@ def load_from_mirror():
     return commit, configs
 
 
-def load_snapshot():
-    data = json.load(open(SNAPSHOT))
+def load_snapshot(snapshot=SNAPSHOT):
+    data = json.load(open(snapshot))
     modes = data.get("modes", {})
     return data["commit"], {name: (modes.get(name, "pretraining"), args) for name, args in data["configs"].items()}
 
 
-def write_snapshot(commit, configs):
+def write_snapshot(commit, configs, snapshot=SNAPSHOT, cases=CASES):
     """Keeps the snapshot's layout (name -> MODEL_ARGS pairs) that the tests read."""
     data = {
-        "source": "NVIDIA/Megatron-LM tests/functional_tests/test_cases/gpt/<name>/model_config.yaml, MODEL_ARGS "
+        "source": f"NVIDIA/Megatron-LM {cases}/<name>/model_config.yaml, MODEL_ARGS "
                   "(scripts/replay_upstream_configs.py --write-snapshot)",
         "commit": commit,
         "modes": {name: mode for name, (mode, _) in sorted(configs.items()) if mode != "pretraining"},
@@ -117,7 +123,7 @@ def write_snapshot(commit, configs):
         body = ",\n".join(f"   {json.dumps(pair)}" for pair in pairs)
         lines.append(f'  {json.dumps(name)}: [\n{body}\n  ]' + ("," if i < len(data["configs"]) - 1 else ""))
     lines += [' }', '}']
-    with open(SNAPSHOT, "w") as f:
+    with open(snapshot, "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
@@ -126,6 +132,10 @@ def _int(pairs, flag, default=1):
         if k == flag:
             return int(v)
     return default
+
+
+def _has_layer_pattern(pairs) -> bool:
+    return any(flag == "--moe-layer-freq" and not str(value).strip().isdigit() for flag, value in pairs)
 
 
 def command_line(pairs, tmp, model_parallel_at_one=False):
@@ -149,6 +159,8 @@ def command_line(pairs, tmp, model_parallel_at_one=False):
             value = max(2, tp)
         elif flag == "--num-layers" and _int(pairs, "--pipeline-model-parallel-size") > 1 and not model_parallel_at_one:
             pass  # the pipeline's layer split (virtual stages, uneven stages) is upstream's: keep its layers
+        elif flag == "--num-layers" and _has_layer_pattern(pairs):
+            pass  # a --moe-layer-freq pattern has one entry per layer: keep upstream's layer count
         elif flag in SCALE:
             value = SCALE[flag]
         elif flag == "--global-batch-size":
@@ -160,6 +172,8 @@ def command_line(pairs, tmp, model_parallel_at_one=False):
         if value is True:
             argv.append(flag)
         elif _takes_list(flag):
+            if isinstance(value, str) and value.startswith("[") and value.endswith("]"):
+                value = value[1:-1]  # upstream's launcher strips [ ] from list values (_run_training.sh)
             argv += [flag, *str(value).split()]  # "--data-path: 0.3 a 0.7 b" is several arguments
         else:
             argv += [flag, str(value)]
@@ -229,18 +243,21 @@ def main(argv=None):
     p.add_argument("--verbose", action="store_true", help="print every rejection's message")
     p.add_argument("--write-snapshot", action="store_true", help="refresh upstream_gpt_configs.json from the mirror")
     p.add_argument("--snapshot", action="store_true", help="read the snapshot even where the mirror exists")
+    p.add_argument("--suite", choices=sorted(SUITES), default="gpt",
+                   help="upstream's test_cases folder: gpt (default) or moe")
     p.add_argument("--top", type=int, default=25)
     opts = p.parse_args(argv)
+    cases, snapshot = SUITES[opts.suite]
     if os.path.isdir(MIRROR) and not opts.snapshot:
-        commit, configs = load_from_mirror()
+        commit, configs = load_from_mirror(cases)
         source = f"mirror {MIRROR} at {commit[:12]}"
         if opts.write_snapshot:
-            write_snapshot(commit, configs)
+            write_snapshot(commit, configs, snapshot, cases)
     else:
-        commit, configs = load_snapshot()
-        source = f"snapshot {os.path.relpath(SNAPSHOT, REPO)} ({commit[:12]})"
+        commit, configs = load_snapshot(snapshot)
+        source = f"snapshot {os.path.relpath(snapshot, REPO)} ({commit[:12]})"
     counts, rejections = replay(configs, opts.verbose)
-    print(f"source: {source}; {len(configs)} GPT configurations")
+    print(f"source: {source}; {len(configs)} {opts.suite.upper()} configurations")
     for key in ("skipped (MODE inference/rl)", "training lines", "accepted", "blocked by PP/CP", "rejected"):
         print(f"{key}: {counts[key]}")
     print("\nremaining rejections (flag -> lines):")

@@ -233,6 +233,13 @@ def main(argv=None):
         raise SystemExit("estimate_memory.py: error: plans with --expert-tensor-parallel-size other than "
                          "--tensor-model-parallel-size are not supported yet; plan with the experts split like the "
                          "dense layers (drop --expert-tensor-parallel-size).")
+    if getattr(args, "mtp_num_layers", None):
+        raise SystemExit("estimate_memory.py: error: plans with --mtp-num-layers are not supported yet (the MTP "
+                         "depths' activations are not modelled); plan without it.")
+    if args.recompute_granularity == "selective" and args.recompute_modules != ["core_attn"]:
+        # The activation model knows selective recompute of the attention core only.
+        raise SystemExit("estimate_memory.py: error: plans with --recompute-modules other than core_attn are not "
+                         "supported yet; plan without --recompute-modules.")
     if args.pipeline_model_parallel_size > 1 and (args.num_experts or args.recompute_granularity == "full"):
         # Which stage holds which MoE layers' traffic, and full recompute's chunks per
         # stage, are not modelled yet.

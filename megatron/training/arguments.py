@@ -22,8 +22,9 @@ from megatron.training.megatron_compat import add_megatron_compat_args, apply_me
 from megatron.training.context_parallel_arguments import (
     add_context_parallel_args, validate_context_parallel_args, validate_context_parallel_size)
 from megatron.training.mla_arguments import add_mla_args, validate_mla_args
-from megatron.training.moe_arguments import add_moe_args, validate_moe_args
+from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_without_mfsdp, validate_moe_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
+from megatron.training.recipe_arguments import add_recipe_args, validate_recipe_args
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
@@ -71,7 +72,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--num-query-groups", type=int, default=None)
     g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "yarn"),
                    default="learned_absolute")
     g.add_argument("--rotary-base", type=float, default=10000)
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
@@ -203,6 +204,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     add_moe_args(parser)
     add_pipeline_args(parser)
     add_context_parallel_args(parser)
+    add_recipe_args(parser)
     add_megatron_compat_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
@@ -310,7 +312,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
             f"--num-query-groups ({args.num_query_groups}) must divide --num-attention-heads "
             f"({args.num_attention_heads})."
         )
-    if args.position_embedding_type == "rope" and (args.kv_channels or args.hidden_size // args.num_attention_heads) % 2:
+    if args.position_embedding_type != "learned_absolute" and (args.kv_channels or args.hidden_size // args.num_attention_heads) % 2:
         raise ValueError("rope needs an even head dimension (hidden-size / num-attention-heads); change either.")
     if args.ffn_hidden_size is None:
         if args.swiglu:
@@ -528,6 +530,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_fidelity(args)
     validate_moe_args(args)
     validate_mla_args(args)
+    validate_recipe_args(args, _note)
     _validate_paths(args)
     return args
 
@@ -750,17 +753,18 @@ def _apply_fidelity_synonyms(args: argparse.Namespace) -> None:
         args.use_mfsdp = True
         args.data_parallel_sharding_strategy = "optim"
         args.distributed_optimizer_mapped_to_zero1 = True
+    map_expert_parallel_without_mfsdp(args, _note)
 
 
 def _validate_fidelity(args: argparse.Namespace) -> None:
     _positive(args, "kv_channels", "exit_interval", "exit_duration_in_mins", "loss_scale", "initial_loss_scale",
               "min_loss_scale", "loss_scale_window", "hysteresis")
-    if args.kv_channels is not None and args.position_embedding_type == "rope" and args.kv_channels % 2:
+    if args.kv_channels is not None and args.position_embedding_type != "learned_absolute" and args.kv_channels % 2:
         raise ValueError(f"rope needs an even --kv-channels, got {args.kv_channels}.")
     if not 0.0 < args.rotary_percent <= 1.0:
         raise ValueError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}.")
     if args.rotary_percent < 1.0:
-        if args.position_embedding_type != "rope":
+        if args.position_embedding_type == "learned_absolute":
             raise ValueError("--rotary-percent applies to RoPE; add --position-embedding-type rope or drop it.")
         head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
         rotated = int(head_dim * args.rotary_percent)
@@ -769,7 +773,7 @@ def _validate_fidelity(args: argparse.Namespace) -> None:
                 f"--rotary-percent {args.rotary_percent} rotates {rotated} of {head_dim} head dimensions; "
                 "pick a fraction that gives an even number >= 2."
             )
-    if args.rotary_interleaved and args.position_embedding_type != "rope":
+    if args.rotary_interleaved and args.position_embedding_type == "learned_absolute":
         raise ValueError("--rotary-interleaved applies to RoPE; add --position-embedding-type rope or drop it.")
     if args.apply_layernorm_1p and args.normalization != "LayerNorm":
         raise ValueError("--apply-layernorm-1p applies to LayerNorm; drop it or use --normalization LayerNorm.")

@@ -7,10 +7,12 @@ command line is reported in about the time Python and torch take to start.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Dict, Optional
 
 from megatron.training.arguments import parse_args
+from megatron.training.recipe_arguments import setup_logging
 from megatron.training.user_errors import UserError, report_user_error
 
 
@@ -36,6 +38,7 @@ def pretrain(
         args = parse_args(argv, extra_args_provider=extra_args_provider, args_defaults=args_defaults)
     except ValueError as e:
         report_user_error(str(e), 2, e)
+    setup_logging(args, os.environ)  # --logging-level / MEGATRON_LOGGING_LEVEL, before anything logs
     from megatron.training.training import run_pretraining  # the heavy part
 
     try:

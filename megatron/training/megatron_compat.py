@@ -76,7 +76,53 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
                            "always: every checkpoint file's checksum is written at save and verified at load"),
     "--rerun-mode": (dict(choices=("disabled",), default="disabled"),
                      "only disabled: no re-run state machine here"),
+    "--no-check-for-nan-in-loss-and-grad": (dict(action="store_true"),
+                                            "a NaN/inf gradient skips the step here (counted in the log line) "
+                                            "instead of stopping the run"),
 }
+
+# Flags that choose GPU kernels, CUDA graphs, offloading or communication overlap: the
+# numbers do not depend on them, so they are accepted, and because a user may expect a
+# speed-up they do not get, each one given is announced with one line at launch
+# (``announce_mapped_flags``). Also in MAPPED (one table in the docs).
+_SAME = " (same results)"
+ANNOUNCED: Dict[str, Tuple[dict, str]] = {
+    "--moe-permute-fusion": (dict(action="store_true"),
+                             "no fused permute kernel here: tokens are sorted by expert with torch ops" + _SAME),
+    "--moe-router-fusion": (dict(action="store_true"),
+                            "no fused router kernel here: scores, top-k and aux losses are torch ops" + _SAME),
+    "--overlap-moe-expert-parallel-comm": (
+        dict(action="store_true"),
+        "the expert-parallel all-to-all runs in line, not overlapped with another micro-batch's compute" + _SAME),
+    "--delay-wgrad-compute": (dict(action="store_true"),
+                              "weight gradients are computed in their layer's backward, not delayed to overlap "
+                              "the expert-parallel all-to-all" + _SAME),
+    "--moe-enable-deepep": (dict(action="store_true"),
+                            "no DeepEP here: the flex dispatcher is the all-to-all dispatcher" + _SAME),
+    "--moe-flex-dispatcher-backend": (dict(choices=("deepep", "hybridep", "ncclep"), default=None),
+                                      "no DeepEP/HybridEP/NCCL-EP kernels here: the flex dispatcher is the "
+                                      "all-to-all dispatcher" + _SAME),
+    "--use-transformer-engine-op-fuser": (dict(action="store_true"),
+                                          "no Transformer Engine op fuser: the local layers run unfused" + _SAME),
+    "--cuda-graph-impl": (dict(choices=("none", "local", "transformer_engine", "full_iteration"), default=None),
+                          "no CUDA graphs are captured: kernels are launched one by one" + _SAME),
+    "--cuda-graph-modules": (dict(nargs="+", default=None),
+                             "no CUDA graphs are captured: kernels are launched one by one" + _SAME),
+    "--cuda-graph-warmup-steps": (dict(type=int, default=None),
+                                  "no CUDA graphs are captured: kernels are launched one by one" + _SAME),
+    "--enable-cuda-graph": (dict(action="store_true"),
+                            "no CUDA graphs are captured: kernels are launched one by one" + _SAME),
+    "--fine-grained-activation-offloading": (dict(action="store_true"),
+                                             "activations stay in device memory (no offload to the host)" + _SAME),
+    "--offload-modules": (dict(nargs="+", default=None),
+                          "activations stay in device memory (no offload to the host)" + _SAME),
+    "--te-rng-tracker": (dict(action="store_true"),
+                         "no Transformer Engine RNG tracker: dropout draws from torch's generators (it exists "
+                         "upstream for CUDA graphs)"),
+    "--async-ckpt-use-cpu-shm": (dict(action="store_true"),
+                                 "--async-save stages the state in its own CPU memory; no shared-memory staging"),
+}
+MAPPED.update(ANNOUNCED)
 
 # flag -> what to do instead. Registered so that they are recognised (and named in the
 # error), whatever value follows them.
@@ -96,8 +142,6 @@ REJECTED: Dict[str, str] = {
     "--use-legacy-models": "only the Megatron-Core GPT model exists; drop it",
     "--use-checkpoint-args": "pass the model flags explicitly (the checkpoint's common.json lists them)",
     "--use-mup": "muP is not implemented; drop it",
-    "--enable-cuda-graph": "CUDA graphs are not supported; drop it",
-    "--cuda-graph-impl": "CUDA graphs are not supported; drop it",
     "--check-weight-hash-across-dp-replicas-interval": "not implemented; drop it",
     "--log-straggler": "straggler detection is not implemented; drop it",
     "--straggler-minmax-count": "straggler detection is not implemented; drop it",
@@ -132,6 +176,16 @@ def apply_megatron_compat(args: argparse.Namespace) -> None:
     then sees only our own flags."""
     if args.use_flash_attn and args.attention_backend == "auto":
         args.attention_backend = "flash"
+
+
+def announced_flags_given(args: argparse.Namespace) -> List[str]:
+    """The ANNOUNCED flags this command line set, each with its one line."""
+    given = []
+    for flag, (_, note) in ANNOUNCED.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value not in (None, False):
+            given.append(f"{flag}: {note}.")
+    return given
 
 
 def suggest_flags(unknown: List[str], parser: argparse.ArgumentParser) -> str:

@@ -43,6 +43,9 @@ def validate_mla_args(args: argparse.Namespace) -> None:
 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if getattr(args, "position_embedding_type", None) == "yarn":  # MLA's rotary part is plain RoPE here
+        raise ValueError("--multi-latent-attention with --position-embedding-type yarn is not supported yet (MLA's "
+                         "rotary part uses plain RoPE); use --position-embedding-type rope.")
     fields = mla_config_kwargs(args)
     fields.update(attention_output_gate=getattr(args, "attention_output_gate", False),
                   context_parallel_size=getattr(args, "context_parallel_size", 1))

@@ -142,7 +142,8 @@ def transformer_layers(model: torch.nn.Module):
             f"{type(model).__name__} has no decoder.layers; model_provider must return a GPTModel "
             "(or a model with the same structure) so that each transformer layer can be sharded."
         )
-    return list(layers)
+    mtp = getattr(model, "mtp", None)  # multi-token prediction's layers: units too, in forward order
+    return list(layers) + ([layer.mtp_model_layer for layer in mtp.layers] if mtp is not None else [])
 
 
 def pipeline_chunk_kwargs(args) -> List[dict]:

@@ -53,7 +53,7 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-shared-expert-gate", action="store_true",
                    help="Qwen2-MoE: scale the shared expert's output by sigmoid(x @ gate_weight), a [1, hidden] weight")
     g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"), default="alltoall",
-                   help="alltoall (allgather runs it too: same results); flex is not implemented")
+                   help="alltoall (allgather and flex run it too: same results)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks that split each layer's experts (inner within the data-parallel ranks)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
@@ -87,7 +87,7 @@ def moe_config_kwargs(args) -> dict:
         moe_grouped_gemm=get("moe_grouped_gemm", False),
         moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size"),
         moe_shared_expert_gate=get("moe_shared_expert_gate", False),
-        moe_token_dispatcher_type="alltoall",  # allgather gives the same results
+        moe_token_dispatcher_type="alltoall",  # allgather and flex (DeepEP) give the same results
         expert_model_parallel_size=get("expert_model_parallel_size", 1),
         expert_tensor_parallel_size=get("expert_tensor_parallel_size"),
     )
@@ -108,8 +108,9 @@ def _one_or_list(value):
 
 def validate_moe_args(args: argparse.Namespace) -> None:
     """Parse-time checks (ValueError with the fix). Needs the model shape and MFSDP fields."""
-    if args.moe_token_dispatcher_type == "flex":
-        raise ValueError("--moe-token-dispatcher-type flex (DeepEP) is not supported; use alltoall.")
+    if getattr(args, "moe_enable_deepep", False) and args.moe_token_dispatcher_type != "flex":
+        raise ValueError("--moe-enable-deepep selects the flex dispatcher's backend; add --moe-token-dispatcher-type "
+                         "flex or drop it.")
     if args.moe_shared_expert_gate and args.moe_shared_expert_intermediate_size is None:
         raise ValueError("--moe-shared-expert-gate gates the shared expert; add --num-experts and "
                          "--moe-shared-expert-intermediate-size, or drop it.")
@@ -127,7 +128,7 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     cp = getattr(args, "context_parallel_size", 1)  # CP ranks route their own tokens: EP spans DP x CP
     if (args.expert_tensor_parallel_size or tp) == tp:  # else the expert view's own check above
         check_expert_parallel_size(ep, args.data_parallel_size * cp, tp, args.dp_outer_size, cp_size=cp)
-    if ep > 1 and not args.use_mfsdp:
+    if ep > 1 and not args.use_mfsdp:  # map_expert_parallel_without_mfsdp ran first
         raise ValueError(
             f"--expert-model-parallel-size {ep} needs --use-mfsdp: DDP would average the gradients of "
             "different experts across the expert-parallel ranks."
@@ -162,3 +163,20 @@ def _validate_expert_tensor_parallel(args: argparse.Namespace) -> None:
         raise ValueError(f"--seq-length ({args.seq_length}) must be a multiple of --tensor-model-parallel-size ({tp}) "
                          f"when --expert-tensor-parallel-size ({etp}) differs from it: each TP rank routes its chunk "
                          "of the sequence; pad the sequence or add --sequence-parallel.")
+
+
+def map_expert_parallel_without_mfsdp(args: argparse.Namespace, note) -> None:
+    """Upstream's DDP with --expert-model-parallel-size > 1 (its expert gradients reduced over
+    the expert-data-parallel ranks): here MFSDP no_shard, DDP's replicated layout with the
+    experts a unit of their own on the expert mesh (torch's DDP would average different
+    experts). Resolved before validation, like --use-distributed-optimizer's ZeRO-1."""
+    if args.expert_model_parallel_size <= 1 or args.use_mfsdp:
+        return
+    if args.data_parallel_sharding_strategy not in (None, "no_shard"):
+        raise ValueError(f"--expert-model-parallel-size without --use-mfsdp runs MFSDP no_shard (DDP's layout); drop "
+                         f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} or add --use-mfsdp.")
+    args.use_mfsdp = True
+    args.data_parallel_sharding_strategy = "no_shard"
+    note(f"--expert-model-parallel-size {args.expert_model_parallel_size} without --use-mfsdp: MFSDP runs with "
+         "--data-parallel-sharding-strategy no_shard (DDP's replicated layout, experts reduced over the ranks "
+         "that hold them).")

@@ -27,6 +27,7 @@ from megatron.core.transformer.moe.expert_bias import update_expert_biases
 from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
 from megatron.core.transformer.moe.metrics import collect_moe_metrics, format_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
+from megatron.core.transformer.multi_token_prediction import collect_mtp_metrics, set_mtp_loss_backward_scale
 from megatron.training.batch_size_schedule import batch_size_schedule_from_args, train_samples_needed
 from megatron.training.checkpointing import (
     exit_signal_received,
@@ -403,6 +404,7 @@ class _Trainer:
         # The router losses' gradients get the factor each micro-batch's loss gets.
         loss_scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         set_aux_loss_backward_scale(self.built.unwrapped, loss_scale / args.num_microbatches)
+        set_mtp_loss_backward_scale(self.built.unwrapped, loss_scale / args.num_microbatches)
         with timers("forward-backward", 1), self._autocast():
             reports = self.forward_backward(
                 self._forward_step, data_iterator, self.built.model, args.num_microbatches,
@@ -544,6 +546,9 @@ class _Trainer:
                                   group=parallel_state.get_parallel_state().dp_cp_group)
         losses = {"lm loss": loss}
         losses.update({name: moe[name] for name in MOE_LOSS_NAMES if name in moe})
+        mtp = collect_mtp_metrics(self.built.unwrapped, _comm_device(self.device),
+                                  group=parallel_state.get_parallel_state().dp_group)
+        losses.update(mtp)  # "mtp_1 loss", ...: each depth apart
         line = format_iteration_line(
             iteration=iteration,
             train_iters=args.train_iters,
@@ -585,6 +590,7 @@ class _Trainer:
             "params_norm": params_norm,
         }
         metrics.update(moe)
+        metrics.update({name.replace(" ", "_"): value for name, value in mtp.items()})
         self.last_metrics = {k: v for k, v in metrics.items() if v is not None}
         self.writer.write_record("train", iteration, self.last_metrics)
         # The dashboards get the interval's own numbers here (timing, throughput, MoE loads

@@ -130,3 +130,29 @@ def test_experts_split_apart_from_tp_match_ep1_and_reshard_across_etp(layouts, t
     for it in (3, 4):
         assert resumed[it]["lm_loss"] == pytest.approx(etp1[it]["lm_loss"], rel=2e-5)
         assert resumed[it]["grad_norm"] == pytest.approx(etp1[it]["grad_norm"], rel=1e-4)
+
+
+MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--moe-aux-loss-coeff", "0.01"]
+
+
+def test_multi_token_prediction_logged_saved_and_resumed_across_ep(tmp_path):
+    """Two MTP depths at EP=2: each depth's loss is in the log line and metrics.jsonl, the
+    checkpoint holds the MTP layers (under upstream's names, experts globally), and a run
+    resumed from iteration 2 at EP=1 goes on exactly."""
+    from megatron.core.distributed.mfsdp_v2.checkpoint import load_tensors
+
+    save = tmp_path / "ckpt"
+    full, log = run(tmp_path, "full", 2, *MTP, "--expert-model-parallel-size", "2", "--save", str(save),
+                    "--save-interval", "2")
+    assert "mtp_1 loss: " in log and "mtp_2 loss: " in log
+    for it in range(1, ITERS + 1):
+        assert full[it]["mtp_1_loss"] > full[it]["lm_loss"] * 0.5  # a real cross entropy (of a harder task)
+    assert full[ITERS]["mtp_2_loss"] != full[1]["mtp_2_loss"]
+    key = "model.mtp.layers.1.mtp_model_layer.mlp.experts.linear_fc1.weight"
+    experts = load_tensors(str(save / "iter_0000002"), [key])[key]
+    assert experts.shape[0] == 4 * 64 * (2 if "--swiglu" in ARGS else 1)  # all 4 experts, stored globally
+    resumed, log = run(tmp_path, "resumed", 2, *MTP, "--load", str(save / "iter_0000002"))
+    assert "resumed from" in log
+    for it in (3, 4):
+        assert resumed[it]["lm_loss"] == pytest.approx(full[it]["lm_loss"], rel=2e-5)
+        assert resumed[it]["mtp_2_loss"] == pytest.approx(full[it]["mtp_2_loss"], rel=2e-5)

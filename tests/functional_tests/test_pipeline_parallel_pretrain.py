@@ -23,6 +23,9 @@ for flag, value in (("--train-iters", str(ITERS)), ("--eval-interval", str(ITERS
     BASE[BASE.index(flag) + 1] = value
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
        "--moe-layer-freq", "([0]*1+[1]*1)*2"]
+GAUX = ["--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.1",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "0.01"]
 UNTIED = ["--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--normalization", "RMSNorm"]
 
 RUNS = {
@@ -40,6 +43,11 @@ RUNS = {
     "pp1-zero1-resumed": (2, MOE + ["--use-mfsdp", "--data-parallel-sharding-strategy", "optim",
                                     "--load", SAVE + "/pp2/iter_0000002"]),
     "ref-untied": (1, UNTIED + ["--use-mfsdp"]),
+    # global_aux_loss's running mean and the expert-bias counts under 1F1B with full
+    # recompute: each recompute (after the next micro-batch's forward) reuses its forward's.
+    "ref-gaux": (1, MOE + GAUX + ["--use-mfsdp"]),
+    "pp2-gaux-recompute": (2, MOE + GAUX + ["--use-mfsdp", "--pipeline-model-parallel-size", "2",
+                                            "--recompute-granularity", "full"]),
     "pp2-vp2-layout-untied": (2, UNTIED + ["--use-mfsdp", "--pipeline-model-parallel-size", "2",
                                            "--pipeline-model-parallel-layout", "Et|t|t|tL"]),
 }
@@ -52,6 +60,10 @@ def runs(tmp_path_factory):
 
 def _same_curve(runs, name, reference, first=1):
     assert_same_curve(runs, name, reference, ITERS, first)
+
+
+def test_global_aux_loss_under_1f1b_with_recompute_gives_the_unpipelined_losses(runs):
+    _same_curve(runs, "pp2-gaux-recompute", "ref-gaux")
 
 
 @pytest.mark.parametrize("name", ["pp2-dp2-ep2", "pp2-vp2-tp2-sp", "pp2-hsdp-uneven"])

@@ -11,8 +11,13 @@ import replay_upstream_configs as replay  # noqa: E402
 
 # Lines that parse with their own parallel sizes (25 at first; 29 after the fidelity flags;
 # 102 with pipeline parallelism; 119 with context parallelism; 127 with --expert-tensor-parallel-size;
-# 129 with multi-latent attention).
-ACCEPTED = 129
+# 129 with multi-latent attention; 130 with the GPU-only MoE flags accepted and
+# upstream's [ ] list values).
+ACCEPTED = 130
+# Upstream's MoE recipes (test_cases/moe, --suite moe): 16 of 51 before the GPU-only flags,
+# YaRN, --recompute-modules and --logging-level; 17 after; 23 with EP under DDP run as MFSDP
+# no_shard; 32 with expert TP apart from TP, multi-latent attention and MoE under CP.
+ACCEPTED_MOE = 32
 
 
 def test_replay_counts_do_not_drop(capsys):
@@ -21,3 +26,11 @@ def test_replay_counts_do_not_drop(capsys):
     assert counts["skipped (MODE inference/rl)"] == 44 and counts["training lines"] == 161
     assert counts["accepted"] >= ACCEPTED, dict(rejections)
     assert counts["blocked by PP/CP"] == 0, dict(rejections)  # both are in the trainer
+
+
+def test_moe_replay_counts_do_not_drop():
+    _, configs = replay.load_snapshot(replay.SUITES["moe"][1])
+    counts, rejections = replay.replay(configs)
+    assert counts["skipped (MODE inference/rl)"] == 14 and counts["training lines"] == 51
+    assert counts["accepted"] >= ACCEPTED_MOE, dict(rejections)
+    assert counts["blocked by PP/CP"] <= 2, dict(rejections)  # MoE under context parallelism

@@ -60,6 +60,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from .context_parallel import context_parallel_attention
 from .layers import build_parallel_linear, output_init_std
 from .norms import build_norm
+from .recompute import recomputes
 from .rope import apply_rotary_pos_emb
 from .transformer_config import TransformerConfig
 
@@ -180,7 +181,7 @@ class SelfAttention(nn.Module):
             attn_mask, is_causal = causal & ~attention_mask.to(torch.bool), False
 
         attend = self.context_parallel_core_attention if context_parallel else self.core_attention
-        if self.config.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
+        if recomputes(self.config, "core_attn") and self.training and torch.is_grad_enabled():
             # Keep q, k, v only; the attention probabilities ([b, heads, s, s] on kernels
             # that materialize them) are recomputed in backward. Dropout masks are replayed
             # from the saved RNG state.

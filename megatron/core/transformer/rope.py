@@ -8,8 +8,18 @@ both use this layout, q/k projection rows convert between them without any permu
 
 Interleaved (GPT-J, Meta's original Llama): dimensions 2i and 2i + 1 form the pair rotated
 by that same angle, as if they were the real and imaginary part of one complex number.
+
+YaRN (``--position-embedding-type yarn``, https://arxiv.org/abs/2309.00071; Megatron-LM's
+``YarnRotaryEmbedding``, DeepSeek-V3's rotary embedding): each frequency is blended between
+its original value (pairs that turn many times over the original context: extrapolated) and
+the value divided by the scaling factor s (slow pairs: interpolated), with a linear ramp
+between the dimensions that turn ``beta_fast`` and ``beta_slow`` times over
+``original_max_position_embeddings``; cos and sin are multiplied by the concentration
+factor ``m(s, mscale) / m(s, mscale_all_dim)``, ``m(s, a) = 0.1 a ln s + 1`` (1 for s <= 1).
 """
 
+import dataclasses
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -28,6 +38,52 @@ class RotaryTables(tuple):
         return tables
 
 
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN's parameters, with Megatron-LM's defaults (its ``YarnRotaryEmbedding``)."""
+
+    scaling_factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    correction_range_round_to_int: bool = True
+
+    def __post_init__(self):
+        if not self.scaling_factor > 0:
+            raise ValueError(f"YaRN's scaling factor must be positive, got {self.scaling_factor}.")
+        if not self.original_max_position_embeddings > 0:
+            raise ValueError("YaRN's original max position embeddings must be positive, got "
+                             f"{self.original_max_position_embeddings}.")
+        if not self.beta_fast > 0 or not self.beta_slow > 0:
+            raise ValueError(f"YaRN's beta_fast and beta_slow must be positive, got {self.beta_fast}, {self.beta_slow}.")
+
+    def _correction_dim(self, rotations: float, dim: int, base: float) -> float:
+        """The dimension whose pair turns ``rotations`` times over the original context."""
+        return dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    def inverse_frequencies(self, dim: int, base: float, device=None) -> torch.Tensor:
+        """[dim / 2] fp32: the blend of the original and the interpolated frequencies."""
+        low = self._correction_dim(self.beta_fast, dim, base)
+        high = self._correction_dim(self.beta_slow, dim, base)
+        if self.correction_range_round_to_int:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # a ramp of zero width would divide by zero
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+        extrapolated = 1.0 - ramp  # 1 for the fast pairs: keep their frequency
+        powers = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+        return (1.0 / (self.scaling_factor * powers)) * (1 - extrapolated) + (1.0 / powers) * extrapolated
+
+    def concentration(self) -> float:
+        """The factor on cos and sin (attention scores scale by its square)."""
+        def m(a):
+            return 1.0 if self.scaling_factor <= 1 else 0.1 * a * math.log(self.scaling_factor) + 1.0
+        return float(m(self.mscale) / m(self.mscale_all_dim))
+
+
 class RotaryEmbedding(nn.Module):
     """Computes (cos, sin) tables for given position ids.
 
@@ -36,27 +92,40 @@ class RotaryEmbedding(nn.Module):
     nothing can be sharded or cast to bf16 by accident.
     """
 
-    def __init__(self, kv_channels: int, rotary_base: float = 10000, interleaved: bool = False):
+    def __init__(self, kv_channels: int, rotary_base: float = 10000, interleaved: bool = False,
+                 yarn: Optional[YarnScaling] = None):
         super().__init__()
         if kv_channels % 2 != 0:
             raise ValueError(f"rotary embeddings need an even head dimension, got {kv_channels}.")
+        if yarn is not None and interleaved:
+            raise ValueError("YaRN rotates halves (as Megatron-LM and DeepSeek-V3); drop --rotary-interleaved.")
         self.kv_channels = kv_channels
         self.rotary_base = rotary_base
         self.interleaved = interleaved
+        self.yarn = yarn
 
     def forward(self, position_ids: torch.Tensor) -> RotaryTables:
         """position_ids [b, s] -> (cos, sin), each [b, s, kv_channels] in fp32."""
-        exponent = torch.arange(0, self.kv_channels, 2, device=position_ids.device, dtype=torch.float32)
-        inv_freq = 1.0 / (self.rotary_base ** (exponent / self.kv_channels))
+        if self.yarn is not None:
+            inv_freq = self.yarn.inverse_frequencies(self.kv_channels, self.rotary_base, position_ids.device)
+        else:
+            exponent = torch.arange(0, self.kv_channels, 2, device=position_ids.device, dtype=torch.float32)
+            inv_freq = 1.0 / (self.rotary_base ** (exponent / self.kv_channels))
         angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq  # [b, s, d/2]
         if self.interleaved:
             angles = angles.repeat_interleave(2, dim=-1)  # same angle for dims 2i and 2i + 1
         else:
             angles = torch.cat((angles, angles), dim=-1)  # same angle for dims i and i + d/2
-        return RotaryTables(angles.cos(), angles.sin(), self.interleaved)
+        cos, sin = angles.cos(), angles.sin()
+        if self.yarn is not None:
+            factor = self.yarn.concentration()
+            cos, sin = cos * factor, sin * factor
+        return RotaryTables(cos, sin, self.interleaved)
 
     def extra_repr(self) -> str:
-        return f"kv_channels={self.kv_channels}, rotary_base={self.rotary_base}, interleaved={self.interleaved}"
+        yarn = f", yarn={self.yarn}" if self.yarn is not None else ""
+        return (f"kv_channels={self.kv_channels}, rotary_base={self.rotary_base}, "
+                f"interleaved={self.interleaved}{yarn}")
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

@@ -17,7 +17,8 @@ from .moe.config import check_moe_config
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _TRANSFORMER_IMPLS = ("local", "transformer_engine")
-_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
+ROTARY_TYPES = ("rope", "yarn")  # the position embeddings that rotate q and k (rope.py)
 _RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 _RECOMPUTE_METHODS = (None, "uniform", "block")
 _PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -182,6 +183,22 @@ class TransformerConfig:
     # Each expert's tensor-parallel split (Megatron's field); None: the TP size. Another size
     # splits the experts over the expert mesh's own "tp" axis (moe/expert_parallel.py).
     expert_tensor_parallel_size: Optional[int] = None
+    # YaRN RoPE scaling (position_embedding_type "yarn", rope.py); Megatron-LM's yarn_* names
+    # and YarnRotaryEmbedding's defaults.
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
+    # Selective recompute's modules (recompute_granularity "selective"; recompute.py lists
+    # Megatron's names and what each recomputes here). None: ["core_attn"], as upstream.
+    recompute_modules: Optional[List[str]] = None
+    # Multi-token prediction (multi_token_prediction.py): extra prediction depths after the
+    # decoder sharing the embedding and output layer; their loss weight (upstream's default 0.1).
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -258,7 +275,7 @@ class TransformerConfig:
             )
         if not self.rotary_base > 0:
             raise ValueError(f"rotary_base must be positive, got {self.rotary_base}; 10000 is the usual value.")
-        if self.position_embedding_type == "rope" and self.kv_channels % 2 != 0:
+        if self.position_embedding_type in ROTARY_TYPES and self.kv_channels % 2 != 0:
             raise ValueError(
                 f"rotary position embeddings need an even head dimension, but kv_channels is "
                 f"{self.kv_channels}; change hidden_size/num_attention_heads or set an even kv_channels."
@@ -266,7 +283,7 @@ class TransformerConfig:
 
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}.")
-        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2 != 0):
+        if self.position_embedding_type in ROTARY_TYPES and (self.rotary_dim < 2 or self.rotary_dim % 2 != 0):
             raise ValueError(
                 f"rotary_percent {self.rotary_percent} rotates {self.rotary_dim} of {self.kv_channels} head "
                 "dimensions; pick a fraction that gives an even number >= 2."
@@ -283,6 +300,20 @@ class TransformerConfig:
         self._check_context_parallel()
         self._check_multi_latent_attention()
         check_moe_config(self)
+        from .recompute import check_recompute_modules
+
+        check_recompute_modules(self.recompute_modules, self.recompute_granularity, self.moe_grouped_gemm)
+        if self.mtp_num_layers is not None and (isinstance(self.mtp_num_layers, bool) or self.mtp_num_layers < 1):
+            raise ValueError(f"mtp_num_layers must be a positive integer or None, got {self.mtp_num_layers!r}.")
+        if self.mtp_num_layers and self.context_parallel_size > 1:
+            raise ValueError("multi-token prediction under context parallelism is not built yet (its tokens are "
+                             "rolled across the CP chunks); use context_parallel_size 1.")
+        if self.position_embedding_type == "yarn":
+            if self.rotary_interleaved:
+                raise ValueError("YaRN rotates halves (as Megatron-LM and DeepSeek-V3); drop rotary_interleaved.")
+            if self.rotary_percent != 1.0:
+                raise ValueError("YaRN rotates every head dimension here; drop rotary_percent.")
+            _ = self.yarn  # YarnScaling checks its parameters
 
     def _check_multi_latent_attention(self) -> None:
         if not self.multi_latent_attention:
@@ -356,6 +387,15 @@ class TransformerConfig:
         if isinstance(self.cp_comm_type, (list, tuple)):
             return self.cp_comm_type[layer_number - 1]
         return self.cp_comm_type
+
+    @property
+    def yarn(self):
+        """YaRN's parameters (rope.YarnScaling; used with position_embedding_type "yarn")."""
+        from .rope import YarnScaling
+
+        return YarnScaling(self.yarn_rotary_scaling_factor, self.yarn_original_max_position_embeddings,
+                           self.yarn_beta_fast, self.yarn_beta_slow, self.yarn_mscale, self.yarn_mscale_all_dim,
+                           self.yarn_correction_range_round_to_int)
 
     @property
     def rotary_dim(self) -> int:

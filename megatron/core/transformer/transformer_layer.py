@@ -12,11 +12,13 @@ Attention always runs in torch's ``scaled_dot_product_attention`` (flash / cuDNN
 on GPU).
 """
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .attention import SelfAttention
 from .layers import reset_parameters_of
@@ -24,12 +26,17 @@ from .mlp import MLP
 from .multi_latent_attention import MLASelfAttention
 from .moe.config import is_moe_layer
 from .norms import build_norm
+from .recompute import recompute_saved, recomputes
 from .transformer_config import TransformerConfig
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: TransformerConfig, layer_number: int = 1, expert_parallel=None):
+    def __init__(self, config: TransformerConfig, layer_number: int = 1, expert_parallel=None,
+                 moe: Optional[bool] = None):
+        """``moe``: whether the MLP is a MoE layer (default: what ``moe_layer_freq`` says for
+        ``layer_number``; a multi-token prediction layer takes the last layer's kind)."""
         super().__init__()
+        moe = is_moe_layer(config, layer_number) if moe is None else moe
         self.config = config
         self.layer_number = layer_number  # 1-based, as in Megatron
         self.input_layernorm = build_norm(config, config.hidden_size)
@@ -37,12 +44,15 @@ class TransformerLayer(nn.Module):
                                                                                                    layer_number)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
         # A MoE layer (moe/moe_layer.py) replaces the MLP where --moe-layer-freq says so.
-        if is_moe_layer(config, layer_number):
+        if moe:
             from .moe.moe_layer import MoELayer
 
             self.mlp = MoELayer(config, layer_number, expert_parallel)
         else:
             self.mlp = MLP(config)
+        # Selective recompute (recompute.py): the norms' outputs, and the whole dense MLP or MoE layer.
+        self.recompute_layernorm = recomputes(config, "layernorm")
+        self.recompute_mlp = recomputes(config, "moe" if moe else "mlp")
 
     def reset_parameters(self) -> None:
         """Re-run Megatron's initialization for this layer's parameters."""
@@ -51,7 +61,24 @@ class TransformerLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         dropout = self.config.hidden_dropout
-        attention_out = self.self_attention(self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb)
+        recompute = self.training and torch.is_grad_enabled()
+        with self._norm_output(self.input_layernorm, hidden_states, recompute) as normed:
+            attention_out = self.self_attention(normed, attention_mask, rotary_pos_emb)
         hidden_states = hidden_states + F.dropout(attention_out, p=dropout, training=self.training)
-        mlp_out = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        with self._norm_output(self.pre_mlp_layernorm, hidden_states, recompute) as normed:
+            if recompute and self.recompute_mlp:
+                mlp_out = checkpoint(self.mlp, normed, use_reentrant=False)
+            else:
+                mlp_out = self.mlp(normed)
         return hidden_states + F.dropout(mlp_out, p=dropout, training=self.training)
+
+    @contextlib.contextmanager
+    def _norm_output(self, norm, hidden_states, recompute):
+        """norm(hidden_states); with "layernorm" recompute, the ops inside the block do not keep
+        it for their backward but recompute it from hidden_states (kept for the residual)."""
+        normed = norm(hidden_states)
+        if not (recompute and self.recompute_layernorm):
+            yield normed
+            return
+        with recompute_saved(normed, lambda: norm(hidden_states)):
+            yield normed

@@ -181,7 +181,8 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
     ("--num-experts 6 --expert-model-parallel-size 4 --use-mfsdp", 4, "must be divisible by --expert-model-parallel-size"),
     ("--num-experts 4 --expert-model-parallel-size 4 --use-mfsdp", 6, "must divide the data-parallel size"),
     ("--num-experts 4 --moe-router-topk 5", 1, r"--moe-router-topk \(5\) must be between 1 and --num-experts"),
-    ("--num-experts 4 --expert-model-parallel-size 2", 2, "needs --use-mfsdp"),
+    ("--num-experts 4 --expert-model-parallel-size 2 --data-parallel-sharding-strategy optim", 2,
+     "runs MFSDP no_shard.*add --use-mfsdp"),
     ("--num-experts 4 --moe-grouped-gemm --moe-ffn-hidden-size 12", 1, "multiples of 8"),
     # Router: load-balancing types, expert bias, group-limited routing (upstream's errors).
     ("--num-experts 4 --moe-router-load-balancing-type seq_aux_loss aux_loss --moe-aux-loss-coeff 0.1", 1,
@@ -213,7 +214,7 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
      "--outer-dp-sharding-strategy optim", 2, "must divide the ranks of one HSDP/HFSDP instance"),
     ("--num-experts 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 4 --use-mfsdp "
      "--num-distributed-optimizer-instances 2", 8, r"instance \(2 = data-parallel size 4 /"),
-    ("--num-experts 4 --moe-token-dispatcher-type flex", 1, "flex"),
+    ("--num-experts 4 --moe-enable-deepep", 1, "--moe-token-dispatcher-type flex"),
     # Experts under tensor parallelism.
     ("--num-experts 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --use-mfsdp", 2,
      r"must divide the data-parallel size \(1 = world size 2 / tensor-parallel size 2\)"),
@@ -245,6 +246,16 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 def test_parse_time_errors(flags, world, message):
     with pytest.raises(ValueError, match=message):
         parse_args(BASE + flags.split(), world_size=world, cuda_available=False)
+
+
+def test_expert_parallel_without_mfsdp_runs_mfsdp_no_shard(capsys):
+    """Upstream's DDP with EP: here MFSDP no_shard (torch's DDP would average different experts)."""
+    args = parse_args(BASE + "--num-experts 4 --expert-model-parallel-size 2".split(), world_size=2,
+                      cuda_available=False)
+    assert args.use_mfsdp and args.data_parallel_sharding_strategy == "no_shard"
+    assert "MFSDP runs with --data-parallel-sharding-strategy no_shard" in capsys.readouterr().out
+    dense = parse_args(BASE + ["--num-experts", "4"], world_size=2, cuda_available=False)
+    assert not dense.use_mfsdp  # EP 1 keeps DDP
 
 
 def test_moe_layer_freq_patterns():

@@ -26,7 +26,7 @@ from megatron.core.models.common.language_model_embedding import LanguageModelEm
 from megatron.core.transformer.layers import reset_parameters_of
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_block import TransformerBlock
-from megatron.core.transformer.transformer_config import _POSITION_EMBEDDING_TYPES, TransformerConfig
+from megatron.core.transformer.transformer_config import _POSITION_EMBEDDING_TYPES, ROTARY_TYPES, TransformerConfig
 
 
 class OutputLayer(nn.Module):
@@ -81,7 +81,7 @@ class GPTModel(nn.Module):
             longest context the model is fed).
         share_embeddings_and_output_weights: tie the output projection to the word
             embeddings (one Parameter, ``embedding.word_embeddings.weight``).
-        position_embedding_type: "learned_absolute" or "rope"; None uses the config's.
+        position_embedding_type: "learned_absolute", "rope" or "yarn"; None uses the config's.
         unpadded_vocab_size: the tokenizer's vocabulary size when ``vocab_size`` is padded
             beyond it (``--make-vocab-size-divisible-by``). The padding rows are no tokens:
             their logits are -inf, so they take no part in the softmax, the loss or
@@ -121,7 +121,7 @@ class GPTModel(nn.Module):
             raise ValueError(
                 f"position_embedding_type must be one of {_POSITION_EMBEDDING_TYPES}, got {position_embedding_type!r}."
             )
-        if position_embedding_type == "rope" and config.kv_channels % 2 != 0:
+        if position_embedding_type in ROTARY_TYPES and config.kv_channels % 2 != 0:
             raise ValueError(
                 f"rotary position embeddings need an even head dimension, but kv_channels is {config.kv_channels}; "
                 "use learned_absolute positions or an even kv_channels."
@@ -145,9 +145,10 @@ class GPTModel(nn.Module):
         elif self._tied_copy:
             self.embedding = nn.Module()
             self.embedding.word_embeddings = _output_projection(config, vocab_size, tied=False)
-        if position_embedding_type == "rope":
+        if position_embedding_type in ROTARY_TYPES:
             # Sized to the rotated dimensions: with rotary_percent < 1 the rest pass through.
-            self.rotary_pos_emb = RotaryEmbedding(config.rotary_dim, config.rotary_base, config.rotary_interleaved)
+            self.rotary_pos_emb = RotaryEmbedding(config.rotary_dim, config.rotary_base, config.rotary_interleaved,
+                                                  yarn=config.yarn if position_embedding_type == "yarn" else None)
         else:
             self.rotary_pos_emb = None
         self.decoder = TransformerBlock(config, expert_parallel=expert_parallel, layer_numbers=layer_numbers,
@@ -158,6 +159,16 @@ class GPTModel(nn.Module):
         self.output_layer = None
         if self.post_process and not self._tied_copy:
             self.output_layer = _output_projection(config, vocab_size, tied=share_embeddings_and_output_weights)
+        # Multi-token prediction (multi_token_prediction.py): after the decoder, on the stage
+        # that both embeds and computes the loss (the trainer refuses it under PP).
+        self.mtp = None
+        if getattr(config, "mtp_num_layers", None):
+            if not (self.pre_process and self.post_process):
+                raise ValueError("multi-token prediction needs the embedding and the output layer in one model "
+                                 "chunk; it is not built for pipeline parallelism yet (use PP size 1).")
+            from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+            self.mtp = MultiTokenPredictionBlock(config, expert_parallel)
 
     def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
         """The weight the output layer multiplies with (Megatron's name for it); under
@@ -179,10 +190,11 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [b, s, vocab] when ``labels`` is None, else the per-token cross-entropy
         loss [b, s] in fp32 (no reduction: the caller applies its loss mask). Logits of
-        padding rows (ids >= ``unpadded_vocab_size``) are -inf.
+        padding rows (ids >= ``unpadded_vocab_size``) are -inf. ``loss_mask`` [b, s] is
+        read only by multi-token prediction (its losses are masked and averaged inside).
 
         attention_mask (optional) is Megatron's: bool, True where attention is NOT allowed,
         broadcastable to [b, heads, s, s]; it is combined with the causal mask.
@@ -217,6 +229,13 @@ class GPTModel(nn.Module):
         hidden_states = self.decoder(hidden_states, attention_mask, rotary_pos_emb)
         if not self.post_process:
             return hidden_states
+        if self.mtp is not None and labels is not None and self.training and torch.is_grad_enabled():
+            hidden_states = self.mtp.attach_losses(hidden_states, input_ids, position_ids, labels, loss_mask,
+                                                   self.embedding, self._output, attention_mask, rotary_pos_emb)
+        return self._output(hidden_states, labels)
+
+    def _output(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
+        """Hidden states [b, s, h] -> logits, or the per-token loss [b, s] given labels."""
         projection = self.embedding.word_embeddings if self._tied_copy else self.output_layer
         if self._tied_copy:
             logits = projection(hidden_states)
@@ -236,7 +255,7 @@ class GPTModel(nn.Module):
         # Softmax over a large vocabulary in bf16 loses too much; upcast for the loss.
         loss = F.cross_entropy(logits.float().reshape(-1, self.unpadded_vocab_size), labels.reshape(-1).long(),
                                reduction="none")
-        return loss.view(batch, seq)
+        return loss.view(labels.shape)
 
     def _vocab_parallel_output(self, logits: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         """Logits [b, s, V/tp] of this rank's vocabulary ids -> the per-token loss (no rank

@@ -42,12 +42,14 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from megatron.core.global_slices import partition
 from megatron.core.tensor_parallel.layers import divide, tp_rank_and_size
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from ..layers import normal_weight_zero_bias_, output_init_std
+from ..recompute import recompute_saved, recomputes
 
 
 class ExpertLinear(nn.Module):
@@ -165,14 +167,25 @@ class GroupedMLP(nn.Module):
                                        blocks=2 if self.gated else 1, **common)
         self.linear_fc2 = ExpertLinear(self.num_local_experts, ffn, config.hidden_size,
                                        init_std=output_init_std(config), tp_split="row", **common)
+        self.recompute_activation = recomputes(config, "moe_act")
 
     def forward(self, permuted_tokens: torch.Tensor, tokens_per_expert: List[int],
                 permuted_probs: torch.Tensor) -> torch.Tensor:
         intermediate = self.linear_fc1(permuted_tokens, tokens_per_expert)
+        weight = permuted_probs.unsqueeze(-1).to(intermediate.dtype)
+        if self.recompute_activation and self.training and torch.is_grad_enabled():
+            # "moe_act" (recompute.py): the activation keeps only its inputs, and linear_fc2
+            # keeps a recipe for its input instead of the [rows, ffn] tensor.
+            scaled = checkpoint(self._activation_times_probs, intermediate, weight, use_reentrant=False)
+            with recompute_saved(scaled, lambda: self._activation_times_probs(intermediate, weight)):
+                return self.linear_fc2(scaled, tokens_per_expert, row_scale=weight)
+        return self.linear_fc2(self._activation_times_probs(intermediate, weight), tokens_per_expert,
+                               row_scale=weight)
+
+    def _activation_times_probs(self, intermediate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = intermediate.chunk(2, dim=-1)
             intermediate = self.activation(gate) * up
         else:
             intermediate = self.activation(intermediate)
-        weight = permuted_probs.unsqueeze(-1).to(intermediate.dtype)
-        return self.linear_fc2(intermediate * weight, tokens_per_expert, row_scale=weight)
+        return intermediate * weight

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 import torch.distributed as dist
 
@@ -64,6 +65,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from .expert_parallel import ExpertParallel
 from .experts import GroupedMLP
+from ..recompute import recomputes
 from .metrics import MoELayerMetrics
 from .router import TopKRouter
 from .shared_experts import SharedExpertMLP
@@ -102,6 +104,7 @@ class MoELayer(nn.Module):
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config)
         self.metrics = MoELayerMetrics(config.num_moe_experts)
+        self.recompute_shared_experts = self.shared_experts is not None and recomputes(config, "shared_experts")
         self.tp_group = config.tp_group if config.tensor_model_parallel_size > 1 else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -114,7 +117,10 @@ class MoELayer(nn.Module):
             output, token_counts = self._routed(tokens, probs, routing_map)
             output = self._leave_tensor_parallel(output)
         if self.shared_experts is not None:
-            output = output + self.shared_experts(hidden_states)
+            if self.recompute_shared_experts and self.training and torch.is_grad_enabled():
+                output = output + checkpoint(self.shared_experts, hidden_states, use_reentrant=False)
+            else:
+                output = output + self.shared_experts(hidden_states)
         if self.training:
             stats = self.router.last_stats
             self.metrics.record(token_counts, stats.get("dropped_tokens", 0),

@@ -63,6 +63,8 @@ it like the main loss.
 
 from __future__ import annotations
 
+import collections
+
 import math
 from typing import Optional, Tuple
 
@@ -230,6 +232,13 @@ def apply_router_token_dropping(routing_probs: torch.Tensor, routing_map: torch.
     return routing_probs * final_map, final_map
 
 
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: an activation recompute (full
+    recompute, or --recompute-modules moe). torch has no public query; its graph-task id
+    is -1 outside a backward (torch's own checkpoint reads it the same way)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class MoEAuxLossAutoScaler(torch.autograd.Function):
     """Identity on ``output`` whose backward also sends ``scale`` as the gradient of
     ``aux_loss``: the loss joins the backward pass without being added to the model output."""
@@ -301,6 +310,7 @@ class TopKRouter(nn.Module):
         # global_aux_loss: the step's token counts so far (summed over data-parallel ranks).
         self.global_tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float64)
         self.global_aux_steps = 0
+        self.global_aux_means = collections.deque()  # each forward's mean, for its recompute
         # Set by the trainer before each step (set_aux_loss_backward_scale).
         self.aux_loss_backward_scale = 1.0
         self.last_stats = {}
@@ -384,9 +394,8 @@ class TopKRouter(nn.Module):
             self.last_stats["dropped_tokens"] = (chosen & ~routing_map).sum().detach()
         if with_losses and self.aux_loss_coeffs:
             probs = self._attach_load_balancing_losses(probs, logits, num_sequences, chunks)
-        if with_losses and self.expert_bias is not None:
-            # Once per forward with gradients: a recompute counts every micro-batch again,
-            # which leaves the sign rule unchanged.
+        if with_losses and self.expert_bias is not None and not recomputing():
+            # Once per training forward: a recompute in backward does not count again.
             self.local_tokens_per_expert = self.local_tokens_per_expert.to(routing_map.device) + routing_map.sum(dim=0)
         return probs, routing_map
 
@@ -411,16 +420,24 @@ class TopKRouter(nn.Module):
                 scores.view(shape), per_sequence, shape[1] * chunks, self.topk, self.num_experts,
                 coeffs["seq_aux_loss"]), 1)
         if "global_aux_loss" in coeffs:
-            counts = aux_map.sum(dim=0).to(torch.float64)
-            # The data-parallel groups already span CP; add SP's TP group.
             sp = (self.sequence_group,) if self.sequence_group is not None else ()
-            for dp_group in self.data_parallel_groups + sp:
-                dist.all_reduce(counts, group=dp_group)
-            # Upstream's running mean over the step's micro-batches (reset by
-            # set_aux_loss_backward_scale at the start of each step).
-            self.global_tokens_per_expert = self.global_tokens_per_expert.to(counts.device) + counts
-            self.global_aux_steps += 1
-            mean_counts = (self.global_tokens_per_expert / self.global_aux_steps).to(scores.dtype)
+            if recomputing():
+                # An activation recompute in backward reuses its forward's mean: recomputes
+                # run in the order of the forwards, but after later forwards under 1F1B
+                # (and right after their own without pipelining), so the running mean would
+                # have moved on. All data-parallel ranks skip the all-reduce alike.
+                mean_counts = self.global_aux_means.popleft()
+            else:
+                counts = aux_map.sum(dim=0).to(torch.float64)
+                # The data-parallel groups already span CP; add SP's TP group.
+                for dp_group in self.data_parallel_groups + sp:
+                    dist.all_reduce(counts, group=dp_group)
+                # Upstream's running mean over the step's micro-batches (reset by
+                # set_aux_loss_backward_scale at the start of each step).
+                self.global_tokens_per_expert = self.global_tokens_per_expert.to(counts.device) + counts
+                self.global_aux_steps += 1
+                mean_counts = (self.global_tokens_per_expert / self.global_aux_steps).to(scores.dtype)
+                self.global_aux_means.append(mean_counts)
             dp = self._data_parallel_size()  # x CP under context parallelism
             sp_chunks = dist.get_world_size(sp[0]) if sp else 1
             cp = getattr(self.config, "context_parallel_size", 1)
@@ -457,3 +474,4 @@ def set_aux_loss_backward_scale(model: nn.Module, scale: float) -> None:
             module.aux_loss_backward_scale = float(scale)
             module.global_tokens_per_expert = torch.zeros_like(module.global_tokens_per_expert)
             module.global_aux_steps = 0
+            module.global_aux_means.clear()

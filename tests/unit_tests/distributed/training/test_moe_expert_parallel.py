@@ -25,6 +25,7 @@ from megatron.core.global_slices import global_slices_by_name, global_slices_of
 from megatron.core.transformer.initialization import initialize_parameters_
 from megatron.core.transformer.moe.metrics import collect_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
+from megatron.core.transformer.multi_token_prediction import set_mtp_loss_backward_scale
 from megatron.training import model_builder
 from megatron.training.model_builder import build_model, count_zeros_of, get_grad_norm_and_clip, get_params_norm_of
 
@@ -66,6 +67,7 @@ def train(args, built, reference, aux: float, check_grads: bool = False):
     tokens, labels = global_batch()
     mine = slice(dist.get_rank() * ROWS, (dist.get_rank() + 1) * ROWS)
     set_aux_loss_backward_scale(reference, 1.0 / WORLD)
+    set_mtp_loss_backward_scale(reference, 1.0 / WORLD)  # MTP losses are per micro-batch per rank too
     losses, ref_losses, norms, ref_norms = [], [], [], []
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
@@ -166,6 +168,8 @@ def test_expert_parallel_matches_ep1_reference(ep, strategy, aux):
 
 
 @pytest.mark.parametrize("extra", [("--recompute-granularity", "full"), ("--moe-grouped-gemm",),
+                                   ("--mtp-num-layers", "1", "--moe-router-enable-expert-bias",
+                                    "--moe-router-score-function", "sigmoid"),
                                    ("--moe-shared-expert-intermediate-size", "16", "--moe-z-loss-coeff", "0.01"),
                                    ("--moe-expert-capacity-factor", "1.0")])
 def test_expert_parallel_with_recompute_grouped_gemm_shared_experts_and_dropping(extra):
@@ -184,6 +188,38 @@ def test_expert_parallel_with_recompute_grouped_gemm_shared_experts_and_dropping
     compare_weights(built, reference)
     if "--moe-expert-capacity-factor" in extra:
         assert collect_moe_metrics(built.unwrapped)["moe_dropped_tokens"] > 0  # the case drops tokens
+
+
+def test_expert_parallel_without_mfsdp_is_mfsdp_no_shard_and_matches_the_reference():
+    """Upstream's command lines run EP under DDP: here that is MFSDP no_shard (DDP's layout)."""
+    ep = EP_SIZES[-1]
+    args = moe_args(ep, None, 0.1, mfsdp=False)
+    assert args.use_mfsdp == (ep > 1) and (ep == 1 or args.data_parallel_sharding_strategy == "no_shard")
+    built = build_model(gpt_provider, args, torch.device("cpu"))
+    reference = reference_model(args)
+    losses, ref_losses, norms, ref_norms = train(args, built, reference, 0.1)
+    assert losses == pytest.approx(ref_losses, rel=2e-5)
+    assert norms == pytest.approx(ref_norms, rel=2e-5)
+    compare_weights(built, reference)
+
+
+@pytest.mark.parametrize("modules", [("moe", "layernorm"), ("moe_act", "shared_experts", "layernorm", "core_attn")])
+def test_expert_parallel_with_recompute_modules_matches_the_reference_without(modules):
+    """--recompute-modules at the largest EP size (the MoE layer's all-to-alls run again in
+    backward with "moe"), against the EP=1 reference that recomputes nothing."""
+    ep = EP_SIZES[-1]
+    common = ("--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "16")
+    args = moe_args(ep, "optim_grads_params", 0.1, *common, "--recompute-granularity", "selective",
+                    "--recompute-modules", *modules)
+    built = build_model(gpt_provider, args, torch.device("cpu"))
+    ref_args = moe_args(1, None, 0.1, *common, world_size=1, mfsdp=False)
+    assert ref_args.recompute_granularity is None
+    reference = gpt_provider(ref_args)
+    initialize_parameters_(reference, ref_args.seed)
+    losses, ref_losses, norms, ref_norms = train(args, built, reference, 0.1, check_grads=True)
+    assert losses == pytest.approx(ref_losses, rel=2e-5)
+    assert norms == pytest.approx(ref_norms, rel=2e-5)
+    compare_weights(built, reference)
 
 
 @pytest.mark.parametrize("hybrid", sorted(HYBRIDS))

@@ -30,6 +30,7 @@ from megatron.core.transformer.initialization import initialize_parameters_
 from megatron.core.transformer.moe import moe_layer, router
 from megatron.core.transformer.moe.metrics import collect_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
+from megatron.core.transformer.multi_token_prediction import collect_mtp_metrics, set_mtp_loss_backward_scale
 from megatron.training.model_builder import build_model, finalize_model_grads, get_grad_norm_and_clip
 from test_moe_expert_parallel import compare_grads, compare_weights, reference_backward
 
@@ -59,17 +60,17 @@ def tensor_parallel(tp: int, instances: int = 1):
         parallel_state.destroy_model_parallel()
 
 
-def moe_args(arch: str, tp: int, ep: int, sp: bool, losses: bool, world_size=WORLD, instances=1):
+def moe_args(arch: str, tp: int, ep: int, sp: bool, losses: bool, world_size=WORLD, instances=1, extra=()):
     flags = MOE + (ROUTER_LOSSES if losses else NO_ROUTER_LOSSES) + ["--expert-model-parallel-size", str(ep),
-                                                                     "--use-mfsdp"]
+                                                                     "--use-mfsdp", *extra]
     flags += ["--num-distributed-optimizer-instances", str(instances)] if instances > 1 else []
     if tp > 1:
         flags += ["--tensor-model-parallel-size", str(tp)] + (["--sequence-parallel"] if sp else [])
     return trainer_args(arch, *flags, world_size=world_size)
 
 
-def reference_model(arch: str, losses: bool):
-    args = moe_args(arch, 1, 1, False, losses, world_size=1)
+def reference_model(arch: str, losses: bool, extra=()):
+    args = moe_args(arch, 1, 1, False, losses, world_size=1, extra=extra)
     model = gpt_provider(args)
     initialize_parameters_(model, args.seed)
     return model
@@ -90,6 +91,7 @@ def train(args, built, reference, state, losses: bool, check_grads: bool = True)
     tokens, labels = global_batch(dp)
     mine = slice(state.dp_rank * ROWS, (state.dp_rank + 1) * ROWS)
     set_aux_loss_backward_scale(reference, 1.0 / dp)
+    set_mtp_loss_backward_scale(reference, 1.0 / dp)  # MTP losses are per micro-batch too
     out = ([], [], [], [])
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
@@ -152,6 +154,30 @@ def test_moe_with_tensor_parallelism_matches_the_reference(layout, arch, losses)
                 assert metrics[key + name] == pytest.approx(ref_metrics[key + name], rel=1e-5)
         else:  # the reference ran the same micro-batch of the whole world
             assert metrics[key + "max_tokens_per_expert"] == ref_metrics[key + "max_tokens_per_expert"]
+
+
+MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"tp{t}-ep{e}{'-sp' if s else ''}" for t, e, s in LAYOUTS])
+def test_multi_token_prediction_under_tensor_and_expert_parallelism(layout):
+    """Two MTP depths (MoE layers, as the last decoder layer) sharing the vocab-parallel
+    embedding and output layer, with the router losses, against the TP=1/EP=1 reference."""
+    tp, ep, sp = layout
+    with tensor_parallel(tp) as state:
+        args = moe_args("gpt2", tp, ep, sp, True, extra=MTP)
+        built = build_model(gpt_provider, args, torch.device("cpu"))
+        reference = reference_model("gpt2", True, extra=MTP)
+        compare_weights(built, reference, rtol=0, atol=0)
+        mine, ref, norms, ref_norms = train(args, built, reference, state, True)
+        logged = collect_mtp_metrics(built.unwrapped, group=state.dp_group)
+    assert mine == pytest.approx(ref, rel=2e-5)
+    assert norms == pytest.approx(ref_norms, rel=2e-5)
+    compare_weights(built, reference)
+    ref_logged = collect_mtp_metrics(reference, group=this_rank_alone())
+    assert list(logged) == ["mtp_1 loss", "mtp_2 loss"]
+    # The reference ran each data-parallel rank's rows as a micro-batch: the same mean.
+    assert [logged[k] for k in logged] == pytest.approx([ref_logged[k] for k in logged], rel=1e-5)
 
 
 # TP=2 under HSDP over 2 instances: (TP, EP) with EP | the ranks of one instance (TP=1 at 2 ranks).

@@ -11,6 +11,8 @@ from megatron.training.model_builder import build_model
 
 VARIANTS = {
     "selective": ["--recompute-granularity", "selective"],
+    # --recompute-modules: the norms' outputs and the whole MLP recomputed (recompute.py).
+    "modules": ["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp", "core_attn"],
     "full": ["--recompute-granularity", "full"],
     "uniform2": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
     "block2": ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
