@@ -33,4 +33,5 @@ def test_moe_replay_counts_do_not_drop():
     counts, rejections = replay.replay(configs)
     assert counts["skipped (MODE inference/rl)"] == 14 and counts["training lines"] == 51
     assert counts["accepted"] >= ACCEPTED_MOE, dict(rejections)
-    assert counts["blocked by PP/CP"] <= 2, dict(rejections)  # MoE under context parallelism
+    # Sinkhorn under CP (2 lines), MTP under PP (2) and the layout's MTP stage 'm' (1).
+    assert counts["blocked by PP/CP"] <= 5, dict(rejections)
