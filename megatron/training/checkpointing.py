@@ -279,6 +279,7 @@ class _AsyncSaves:
 
     group = None
     pending: Optional[concurrent.futures.Future] = None
+    executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
     description = ""
 
 
@@ -292,11 +293,22 @@ def _async_group():
 def finalize_async_save() -> None:
     """Wait for the asynchronous save in flight (if any); re-raise its error."""
     future, _AsyncSaves.pending = _AsyncSaves.pending, None
+    executor, _AsyncSaves.executor = _AsyncSaves.executor, None
     if future is not None:
         start = time.time()
-        future.result()
+        try:
+            future.result()
+        finally:
+            executor.shutdown(wait=True)  # join the writer thread: nothing of the save outlives this call
         print_rank_0(f"> finished asynchronous save of {_AsyncSaves.description} "
                      f"(waited {time.time() - start:.1f} s)")
+
+
+def release_async_save_group() -> None:
+    """Forget the asynchronous saves' group (at shutdown): a group still referenced keeps its
+    gloo worker threads after ``destroy_process_group``, and a later ``pretrain()`` in this
+    process must not reuse a destroyed group."""
+    _AsyncSaves.group = None
 
 
 class _ExitSignal:
@@ -411,8 +423,8 @@ def save_checkpoint(
 
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-async-save")
     _AsyncSaves.pending = executor.submit(finish)
+    _AsyncSaves.executor = executor
     _AsyncSaves.description = f"iteration {iteration} to {final}"
-    executor.shutdown(wait=False)
     return final
 
 

@@ -48,6 +48,7 @@ from megatron.training.log_utils import (
     perplexity,
     print_rank_0,
 )
+from megatron.training.shutdown import shutdown_distributed
 from megatron.training.timers import Timers, timers_to_log
 from megatron.training.user_errors import user_errors
 from megatron.training.model_builder import (
@@ -136,6 +137,7 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
     if args.exit_signal_handler:
         install_exit_signal_handler(signal.Signals[args.exit_signal])
     writer = MetricsWriter()
+    finished = False
     try:
         set_random_seed(args.seed)
         rank = dist.get_rank()
@@ -233,16 +235,13 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
             if test_ds is not None:
                 trainer.evaluate_and_print(iteration, f"iteration {iteration} on test set", test_ds, "test")
         print_rank_0(f"> total time {time.time() - start_time:.1f} s")
-        writer.close()
-        # Leave together: rank 0 hosts the rendezvous store, and a rank still talking to
-        # it when rank 0 exits dies with "terminate called without an active exception".
-        dist.barrier()
+        finished = True
         return trainer.last_metrics
     finally:
         writer.close()
-        parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # In order: the save in flight and its thread, a barrier (only when every rank
+        # finished), the groups (see shutdown.py).
+        shutdown_distributed(barrier=finished)
 
 
 def _initialize_parallel_state(args, device):
