@@ -17,6 +17,7 @@ import argparse
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -57,10 +58,15 @@ def run_once(cmd, log_path: str) -> tuple:
     """(exit status, seconds, what went wrong or '')."""
     start = time.time()
     with open(log_path, "w") as out:
+        # A session of its own: on a timeout the whole launch goes (torchrun and its ranks),
+        # not torchrun alone, which would leave its ranks waiting for its store.
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
-                                timeout=TIMEOUT_S).returncode
+            rc = proc.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = 124
     text = open(log_path, errors="replace").read()
     why = ""
