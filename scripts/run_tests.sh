@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite: single-process unit tests, then the distributed tests under
-# torch.distributed.run with gloo at 2 and 4 ranks, then the functional (end-to-end) tests.
-# Every stage has an outer time limit so a hung rank can never hang CI.
+# torch.distributed.run with gloo at 2 and 4 ranks, then the functional (end-to-end) tests,
+# then the distributed tests at 2 ranks once more on the newest torch the project runs on
+# (MEGATRON_NEXT_TORCH, default torch==2.14.1, in a venv of its own: .venv-torch214).
+# Every stage has an outer time limit so a hung rank can never hang CI; each stage's wall
+# time is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The test extras: everything the tests import (transformers, safetensors, TensorBoard, ...).
@@ -9,32 +12,57 @@ MEGATRON_EXTRAS=test source scripts/setup_env.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export WANDB_MODE=offline
 export PYTHONUNBUFFERED=1
+next_torch="${MEGATRON_NEXT_TORCH:-torch==2.14.1}"
 logs="$(mktemp -d)"
 status=0
+times=()
 
-echo "=== unit tests (single process) ==="
-timeout 900 python -m pytest -q -p no:cacheprovider tests/unit_tests \
-    --ignore=tests/unit_tests/distributed || status=1
+# stage NAME COMMAND...: run, remember the wall time, note a failure without stopping.
+stage() {
+    local name="$1" start=$SECONDS
+    shift
+    echo "=== $name ==="
+    "$@" || status=1
+    times+=("$(printf '%-52s %5d s' "$name" $((SECONDS - start)))")
+}
 
-for nproc in 2 4; do
-    echo "=== distributed tests: gloo, $nproc ranks ==="
-    # Rank 0 is shown on the console; every rank's full log lands in $logs/$nproc.
+# distributed NPROC LOGNAME: the distributed tests at NPROC ranks. Rank 0 is shown on the
+# console; every rank's full log lands in $logs/LOGNAME, and a failure shows the others' tails.
+distributed() {
+    local nproc="$1" name="$2"
     if ! timeout 1800 python -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
-        --log-dir "$logs/$nproc" --redirects 3 --tee 3 --local-ranks-filter 0 \
+        --log-dir "$logs/$name" --redirects 3 --tee 3 --local-ranks-filter 0 \
         -m pytest -q -p no:cacheprovider tests/unit_tests/distributed; then
-        status=1
-        echo "--- distributed tests failed at $nproc ranks; tails of the other ranks' logs:"
-        find "$logs/$nproc" -name 'stdout.log' | sort | while read -r f; do
+        echo "--- distributed tests failed ($name); tails of the other ranks' logs:"
+        find "$logs/$name" -name 'stdout.log' | sort | while read -r f; do
             echo "----- $f"; tail -n 30 "$f"
         done
+        return 1
     fi
-done
+}
 
+# The same distributed tests on $next_torch, in its own venv (a subshell: the suite's venv
+# stays active for the stages above).
+distributed_next_torch() {
+    (
+        MEGATRON_VENV="$PWD/.venv-torch214" MEGATRON_TORCH="$next_torch" MEGATRON_EXTRAS=test \
+            source scripts/setup_env.sh || exit 1
+        python -c "import torch; print('torch', torch.__version__)"
+        distributed 2 next-torch
+    )
+}
+
+stage "unit tests (single process)" \
+    timeout 900 python -m pytest -q -p no:cacheprovider tests/unit_tests --ignore=tests/unit_tests/distributed
+stage "distributed tests: gloo, 2 ranks" distributed 2 2
+stage "distributed tests: gloo, 4 ranks" distributed 4 4
 if [ -d tests/functional_tests ] && ls tests/functional_tests/test_*.py >/dev/null 2>&1; then
-    echo "=== functional tests ==="
-    timeout 1800 python -m pytest -q -p no:cacheprovider tests/functional_tests || status=1
+    stage "functional tests" timeout 1800 python -m pytest -q -p no:cacheprovider tests/functional_tests
 fi
+stage "distributed tests: gloo, 2 ranks, $next_torch" distributed_next_torch
 
+echo "=== wall time per stage ==="
+printf '%s\n' "${times[@]}"
 if [ "$status" -ne 0 ]; then
     echo "Some test stage failed (see above)."
 fi

@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.mfsdp_v2 import checkpoint as engine
+from megatron.core.distributed.comm_device import comm_device
 from megatron.core.distributed.mfsdp_v2.checkpoint import manifest
+from megatron.core.distributed.mfsdp_v2.checkpoint.agreement import Comm
 from megatron.training.checkpoint_retention import prune_after_commit
 from megatron.training.log_utils import print_rank_0
 
@@ -207,32 +209,18 @@ def _rng_filename(rank: int) -> str:
 # ----------------------------------------------------------------------------------------
 
 
+def _comm(group=None) -> Comm:
+    """The engine's rank/agree helper (one for the whole project) over ``group`` (None: the
+    world), or a process of its own when there is no process group."""
+    return Comm(no_dist=not dist.is_initialized(), group=group)
+
+
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return _comm().rank
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier(group=None) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
-
-
-def _all_gather(obj: Any, group=None) -> list:
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _agree(error: Optional[str], exc_type=RuntimeError) -> None:
-    """Raise on every rank if any rank has an error (so no rank waits in a collective)."""
-    for rank, message in enumerate(_all_gather(error)):
-        if message:
-            raise exc_type(message if rank == _rank() else f"(rank {rank}) {message}")
+    return _comm().size
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -279,6 +267,7 @@ class _AsyncSaves:
 
     group = None
     pending: Optional[concurrent.futures.Future] = None
+    executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
     description = ""
 
 
@@ -292,11 +281,22 @@ def _async_group():
 def finalize_async_save() -> None:
     """Wait for the asynchronous save in flight (if any); re-raise its error."""
     future, _AsyncSaves.pending = _AsyncSaves.pending, None
+    executor, _AsyncSaves.executor = _AsyncSaves.executor, None
     if future is not None:
         start = time.time()
-        future.result()
+        try:
+            future.result()
+        finally:
+            executor.shutdown(wait=True)  # join the writer thread: nothing of the save outlives this call
         print_rank_0(f"> finished asynchronous save of {_AsyncSaves.description} "
                      f"(waited {time.time() - start:.1f} s)")
+
+
+def release_async_save_group() -> None:
+    """Forget the asynchronous saves' group (at shutdown): a group still referenced keeps its
+    gloo worker threads after ``destroy_process_group``, and a later ``pretrain()`` in this
+    process must not reuse a destroyed group."""
+    _AsyncSaves.group = None
 
 
 class _ExitSignal:
@@ -322,8 +322,7 @@ def exit_signal_received() -> bool:
     """True on every rank as soon as any rank received the exit signal (collective)."""
     flag = torch.tensor([1.0 if _ExitSignal.received else 0.0])
     if dist.is_initialized() and _world() > 1:
-        if dist.get_backend() == "nccl":
-            flag = flag.cuda()
+        flag = flag.to(comm_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)
 
@@ -366,7 +365,7 @@ def save_checkpoint(
             os.makedirs(os.path.join(tmp, RNG_DIRNAME))
         except OSError as e:
             error = f"cannot create the checkpoint directory {tmp!r}: {e}"
-    _agree(error, OSError)
+    _comm().agree(error, OSError)
 
     # Per-rank RNG state, at the time of the call.
     rng_name = _rng_filename(_rank())
@@ -411,8 +410,8 @@ def save_checkpoint(
 
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-async-save")
     _AsyncSaves.pending = executor.submit(finish)
+    _AsyncSaves.executor = executor
     _AsyncSaves.description = f"iteration {iteration} to {final}"
-    executor.shutdown(wait=False)
     return final
 
 
@@ -435,7 +434,7 @@ def _commit(root: str, iteration: int, tmp: str, final: str, common: Dict[str, A
             retain: Optional[int] = None) -> None:
     """All data is in ``tmp``: write common.json, rename into place, update the tracker,
     then (--save-retain-interval) delete the previous checkpoint unless it is kept."""
-    entries = _all_gather(rng_entry, group)
+    entries = _comm(group).all_gather(rng_entry)
     if _rank() == 0:
         common = dict(common, rng_files={k: v for part in entries for k, v in part.items()})
         write_common(os.path.join(tmp, COMMON_FILENAME), common)
@@ -457,7 +456,7 @@ def _commit(root: str, iteration: int, tmp: str, final: str, common: Dict[str, A
         previous = read_tracker(root) if os.path.isfile(os.path.join(root, TRACKER_FILENAME)) else None
         write_tracker(root, iteration)
         prune_after_commit(root, previous, iteration, retain)
-    _barrier(group)
+    _comm(group).barrier()
 
 
 # ----------------------------------------------------------------------------------------
@@ -527,15 +526,15 @@ def load_checkpoint(
         path, common = load_common(load_dir)
     except RuntimeError as e:
         error = str(e)
-    _agree(error)
-    _agree(_model_mismatch(path, common.get("args") or {}, args), ValueError)
+    _comm().agree(error)
+    _comm().agree(_model_mismatch(path, common.get("args") or {}, args), ValueError)
 
     model_only = bool(common.get("model_only")) or finetune
     if model_only:
         load_optim = load_rng = False
     load_optim = load_optim and optimizer is not None
     if load_optim and not common.get("has_optimizer", True):
-        _agree(f"{path} holds no optimizer state; resume with --no-load-optim (or --finetune).", ValueError)
+        _comm().agree(f"{path} holds no optimizer state; resume with --no-load-optim (or --finetune).", ValueError)
 
     # This rank's RNG file, checked before anything changes.
     rng_state, error = None, None
@@ -551,7 +550,7 @@ def load_checkpoint(
                     rng_state = torch.load(os.path.join(path, rng_name), map_location="cpu", weights_only=True)
                 except Exception as e:  # a file that matches its checksum but does not parse
                     error = f"{os.path.join(path, rng_name)} cannot be read ({e}); load with --no-load-rng."
-    _agree(error)
+    _comm().agree(error)
 
     module = _unwrap(model)
     start = time.time()
@@ -588,5 +587,5 @@ def load_checkpoint(
         if saved_world != _world():
             print_rank_0(f"> the checkpoint was saved by {saved_world} ranks and this run has {_world()}: "
                          f"ranks >= {saved_world} keep their seeded RNG state")
-    _barrier()
+    _comm().barrier()
     return int(common["iteration"]), int(common.get("consumed_train_samples", 0))

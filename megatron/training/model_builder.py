@@ -360,51 +360,45 @@ def get_grad_norm_and_clip(args, built: BuiltModel, optimizer: Optional[torch.op
     """Global grad norm over all (sharded) gradients; clipped to --clip-grad when > 0.
     Under pipeline parallelism the stages' norms add up (squares) over the pipeline, the
     tied embedding counted once, and every stage clips with the same coefficient."""
-    from megatron.core.optimizer import clip_grad_norm
-    from megatron.core.optimizer.clip_grads import clip_grads_to
-    from megatron.core.transformer.moe.expert_parallel import (
-        clip_grad_norm_with_experts, expert_parallel_of, expert_parameters, expert_tensor_parallel_args)
+    from megatron.core.optimizer.clip_grads import clip_grads_to, get_grad_norm
 
     params = [p for p in built.unwrapped.parameters() if p.requires_grad]
-    ep = expert_parallel_of(built.unwrapped)
-    tensor_parallel = tensor_parallel_norm_args(args, built)
-    pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
-    max_norm = 0.0 if pipelined else args.clip_grad  # a stage alone only measures
-    counted = _counted_once(built, params) if pipelined else params
-    if ep is not None and (ep.size > 1 or ep.tensor_parallel_apart):
-        # Expert gradients differ across the EP group: their norm adds up over it too (and
-        # their TP pieces over their own TP group).
-        norm = clip_grad_norm_with_experts(counted, expert_parameters(built.unwrapped), ep, max_norm,
-                                           expert_tensor_parallel_args(built.unwrapped, ep), **tensor_parallel)
-    else:
-        norm = clip_grad_norm(counted, max_norm, **tensor_parallel)
-    if not pipelined:
-        return norm
-    norm = _sum_over_pipeline(norm.double() ** 2).sqrt().float()
+    norm = get_grad_norm(_counted_once(args, built, params), **norm_axes(args, built))
     clip_grads_to(params, norm, args.clip_grad)
     return norm
 
 
-def _counted_once(built: BuiltModel, params) -> list:
-    """``params`` without the last stage's copy of the tied embedding (the first stage's
-    holds the same values and, after ``finalize_model_grads``, the same gradient)."""
+def norm_axes(args, built: BuiltModel) -> dict:
+    """The gradient/parameter norms' keyword arguments that count each TP piece, each
+    expert and each pipeline stage once (megatron/core/optimizer/clip_grads.py)."""
+    from megatron.core.transformer.moe.expert_parallel import (
+        expert_parallel_of, expert_parameters, expert_tensor_parallel_args)
+
+    axes = tensor_parallel_norm_args(args, built)
+    ep = expert_parallel_of(built.unwrapped)
+    if ep is not None and (ep.size > 1 or ep.tensor_parallel_apart):
+        # Expert gradients differ across the EP group (and split over their own TP group).
+        axes.update(expert_params=expert_parameters(built.unwrapped), ep_group=ep.group if ep.size > 1 else None)
+        apart = expert_tensor_parallel_args(built.unwrapped, ep)
+        if apart is not None:
+            axes.update(expert_tensor_parallel_params=apart["tensor_parallel_params"], expert_tp_group=apart["tp_group"])
+    if getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        from megatron.core import parallel_state
+
+        axes.update(pp_group=parallel_state.get_parallel_state().pp_group)
+    return axes
+
+
+def _counted_once(args, built: BuiltModel, params) -> list:
+    """``params`` without the last stage's copy of the tied embedding under pipeline
+    parallelism (the first stage's holds the same values and, after
+    ``finalize_model_grads``, the same gradient)."""
     from megatron.core import parallel_state
 
-    if parallel_state.is_pipeline_first_stage():
+    if getattr(args, "pipeline_model_parallel_size", 1) == 1 or parallel_state.is_pipeline_first_stage():
         return list(params)
     copies = {id(m.weight) for m in (tied_embedding_module(c) for c in built.chunks) if m is not None}
     return [p for p in params if id(p) not in copies]
-
-
-def _sum_over_pipeline(value: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state
-
-    state = parallel_state.get_parallel_state()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(state.pp_group) == "nccl" else \
-        torch.device("cpu")
-    value = value.reshape(()).to(device)
-    dist.all_reduce(value, group=state.pp_group)
-    return value.cpu()
 
 
 def tensor_parallel_norm_args(args, built: BuiltModel) -> dict:
@@ -445,38 +439,15 @@ def finalize_model_grads(args, built: BuiltModel) -> None:
 
 
 def get_params_norm_of(args, built: BuiltModel, params) -> torch.Tensor:
-    """--log-params-norm: the global norm of ``params`` (each TP piece and each expert counted once)."""
+    """--log-params-norm: the global norm of ``params`` (each TP piece, expert and stage counted once)."""
     from megatron.core.optimizer import get_params_norm
-    from megatron.core.transformer.moe.expert_parallel import (
-        expert_parallel_of, expert_parameters, expert_tensor_parallel_args, norm_with_experts)
 
-    ep = expert_parallel_of(built.unwrapped)
-    tensor_parallel = tensor_parallel_norm_args(args, built)
-    pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
-    params = _counted_once(built, params) if pipelined else params
-    if ep is not None and (ep.size > 1 or ep.tensor_parallel_apart):
-        expert_tp = expert_tensor_parallel_args(built.unwrapped, ep)
-        norm = norm_with_experts(params, expert_parameters(built.unwrapped), ep,
-                                 lambda ps: get_params_norm(ps, **tensor_parallel),
-                                 None if expert_tp is None else (lambda ps: get_params_norm(ps, **expert_tp)))
-    else:
-        norm = get_params_norm(params, **tensor_parallel)
-    return _sum_over_pipeline(norm.double() ** 2).sqrt().float() if pipelined else norm
+    return get_params_norm(_counted_once(args, built, params), **norm_axes(args, built))
 
 
 def count_zeros_of(args, built: BuiltModel, params) -> int:
-    """--log-num-zeros-in-grad: zero gradient entries of ``params`` (each TP piece and each expert once)."""
+    """--log-num-zeros-in-grad: zero gradient entries of ``params`` (each TP piece, expert and stage once)."""
     from megatron.core.optimizer import count_zeros
-    from megatron.core.transformer.moe.expert_parallel import (
-        count_zeros_with_experts, expert_parallel_of, expert_parameters, expert_tensor_parallel_args)
 
-    ep = expert_parallel_of(built.unwrapped)
-    tensor_parallel = tensor_parallel_norm_args(args, built)
-    pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
-    params = _counted_once(built, params) if pipelined else params
-    if ep is not None and (ep.size > 1 or ep.tensor_parallel_apart):
-        zeros = count_zeros_with_experts(params, expert_parameters(built.unwrapped), ep,
-                                         expert_tensor_parallel_args(built.unwrapped, ep), **tensor_parallel)
-    else:
-        zeros = count_zeros(params, **tensor_parallel)
-    return int(_sum_over_pipeline(torch.tensor(float(zeros), dtype=torch.float64))) if pipelined else zeros
+    return count_zeros(_counted_once(args, built, params), **norm_axes(args, built))
+

@@ -16,6 +16,8 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.comm_device import comm_device
+
 # The timers the trainer records, by the --timing-log-level that shows them.
 TIMERS_BY_LEVEL = {
     1: ("forward-backward", "optimizer-unscale-and-check-inf", "optimizer-clip-main-grad",
@@ -61,7 +63,7 @@ class Timers:
             self._elapsed.pop(n, None)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return local.unsqueeze(0)
-        comm = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        comm = comm_device()
         out = torch.empty(dist.get_world_size() * len(names), dtype=torch.float64, device=comm)
         dist.all_gather_into_tensor(out, local.to(comm))
         return out.view(dist.get_world_size(), len(names)).cpu()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.distributed.comm_device import comm_device
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.expert_bias import update_expert_biases
 from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
@@ -49,6 +50,7 @@ from megatron.training.log_utils import (
     perplexity,
     print_rank_0,
 )
+from megatron.training.shutdown import shutdown_distributed
 from megatron.training.timers import Timers, timers_to_log
 from megatron.training.user_errors import user_errors
 from megatron.training.model_builder import (
@@ -85,10 +87,10 @@ def build_tokenizer_from_args(args):
     return tokenizer
 
 
-def _earliest(timestamp: float, device) -> float:
+def _earliest(timestamp: float) -> float:
     """The smallest ``timestamp`` over ranks (Megatron times --exit-duration-in-mins from the
     first rank to start)."""
-    t = torch.tensor([timestamp], dtype=torch.float64, device=_comm_device(device))
+    t = torch.tensor([timestamp], dtype=torch.float64, device=comm_device())
     if _world() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return float(t.item())
@@ -98,20 +100,16 @@ def _world():
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _all_reduce_sum(values, device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=torch.float64, device=_comm_device(device))
+def _all_reduce_sum(values) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     if _world() > 1:
         dist.all_reduce(t)
     return t
 
 
-def _comm_device(device: torch.device) -> torch.device:
-    return device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def _sum_over(value: torch.Tensor, group, device) -> torch.Tensor:
+def _sum_over(value: torch.Tensor, group) -> torch.Tensor:
     """``value`` summed over ``group`` (no gradient), back on ``value``'s device."""
-    reduced = value.reshape(()).to(_comm_device(device)).clone()
+    reduced = value.reshape(()).to(comm_device(group)).clone()
     dist.all_reduce(reduced, group=group)
     return reduced.to(value.device)
 
@@ -137,6 +135,7 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
     if args.exit_signal_handler:
         install_exit_signal_handler(signal.Signals[args.exit_signal])
     writer = MetricsWriter()
+    finished = False
     try:
         set_random_seed(args.seed)
         rank = dist.get_rank()
@@ -204,7 +203,7 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
         print_rank_0(f"> initialization done in {time.time() - start_time:.1f} s")
 
         trainer = _Trainer(args, built, optimizer, scheduler, forward_step_func, device, writer,
-                           start_time=_earliest(start_time, device))
+                           start_time=_earliest(start_time))
         train_iter = None
         if train_ds is not None and iteration < args.train_iters:
             # Every TP, PP and CP rank of a data-parallel rank reads the same samples; each
@@ -234,16 +233,13 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
             if test_ds is not None:
                 trainer.evaluate_and_print(iteration, f"iteration {iteration} on test set", test_ds, "test")
         print_rank_0(f"> total time {time.time() - start_time:.1f} s")
-        writer.close()
-        # Leave together: rank 0 hosts the rendezvous store, and a rank still talking to
-        # it when rank 0 exits dies with "terminate called without an active exception".
-        dist.barrier()
+        finished = True
         return trainer.last_metrics
     finally:
         writer.close()
-        parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # In order: the save in flight and its thread, a barrier (only when every rank
+        # finished), the groups (see shutdown.py).
+        shutdown_distributed(barrier=finished)
 
 
 def _initialize_parallel_state(args, device):
@@ -388,7 +384,7 @@ class _Trainer:
                 if parallel.cp_size > 1:
                     # The microbatch's mean is over all its CP pieces' tokens; the engine
                     # averages gradients over dp x cp, so x cp turns that into a sum over CP.
-                    num_tokens = _sum_over(num_tokens.detach().float(), parallel.cp_group, self.device)
+                    num_tokens = _sum_over(num_tokens.detach().float(), parallel.cp_group)
                     loss_sum = loss_sum * parallel.cp_size
                 result = (loss_sum / torch.clamp(num_tokens, min=1), report)
             if scale is not None:
@@ -415,7 +411,7 @@ class _Trainer:
         # Under pipeline parallelism only the last stage reports: the sum over every rank
         # is its data-parallel ranks' (TP ranks report the same microbatches: the ratio holds).
         local = _reduce_reports(reports)
-        loss_sum, tokens = _all_reduce_sum(local.tolist(), self.device).tolist()
+        loss_sum, tokens = _all_reduce_sum(local.tolist()).tolist()
         loss = loss_sum / max(tokens, 1.0)
         with timers("optimizer", 1):
             if self.grad_scaler is not None:
@@ -518,7 +514,7 @@ class _Trainer:
         """Minutes since the earliest rank's pretrain() started; the maximum over ranks, so
         every rank takes the same exit decision although each reads its own clock."""
         minutes = torch.tensor([(time.time() - self.start_time) / 60.0], dtype=torch.float64,
-                               device=_comm_device(self.device))
+                               device=comm_device())
         if _world() > 1:
             dist.all_reduce(minutes, op=dist.ReduceOp.MAX)
         return float(minutes.item())
@@ -533,7 +529,7 @@ class _Trainer:
         if self.flops_per_token is not None:
             tflops = self.flops_per_token * tokens_per_iteration / (seconds_per_iteration * world * 1e12)
         # Peak memory: the maximum over ranks (the rank that decides whether a run fits).
-        mem = torch.tensor([peak_memory_mb(self.device)], dtype=torch.float64, device=_comm_device(self.device))
+        mem = torch.tensor([peak_memory_mb(self.device)], dtype=torch.float64, device=comm_device())
         if world > 1:
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         mem = float(mem.item())
@@ -542,11 +538,11 @@ class _Trainer:
         params_norm = self._params_norm_at(iteration) if args.log_params_norm else None
         num_zeros = self.num_zeros if args.log_num_zeros_in_grad else None
         timer_text, timer_scalars = self.timers.report(timers_to_log(args.timing_log_level), interval_iters)
-        moe = collect_moe_metrics(self.built.unwrapped, _comm_device(self.device),  # CP ranks route their own tokens
+        moe = collect_moe_metrics(self.built.unwrapped, comm_device(),  # CP ranks route their own tokens
                                   group=parallel_state.get_parallel_state().dp_cp_group)
         losses = {"lm loss": loss}
         losses.update({name: moe[name] for name in MOE_LOSS_NAMES if name in moe})
-        mtp = collect_mtp_metrics(self.built.unwrapped, _comm_device(self.device),
+        mtp = collect_mtp_metrics(self.built.unwrapped, comm_device(),
                                   group=parallel_state.get_parallel_state().dp_group)
         losses.update(mtp)  # "mtp_1 loss", ...: each depth apart
         line = format_iteration_line(
@@ -658,7 +654,7 @@ class _Trainer:
                 # Forward-only passes must not leave any unit holding unsharded weights.
                 self.built.context.reshard_all()
             self.built.unwrapped.train()
-        loss_sum, tokens = _all_reduce_sum(total.tolist(), self.device).tolist()
+        loss_sum, tokens = _all_reduce_sum(total.tolist()).tolist()
         return loss_sum / max(tokens, 1.0)
 
     def _bits_per_character(self, dataset, loss: float) -> Optional[float]:

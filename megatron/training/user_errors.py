@@ -23,6 +23,8 @@ import time
 
 import torch.distributed as dist
 
+from megatron.training.shutdown import leave
+
 
 class UserError(Exception):
     """A problem with the command line or the files it names (not a bug): reported as one
@@ -68,14 +70,11 @@ def report_user_error(message: str, exit_code: int, error: BaseException) -> Non
     _write_torchelastic_error_file(message)
     if dist.is_initialized():
         dist.destroy_process_group()
-    if launch is not None and launch.world_size > 1:
-        # Not sys.exit: at interpreter teardown a DDP reducer frees its gloo group, which
-        # joins its worker threads holding the GIL while a worker releasing a finished
-        # all-gather waits for the GIL; that rank then hangs forever (seen 1 run in 5).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)
-    sys.exit(exit_code)
+    # Not sys.exit in a multi-rank launch: at interpreter teardown a DDP reducer frees its
+    # gloo group, which joins its worker threads holding the GIL while a worker releasing
+    # a finished all-gather waits for the GIL; that rank then hangs forever (seen 1 run in
+    # 5). shutdown.py has the other half of the story.
+    leave(exit_code)
 
 
 def _store_key() -> str:

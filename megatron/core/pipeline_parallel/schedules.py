@@ -28,6 +28,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.comm_device import comm_device
+
 
 def get_forward_backward_func():
     """The schedule to use (Megatron API), from the parallel state: no pipelining, 1F1B,
@@ -147,7 +149,7 @@ def _read_microbatches(data_iterator, num_microbatches: int, forward_only: bool,
     dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
     global_tokens = local_tokens.clone()
     if dp_size > 1:
-        global_tokens = global_tokens.to(_comm_device(dp_group))
+        global_tokens = global_tokens.to(comm_device(dp_group))
         dist.all_reduce(global_tokens, group=dp_group)
     # A global batch with no loss token contributes no gradient (not NaN).
     return batches, float(dp_size) / float(max(int(global_tokens.item()), 1))
@@ -172,14 +174,6 @@ def _loss_of(result, scale: Optional[float], num_microbatches: int):
 def _no_timer(name: str, log_level: int):
     del name, log_level
     return contextlib.nullcontext()
-
-
-def _comm_device(group) -> torch.device:
-    # NCCL reduces CUDA tensors only; gloo reduces CPU tensors.
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------------------
@@ -297,7 +291,7 @@ def _forward_backward_pipelined(
         sequence = seq_length // getattr(config, "context_parallel_size", 1)
         sequence //= config.tensor_model_parallel_size if config.sequence_parallel else 1
         p2p = PipelineP2P(state.pp_group, state.pp_grad_group, (micro_batch_size, sequence, config.hidden_size),
-                          config.params_dtype, _comm_device(state.pp_group))
+                          config.params_dtype, comm_device(state.pp_group))
     if isinstance(data_iterator, (list, tuple)):
         data_iterator = data_iterator[0]  # every chunk reads the same microbatches
     timers = timers or _no_timer

@@ -12,8 +12,6 @@ from __future__ import annotations
 from typing import Iterable, List
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
 
 
 def _find_groups(optimizer: torch.optim.Optimizer, context=None):
@@ -118,32 +116,10 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
 
     Equal to ``torch.nn.utils.clip_grad_norm_`` on an unsharded copy of the model: each
     rank sums its local shard, and the sum is reduced over the mesh axes that shard it
-    (replicated axes are not counted twice). Returns the total norm (a float32 tensor)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if norm_type != 2.0:
-        raise NotImplementedError("clip_grad_norm_ supports the 2-norm only.")
-    if not grads:
-        return torch.tensor(0.0)
-    buckets = {}
-    for grad in grads:
-        if isinstance(grad, DTensor):
-            local = grad.to_local()
-            dims = tuple(i for i, pl in enumerate(grad.placements) if isinstance(pl, Shard))
-            key = (id(grad.device_mesh), dims)
-            mesh = grad.device_mesh
-        else:
-            local, key, mesh, dims = grad, (None, ()), None, ()
-        if key not in buckets:
-            buckets[key] = [torch.zeros((), dtype=torch.float32, device=local.device), mesh, dims]
-        buckets[key][0] += local.float().pow(2).sum()
-    total = None
-    for square_sum, mesh, dims in buckets.values():
-        for dim in dims:
-            dist.all_reduce(square_sum, group=mesh.get_group(dim))
-        total = square_sum if total is None else total + square_sum
-    total_norm = total.sqrt()
-    coef = max_norm / (total_norm.item() + 1e-6)
-    if coef < 1.0:
-        for grad in grads:
-            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coef)
-    return total_norm
+    (replicated axes are not counted twice). A non-finite norm leaves the gradients as
+    they are. Returns the total norm (a float32 tensor). The project's one gradient-norm
+    implementation (``megatron/core/optimizer/clip_grads.py``, which also knows the TP, EP
+    and pipeline axes) does the work."""
+    from megatron.core.optimizer.clip_grads import clip_grad_norm  # imports nothing of the engine
+
+    return clip_grad_norm(list(parameters), max_norm, norm_type)

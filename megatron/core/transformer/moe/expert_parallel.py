@@ -63,10 +63,8 @@ the instances outermost, so their TP groups and instances agree).
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -257,70 +255,3 @@ def expert_tensor_parallel_args(model: nn.Module, ep: ExpertParallel) -> Optiona
     if ep is None or not ep.tensor_parallel_apart:
         return None
     return dict(tensor_parallel_params=expert_tensor_parallel_parameters(model), tp_group=ep.tp_group)
-
-
-def _split(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor]):
-    expert_ids = {id(p) for p in experts}
-    params = list(params)
-    return params, [p for p in params if id(p) not in expert_ids], [p for p in params if id(p) in expert_ids]
-
-
-def _sum_over_ep(value: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
-    value = value.double().to(_comm_device(ep))
-    if ep.size > 1:
-        dist.all_reduce(value, group=ep.group)
-    return value.cpu()
-
-
-def norm_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor], ep: ExpertParallel,
-                      norm_of, expert_norm_of=None) -> torch.Tensor:
-    """The global 2-norm ``norm_of`` (e.g. ``get_grad_norm``, ``get_params_norm``, with
-    their tensor-parallel arguments bound) gives for a list of tensors, when some of them
-    (``experts``, a subset of ``params``) differ across the EP group: their squared norm
-    (already reduced over the expert-DP mesh, and over TP for TP pieces) is summed over
-    the EP group as well. ``expert_norm_of``: the experts' own (expert TP group apart from TP)."""
-    _, dense, expert = _split(params, experts)
-    dense_sq = norm_of(dense).double().cpu() ** 2
-    expert_sq = _sum_over_ep((expert_norm_of or norm_of)(expert) ** 2, ep)
-    return torch.sqrt(dense_sq + expert_sq).float()
-
-
-def clip_grad_norm_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor],
-                                ep: ExpertParallel, max_norm: float, expert_tensor_parallel: Optional[dict] = None,
-                                **tensor_parallel) -> torch.Tensor:
-    """Global gradient 2-norm (``norm_with_experts``), and clipping to ``max_norm`` (> 0),
-    with the coefficient of ``torch.nn.utils.clip_grad_norm_``. ``tensor_parallel``:
-    ``get_grad_norm``'s ``tensor_parallel_params`` and ``tp_group``, under TP;
-    ``expert_tensor_parallel`` the experts' (``expert_tensor_parallel_args``)."""
-    from megatron.core.optimizer.clip_grads import get_grad_norm
-
-    params = list(params)
-    expert_norm_of = None if expert_tensor_parallel is None else \
-        (lambda ps: get_grad_norm(ps, **expert_tensor_parallel))
-    total = norm_with_experts(params, experts, ep, lambda ps: get_grad_norm(ps, **tensor_parallel), expert_norm_of)
-    if max_norm > 0 and math.isfinite(float(total)):
-        coef = min(max_norm / (float(total) + 1e-6), 1.0)
-        for p in params:
-            if p.grad is not None:
-                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                grad.mul_(coef)
-    return total
-
-
-def count_zeros_with_experts(params: Iterable[torch.Tensor], experts: Iterable[torch.Tensor],
-                             ep: ExpertParallel, expert_tensor_parallel: Optional[dict] = None,
-                             **tensor_parallel) -> int:
-    """Zero gradient entries over the whole model, the experts' counted over the EP group too
-    (``tensor_parallel``, ``expert_tensor_parallel`` as for ``clip_grad_norm_with_experts``)."""
-    from megatron.core.optimizer import count_zeros
-
-    _, dense, expert = _split(params, experts)
-    expert_zeros = float(count_zeros(expert, **(tensor_parallel if expert_tensor_parallel is None
-                                                else expert_tensor_parallel)))
-    return count_zeros(dense, **tensor_parallel) + int(_sum_over_ep(torch.tensor(expert_zeros), ep))
-
-
-def _comm_device(ep: ExpertParallel) -> torch.device:
-    if ep.mesh is not None and ep.mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
