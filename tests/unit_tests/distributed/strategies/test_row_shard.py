@@ -40,11 +40,19 @@ class Narrow(nn.Module):
         return [self]
 
 
+_TRAINED: dict = {}
+
+
 def _trained(case, model_cls=None):
-    """Two AdamW steps of the wrapped model and its reference; ``.grad`` holds the last step's."""
+    """Two AdamW steps of the wrapped model and its reference; ``.grad`` holds the last step's.
+    Trained once per (strategy, model) for all the tests below, which only read the result
+    (operators out of place; the clipping test's max_norm leaves the gradients as they are)."""
     build = Net if model_cls is None else model_cls
-    model, reference, ctx, opt, _, _ = train_pair(build, "adamw", microbatches=2, steps=2, **sharding(case))
-    return model, reference, ctx, opt
+    key = (case_id(case), build)
+    if key not in _TRAINED:
+        model, reference, ctx, opt, _, _ = train_pair(build, "adamw", microbatches=2, steps=2, **sharding(case))
+        _TRAINED[key] = model, reference, ctx, opt
+    return _TRAINED[key]
 
 
 def _nested(case) -> bool:
