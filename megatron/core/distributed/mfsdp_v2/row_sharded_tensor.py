@@ -117,11 +117,19 @@ def _global_stride(local: torch.Tensor, shape) -> Tuple[int, ...]:
 # Elementwise operators: on the local rows
 # --------------------------------------------------------------------------------------
 
+_KIND_OF: Dict[object, bool] = {}  # operator -> elementwise? (asked once per operator)
+
+
 def _is_elementwise(func) -> bool:
-    name = func._schema.name.split("::")[-1]
-    if name.startswith("_foreach_"):
-        return name not in _FOREACH_REDUCTIONS
-    return name.startswith("_fused_") or name in _ELEMENTWISE or torch.Tag.pointwise in func.tags
+    kind = _KIND_OF.get(func)
+    if kind is None:
+        name = func._schema.name.split("::")[-1]
+        if name.startswith("_foreach_"):
+            kind = name not in _FOREACH_REDUCTIONS
+        else:
+            kind = name.startswith("_fused_") or name in _ELEMENTWISE or torch.Tag.pointwise in func.tags
+        _KIND_OF[func] = kind
+    return kind
 
 
 def _local_operand(func, t, ref: DTensor):
@@ -157,15 +165,22 @@ def _local_offset(ref: DTensor) -> int:
     return offset
 
 
-def _written_positions(func, keys: list, num_args: int) -> set:
+_WRITTEN: Dict[tuple, frozenset] = {}
+
+
+def _written_positions(func, keys: list, num_args: int) -> frozenset:
     """Positions (args, then kwargs in ``keys`` order) of the operands ``func`` writes."""
-    written = set()
-    for index, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            if index < num_args:
-                written.add(index)
-            elif argument.name in keys:
-                written.add(num_args + keys.index(argument.name))
+    key = (func, tuple(keys), num_args)
+    written = _WRITTEN.get(key)
+    if written is None:
+        found = set()
+        for index, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                if index < num_args:
+                    found.add(index)
+                elif argument.name in keys:
+                    found.add(num_args + keys.index(argument.name))
+        written = _WRITTEN[key] = frozenset(found)
     return written
 
 
@@ -189,37 +204,35 @@ def _elementwise(func, args: tuple, kwargs: dict):
     rows_items = sorted(refs)
     plain_items = [j for j in range(n) if j not in refs]
 
-    def call(items, localize):
+    def call(items, operand):
         sub = []
-        for v, listed in zip(values, per_item):
+        for position, (v, listed) in enumerate(zip(values, per_item)):
             if listed:
-                sub.append(type(v)(localize(v[j], j) for j in items))
+                sub.append(type(v)(operand(position, v[j], j) for j in items))
             else:
-                sub.append(localize(v, items[0]) if isinstance(v, torch.Tensor) else v)
+                sub.append(operand(position, v, items[0]) if isinstance(v, torch.Tensor) else v)
         return func(*sub[:len(args)], **dict(zip(keys, sub[len(args):])))
 
-    local_of: Dict[int, torch.Tensor] = {}
-
-    def localize(t, j):
-        if not isinstance(t, torch.Tensor):
-            return t
-        local = _local_operand(func, t, refs[j])
-        if isinstance(t, DTensor):
-            local_of[id(local)] = t
-        return local
-
-    # Every operand is checked before the operator runs on any of them; one it writes
-    # must have the rows' layout itself (a replicated one would change on these rows only).
+    # Every operand is checked (and lined up with its item's rows) before the operator runs
+    # on any of them; one it writes must have the rows' layout itself (a replicated one
+    # would change on these rows only).
     written = _written_positions(func, keys, len(args))
+    local_for: Dict[tuple, object] = {}  # (position, item) -> the local operand
+    local_of: Dict[int, torch.Tensor] = {}  # id(local) -> its DTensor, for in-place results
     for j in rows_items:
+        ref = refs[j]
         for position, (v, listed) in enumerate(zip(values, per_item)):
             t = item(v, j, listed)
-            if isinstance(t, torch.Tensor):
-                _local_operand(func, t, refs[j])
-                if position in written and not (isinstance(t, DTensor) and t._spec.placements == refs[j]._spec.placements):
-                    _refuse(func, refs[j]._spec.placements, f"would write an operand placed as {getattr(t, 'placements', 'a torch.Tensor')}")
-    plain_out = call(plain_items, lambda t, j: t) if plain_items else None
-    rows_out = call(rows_items, localize)
+            if not isinstance(t, torch.Tensor):
+                continue
+            local = _local_operand(func, t, ref)
+            if position in written and not (isinstance(t, DTensor) and t._spec.placements == ref._spec.placements):
+                _refuse(func, ref._spec.placements, f"would write an operand placed as {getattr(t, 'placements', 'a torch.Tensor')}")
+            local_for[position, j] = local
+            if isinstance(t, DTensor):
+                local_of[id(local)] = t
+    plain_out = call(plain_items, lambda position, t, j: t) if plain_items else None
+    rows_out = call(rows_items, lambda position, t, j: local_for.get((position, j), t))
 
     def back(out, j):
         if isinstance(out, torch.Tensor):
