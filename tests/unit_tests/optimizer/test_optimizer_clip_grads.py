@@ -2,6 +2,7 @@
 
 import math
 import os
+import sys
 import tempfile
 
 import pytest
@@ -67,42 +68,51 @@ def test_parameters_without_grad_are_ignored_and_empty_is_zero():
 # --- sharded DTensor gradients on 2 ranks -------------------------------------------------
 
 def _sharded_worker(rank, world_size, store_path, out_dir):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        results = {}
-        mesh1 = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-        mesh2 = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("outer", "inner"))
-        layouts = {
-            "zero3": lambda i: (mesh1, [Shard(0)]),
-            "mixed": lambda i: [(mesh1, [Shard(0)]), (mesh1, [Replicate()]), None][i % 3],
-            "hsdp": lambda i: (mesh2, [Replicate(), Shard(0)]),
-        }
-        for name, layout in layouts.items():
-            for norm_type in (2.0, math.inf):
-                params = make_params(seed=1, scale=3.0)
-                sharded = []
-                for i, p in enumerate(params):
-                    spec = layout(i)
-                    if spec is None:  # a plain (replicated, e.g. DDP) tensor
-                        sharded.append(p)
-                        continue
-                    mesh, placements = spec
-                    dp = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, placements))
-                    dp.grad = distribute_tensor(p.grad, mesh, placements)
-                    sharded.append(dp)
-                total = clip_grad_norm(sharded, 1.0, norm_type)
-                full = [
-                    (g.full_tensor() if hasattr(g, "full_tensor") else g)
-                    for g in (p.grad for p in sharded)
-                ]
-                results[(name, norm_type)] = (total.item(), full)
-        torch.save(results, os.path.join(out_dir, f"result_{rank}.pt"))
+        _sharded_norms(rank, world_size, out_dir)
     finally:
         dist.destroy_process_group()
+    # gloo's worker threads may outlive the groups into the interpreter's teardown and abort
+    # it (megatron/training/shutdown.py): a worker that finished leaves at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _sharded_norms(rank, world_size, out_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    results = {}
+    mesh1 = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    mesh2 = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("outer", "inner"))
+    layouts = {
+        "zero3": lambda i: (mesh1, [Shard(0)]),
+        "mixed": lambda i: [(mesh1, [Shard(0)]), (mesh1, [Replicate()]), None][i % 3],
+        "hsdp": lambda i: (mesh2, [Replicate(), Shard(0)]),
+    }
+    for name, layout in layouts.items():
+        for norm_type in (2.0, math.inf):
+            params = make_params(seed=1, scale=3.0)
+            sharded = []
+            for i, p in enumerate(params):
+                spec = layout(i)
+                if spec is None:  # a plain (replicated, e.g. DDP) tensor
+                    sharded.append(p)
+                    continue
+                mesh, placements = spec
+                dp = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, placements))
+                dp.grad = distribute_tensor(p.grad, mesh, placements)
+                sharded.append(dp)
+            total = clip_grad_norm(sharded, 1.0, norm_type)
+            full = [
+                (g.full_tensor() if hasattr(g, "full_tensor") else g)
+                for g in (p.grad for p in sharded)
+            ]
+            results[(name, norm_type)] = (total.item(), full)
+    torch.save(results, os.path.join(out_dir, f"result_{rank}.pt"))
 
 
 def test_sharded_dtensor_gradients_match_unsharded_reference():

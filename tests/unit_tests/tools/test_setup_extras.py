@@ -20,7 +20,8 @@ DISTRIBUTIONS = {"torch": "torch", "numpy": "numpy", "regex": "regex", "tqdm": "
                  "sentencepiece": "sentencepiece"}
 # The repository's own packages, and the scripts/ modules tests import by name.
 LOCAL = {"megatron", "tools", "pretrain_gpt", "benchmarks"} | {
-    os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(REPO, "scripts", "*.py"))}
+    os.path.splitext(os.path.basename(p))[0] for folder in ("scripts", "benchmarks")
+    for p in glob.glob(os.path.join(REPO, folder, "*.py"))}
 
 
 def _setup_kwargs(monkeypatch):
