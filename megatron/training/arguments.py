@@ -285,7 +285,10 @@ def _dtype_or_none(name: Optional[str]):
 
 
 def validate_args(args: argparse.Namespace, world_size: int, cuda_available: bool) -> argparse.Namespace:
-    """Fill derived defaults and reject inconsistent combinations (ValueError)."""
+    """Fill derived defaults and reject inconsistent combinations (ValueError), topic by
+    topic: parallel layout, model shape, precision, data parallelism, batch, schedule,
+    data, tokenizer, the model's splits, logging and checkpointing, then the recipes
+    (MoE, MLA, YaRN/recompute/MTP) whose checks need all of the above."""
     args.world_size = world_size
     _validate_tensor_parallel_size(args, world_size)
     validate_pipeline_size(args, world_size)
@@ -294,8 +297,40 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
                                              * args.context_parallel_size)
     args.device_type = "cuda" if cuda_available else "cpu"
     _apply_fidelity_synonyms(args)
+    _validate_model_shape(args, cuda_available)
+    _validate_precision(args)
+    _validate_data_parallel(args, world_size, cuda_available)
+    _validate_batch(args)
+    _validate_schedule(args)
+    _validate_data(args)
+    _validate_tokenizer(args)
+    _validate_tensor_parallel_model(args)
+    validate_context_parallel_args(args)
+    _validate_activation(args)
+    _validate_memory_args(args)
+    _validate_logging_and_checkpointing(args)
+    _validate_fidelity(args)
+    validate_moe_args(args)
+    validate_mla_args(args)
+    validate_recipe_args(args, _note)
+    _validate_paths(args)
+    return args
 
-    # --- model shape -------------------------------------------------------------------
+
+def _validate_logging_and_checkpointing(args: argparse.Namespace) -> None:
+    """Checkpoint saving needs a directory; W&B names need a project."""
+    if args.save_interval is not None and args.save is None:
+        raise ValueError("--save-interval needs --save DIR to write checkpoints to.")
+    check_retain_interval(args.save_retain_interval, args.save, args.save_interval)
+    if args.async_save and args.save is None:
+        raise ValueError("--async-save needs --save DIR to write checkpoints to.")
+    if args.wandb_exp_name and not args.wandb_project:
+        raise ValueError("--wandb-exp-name needs --wandb-project (W&B logging is enabled by the project).")
+
+
+def _validate_model_shape(args: argparse.Namespace, cuda_available: bool) -> None:
+    """The model's shape: sizes present and positive, heads and groups dividing, FFN and
+    position defaults, dropout ranges, the transformer implementation."""
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
               "ffn_hidden_size", "num_query_groups", "max_position_embeddings",
@@ -346,7 +381,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
                 "(pip install 'transformer-engine[pytorch]'), or use --transformer-impl local."
             )
 
-    # --- precision ------------------------------------------------------------------------
+
+def _validate_precision(args: argparse.Namespace) -> None:
+    """--bf16 / --fp16: the compute and parameter dtypes (MFSDP) or autocast (DDP)."""
     if args.fp16 and args.bf16:
         raise ValueError("pass only one of --fp16 and --bf16.")
     # bf16/fp16 under MFSDP: the model holds low-precision compute weights and the engine
@@ -356,7 +393,10 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     args.params_dtype = half if (half is not None and args.use_mfsdp) else torch.float32
     args.autocast_dtype = half if (half is not None and not args.use_mfsdp) else None
 
-    # --- distributed and MFSDP ---------------------------------------------------------------
+
+def _validate_data_parallel(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
+    """The backend and the data-parallel layout: MFSDP-only flags, sharding strategies,
+    HSDP/HFSDP instances, the engine's dtypes."""
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     if args.distributed_backend == "nccl" and not cuda_available:
@@ -423,7 +463,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
             "than the fp32 model; drop it, or add --bf16 so that compute runs in bf16."
         )
 
-    # --- batch -------------------------------------------------------------------------------
+
+def _validate_batch(args: argparse.Namespace) -> None:
+    """Micro-batch, global batch and the number of micro-batches (training and evaluation)."""
     _require(args, "micro_batch_size")
     validate_step_schedule_batch(args)
     _positive(args, "micro_batch_size", "global_batch_size")
@@ -448,7 +490,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     args.eval_num_microbatches = args.eval_global_batch_size // per_step
     validate_pipeline_args(args)
 
-    # --- run length and schedule -------------------------------------------------------------
+
+def _validate_schedule(args: argparse.Namespace) -> None:
+    """Run length, learning-rate schedule and optimizer hyper-parameters."""
     _validate_run_length(args)
     validate_batch_size_schedule(args)
     _require(args, "lr")
@@ -490,7 +534,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     if args.clip_grad < 0:
         raise ValueError("--clip-grad must be non-negative (0 disables clipping).")
 
-    # --- data --------------------------------------------------------------------------------
+
+def _validate_data(args: argparse.Namespace) -> None:
+    """--mock-data / --data-path / --split, parsed as the dataset builder will."""
     if args.mock_data and args.data_path:
         raise ValueError("pass either --mock-data or --data-path, not both.")
     # The dataset package's own parsers, so that the trainer rejects exactly what the
@@ -511,28 +557,6 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
                     )
     if args.num_workers < 0:
         raise ValueError("--num-workers must be non-negative.")
-
-    # --- tokenizer ---------------------------------------------------------------------------
-    _validate_tokenizer(args)
-    _validate_tensor_parallel_model(args)
-    validate_context_parallel_args(args)
-    _validate_activation(args)
-    _validate_memory_args(args)
-
-    # --- logging and checkpointing -----------------------------------------------------------
-    if args.save_interval is not None and args.save is None:
-        raise ValueError("--save-interval needs --save DIR to write checkpoints to.")
-    check_retain_interval(args.save_retain_interval, args.save, args.save_interval)
-    if args.async_save and args.save is None:
-        raise ValueError("--async-save needs --save DIR to write checkpoints to.")
-    if args.wandb_exp_name and not args.wandb_project:
-        raise ValueError("--wandb-exp-name needs --wandb-project (W&B logging is enabled by the project).")
-    _validate_fidelity(args)
-    validate_moe_args(args)
-    validate_mla_args(args)
-    validate_recipe_args(args, _note)
-    _validate_paths(args)
-    return args
 
 
 def _validate_tensor_parallel_size(args, world_size: int) -> None:
