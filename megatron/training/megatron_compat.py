@@ -116,6 +116,16 @@ ANNOUNCED: Dict[str, Tuple[dict, str]] = {
                                              "activations stay in device memory (no offload to the host)" + _SAME),
     "--offload-modules": (dict(nargs="+", default=None),
                           "activations stay in device memory (no offload to the host)" + _SAME),
+    "--defer-embedding-wgrad-compute": (dict(action="store_true"),
+                                        "the output layer's weight gradient is computed in its own backward, "
+                                        "not deferred to overlap the pipeline's communication" + _SAME),
+    "--wgrad-deferral-limit": (dict(type=int, default=None),
+                               "the output layer's weight gradient is computed in its own backward, not "
+                               "deferred" + _SAME),
+    "--overlap-param-gather-with-optimizer-step": (
+        dict(action="store_true"),
+        "the refreshed weights are gathered after the optimizer step (ZeRO-1/2, HFSDP) or per unit at its "
+        "use (ZeRO-3), not overlapped with the step" + _SAME),
     "--te-rng-tracker": (dict(action="store_true"),
                          "no Transformer Engine RNG tracker: dropout draws from torch's generators (it exists "
                          "upstream for CUDA graphs)"),
@@ -129,11 +139,8 @@ MAPPED.update(ANNOUNCED)
 _FP8 = "FP8 training is not supported; use --bf16"
 _TP = "overlapping tensor-parallel communication with compute is not supported yet; drop it"
 REJECTED: Dict[str, str] = {
-    "--overlap-param-gather-with-optimizer-step": "not supported; --overlap-param-gather is always on",
     "--tp-comm-overlap": _TP,
     "--tp-comm-overlap-cfg": _TP,
-    "--defer-embedding-wgrad-compute": _TP,
-    "--wgrad-deferral-limit": _TP,
     "--fp8-format": _FP8,
     "--fp8-recipe": _FP8,
     "--fp8-param-gather": _FP8,
