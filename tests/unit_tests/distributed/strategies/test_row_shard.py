@@ -43,6 +43,12 @@ class Narrow(nn.Module):
 _TRAINED: dict = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forget_trained_models():
+    yield
+    _TRAINED.clear()  # the models (and what they hold) do not outlive this module
+
+
 def _trained(case, model_cls=None):
     """Two AdamW steps of the wrapped model and its reference; ``.grad`` holds the last step's.
     Trained once per (strategy, model) for all the tests below, which only read the result
