@@ -13,7 +13,7 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--lr 1e-3 --train-iters 10 --mock-data --tokenizer-type NullTokenizer --vocab-size 128")
 MOE = " --num-experts 4 --moe-router-topk 2"
 VALUES = {"--moe-flex-dispatcher-backend": "deepep", "--cuda-graph-impl": "local", "--cuda-graph-modules": "attn mlp",
-          "--cuda-graph-warmup-steps": "3", "--offload-modules": "moe_act core_attn",
+          "--cuda-graph-warmup-steps": "3", "--offload-modules": "moe_act core_attn", "--wgrad-deferral-limit": "2",
           "--moe-enable-deepep": "--moe-token-dispatcher-type flex"}
 
 
