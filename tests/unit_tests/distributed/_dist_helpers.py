@@ -10,6 +10,7 @@ original tensors. Full tensors are rebuilt with this file's own all-gathers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -42,27 +43,91 @@ def rank() -> int:
 
 
 # --------------------------------------------------------------------------------------
+# Process groups that outlive one test
+# --------------------------------------------------------------------------------------
+# Every gloo group has a thread that wakes every 10 ms for as long as the group lives, so
+# groups left behind by earlier tests slow every later one (at 4 ranks on 2 cores, the run
+# used to end with ~1800 threads per rank and the load average near 1000). conftest.py
+# destroys the groups a test creates when it ends, except those made for a module cache
+# below, which live until the end of the test module.
+
+_MODULE_CACHES: List[dict] = []
+_KEPT_GROUPS: set = set()
+
+
+def live_groups() -> set:
+    """Every process group of this process but the world (torch's registry, read only)."""
+    return {g for g in dist.distributed_c10d._world.pg_map if g is not dist.group.WORLD}
+
+
+def module_cache() -> dict:
+    """A dict emptied at the end of every test module (fill it inside ``kept_groups()``)."""
+    cache: dict = {}
+    _MODULE_CACHES.append(cache)
+    return cache
+
+
+@contextlib.contextmanager
+def kept_groups():
+    """Process groups created inside this block live until the end of the test module
+    (for what a module cache keeps), not only until the end of the test."""
+    before = live_groups()
+    try:
+        yield
+    finally:
+        _KEPT_GROUPS.update(live_groups() - before)
+
+
+def destroy_groups(groups, keep_module_groups: bool) -> None:
+    """Destroy ``groups`` (all ranks call it after a barrier); with ``keep_module_groups``,
+    leave those made for a module cache."""
+    destroyed = False
+    for group in groups:
+        if keep_module_groups and group in _KEPT_GROUPS:
+            continue
+        _KEPT_GROUPS.discard(group)
+        dist.destroy_process_group(group)
+        destroyed = True
+    if destroyed:
+        # torch's DTensor caches compare meshes by layout, not by group, and their answers
+        # hold the mesh they were computed on: a later mesh of the same layout would be
+        # handed this test's mesh, whose groups are gone. torch's own way to empty them:
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+        clear_redistribute_planner_cache()
+
+
+def forget_module_caches() -> None:
+    for cache in _MODULE_CACHES:
+        cache.clear()
+
+
+# --------------------------------------------------------------------------------------
 # Meshes and wrapping
 # --------------------------------------------------------------------------------------
 
-_MESHES: Dict[Tuple, DeviceMesh] = {}
+_MESHES: Dict[Tuple, DeviceMesh] = module_cache()
 
 
 def mesh_1d(group=None) -> DeviceMesh:
-    """The 1-D mesh over the whole world (built once), or over ``group``."""
+    """The 1-D mesh over the whole world (built once per module), or over ``group``."""
     if group is not None:
         return DeviceMesh.from_group(group, "cpu")
     key = (world(),)
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh("cpu", key)
+        with kept_groups():
+            _MESHES[key] = init_device_mesh("cpu", key)
     return _MESHES[key]
 
 
 def mesh_2d(shape: Tuple[int, int]) -> DeviceMesh:
-    """A 2-D mesh with dims named ("outer", "inner") (built once per shape)."""
+    """A 2-D mesh with dims named ("outer", "inner") (built once per shape and module)."""
     key = tuple(shape)
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh("cpu", key, mesh_dim_names=("outer", "inner"))
+        with kept_groups():
+            _MESHES[key] = init_device_mesh("cpu", key, mesh_dim_names=("outer", "inner"))
     return _MESHES[key]
 
 

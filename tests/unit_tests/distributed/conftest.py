@@ -45,13 +45,31 @@ def pytest_unconfigure(config):
         dist.destroy_process_group()
 
 
-@pytest.fixture(autouse=True)
-def _ranks_in_lockstep():
-    """Every test starts and ends with all ranks together and the same RNG state."""
-    torch.manual_seed(1234)
-    dist.barrier()
+@pytest.fixture(scope="module", autouse=True)
+def _groups_of_the_module():
+    """What a test module's caches hold (``_dist_helpers.module_cache``), and the process
+    groups made for them, end with the module."""
+    from _dist_helpers import destroy_groups, forget_module_caches, live_groups
+
+    before = live_groups()
     yield
     dist.barrier()
+    forget_module_caches()
+    destroy_groups(live_groups() - before, keep_module_groups=False)
+
+
+@pytest.fixture(autouse=True)
+def _ranks_in_lockstep():
+    """Every test starts and ends with all ranks together and the same RNG state, and
+    leaves no process group behind (see ``_dist_helpers.live_groups``)."""
+    from _dist_helpers import destroy_groups, live_groups
+
+    torch.manual_seed(1234)
+    dist.barrier()
+    before = live_groups()
+    yield
+    dist.barrier()
+    destroy_groups(live_groups() - before, keep_module_groups=True)
 
 
 @pytest.fixture

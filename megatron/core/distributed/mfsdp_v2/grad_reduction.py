@@ -27,6 +27,7 @@ slot when the slot is delivered.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -82,20 +83,32 @@ class GradientReduction:
         return taken
 
     def _make_grad_hook(self, p):
+        # The hook lives in the parameter's C++ autograd metadata, where Python's garbage
+        # collector cannot see it: a hook holding this group (which holds the parameter)
+        # would make a cycle that is never freed, and keep the model, its buffers and its
+        # mesh's process groups alive for the rest of the process. So it holds the group weakly.
+        group_ref = weakref.ref(self)
+        position = self.fsdp_parameters.index(p)
+
         def hook(param: torch.Tensor) -> None:
-            if self._reduced_in_backward():
-                raise RuntimeError(
-                    f"MFSDP v2: {p.fqns[0]} received a gradient after its unit had reduced this backward's "
-                    "gradients: two autograd graphs use it (e.g. inside and outside a reentrant activation "
-                    "checkpoint that does not cover the unit's whole use of it); use "
-                    "torch.utils.checkpoint(..., use_reentrant=False) there.")
-            self._received.add(p.index)
-            if self._stash_grads:
-                with cpu_range("MFSDP stash_grad", self.device):
-                    self._stash_grad(p)
-            self.on_grad_ready(self)
+            group = group_ref()
+            if group is not None:
+                group._on_grad_accumulated(group.fsdp_parameters[position])
 
         return hook
+
+    def _on_grad_accumulated(self, p) -> None:
+        if self._reduced_in_backward():
+            raise RuntimeError(
+                f"MFSDP v2: {p.fqns[0]} received a gradient after its unit had reduced this backward's "
+                "gradients: two autograd graphs use it (e.g. inside and outside a reentrant activation "
+                "checkpoint that does not cover the unit's whole use of it); use "
+                "torch.utils.checkpoint(..., use_reentrant=False) there.")
+        self._received.add(p.index)
+        if self._stash_grads:
+            with cpu_range("MFSDP stash_grad", self.device):
+                self._stash_grad(p)
+        self.on_grad_ready(self)
 
     def all_grads_received(self) -> bool:
         return len(self._received) == self._num_trainable

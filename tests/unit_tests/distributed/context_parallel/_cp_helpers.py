@@ -5,11 +5,12 @@ World 2: cp=2 over the world; world 4: cp=4 over the world and cp=2 (ranks {0, 1
 """
 
 import torch.distributed as dist
+from _dist_helpers import kept_groups, module_cache
 
 WORLD = dist.get_world_size()
 CP_SIZES = [WORLD] + ([2] if WORLD == 4 else [])
 
-_GROUPS = {}
+_GROUPS = module_cache()
 
 
 def cp_group(size):
@@ -18,10 +19,11 @@ def cp_group(size):
     if size == WORLD:
         return dist.group.WORLD
     if size not in _GROUPS:
-        for start in range(0, WORLD, size):
-            group = dist.new_group(list(range(start, start + size)))
-            if start <= dist.get_rank() < start + size:
-                _GROUPS[size] = group
+        with kept_groups():
+            for start in range(0, WORLD, size):
+                group = dist.new_group(list(range(start, start + size)))
+                if start <= dist.get_rank() < start + size:
+                    _GROUPS[size] = group
     return _GROUPS[size]
 
 
@@ -29,7 +31,7 @@ def cp_group(size):
 # degenerate ones (all a2a, all ring).
 HIERARCHIES = {1: [(1, 1)], 2: [(2, 2), (2, 1)], 4: [(4, 2), (2, 2), (2, 1)]}[WORLD]
 
-_HIERARCHICAL = {}
+_HIERARCHICAL = module_cache()
 
 
 def hierarchical_groups(cp, a2a_size):
@@ -40,17 +42,18 @@ def hierarchical_groups(cp, a2a_size):
         cp_group(cp)  # every rank creates the groups in the same order
         rank, p = dist.get_rank(), cp // a2a_size
         mine = [None, None]
-        for start in range(0, WORLD, cp):
-            for o in range(p):
-                ranks = [start + o * a2a_size + i for i in range(a2a_size)]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    mine[0] = group
-            for i in range(a2a_size):
-                ranks = [start + o * a2a_size + i for o in range(p)]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    mine[1] = group
+        with kept_groups():
+            for start in range(0, WORLD, cp):
+                for o in range(p):
+                    ranks = [start + o * a2a_size + i for i in range(a2a_size)]
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        mine[0] = group
+                for i in range(a2a_size):
+                    ranks = [start + o * a2a_size + i for o in range(p)]
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        mine[1] = group
         _HIERARCHICAL[key] = tuple(mine)
     return _HIERARCHICAL[key]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _cp_helpers import CP_SIZES, WORLD, cp_config, cp_group, hierarchical_groups
-from _dist_helpers import check
+from _dist_helpers import check, kept_groups, module_cache
 
 from megatron.core.global_slices import global_slices_of
 from megatron.core.models.gpt import GPTModel
@@ -104,18 +104,19 @@ def test_selective_recompute_replays_attention_dropout(comm_type):
           "the dropout did nothing")
 
 
-_TP_CP_GROUPS = {}
+_TP_CP_GROUPS = module_cache()
 
 
 def tp_cp_groups():
     """At 4 ranks: TP groups {0, 1}, {2, 3} and CP groups {0, 2}, {1, 3} (TP innermost)."""
     if not _TP_CP_GROUPS:
         rank = dist.get_rank()
-        for name, members in (("tp", [[0, 1], [2, 3]]), ("cp", [[0, 2], [1, 3]])):
-            for ranks in members:
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    _TP_CP_GROUPS[name] = group
+        with kept_groups():
+            for name, members in (("tp", [[0, 1], [2, 3]]), ("cp", [[0, 2], [1, 3]])):
+                for ranks in members:
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        _TP_CP_GROUPS[name] = group
     return _TP_CP_GROUPS["tp"], _TP_CP_GROUPS["cp"]
 
 

@@ -18,7 +18,7 @@ from megatron.core.distributed.mfsdp_v2 import clip_grad_norm_
 from megatron.core.distributed.mfsdp_v2.row_shard import NestedRowShard, RowShard
 from megatron.core.distributed.mfsdp_v2.row_sharded_tensor import RowShardedTensor
 
-from _dist_helpers import H, check, compare_params, train_pair, world
+from _dist_helpers import H, check, compare_params, kept_groups, module_cache, train_pair, world
 from _strategy_common import Net, case_id, sharding, strategy_cases
 
 CASES = strategy_cases()
@@ -40,13 +40,7 @@ class Narrow(nn.Module):
         return [self]
 
 
-_TRAINED: dict = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _forget_trained_models():
-    yield
-    _TRAINED.clear()  # the models (and what they hold) do not outlive this module
+_TRAINED: dict = module_cache()  # the models (and what they hold) do not outlive this module
 
 
 def _trained(case, model_cls=None):
@@ -56,7 +50,8 @@ def _trained(case, model_cls=None):
     build = Net if model_cls is None else model_cls
     key = (case_id(case), build)
     if key not in _TRAINED:
-        model, reference, ctx, opt, _, _ = train_pair(build, "adamw", microbatches=2, steps=2, **sharding(case))
+        with kept_groups():
+            model, reference, ctx, opt, _, _ = train_pair(build, "adamw", microbatches=2, steps=2, **sharding(case))
         _TRAINED[key] = model, reference, ctx, opt
     return _TRAINED[key]
 

@@ -13,7 +13,7 @@ from typing import Dict, Tuple
 import torch
 import torch.distributed as dist
 
-from _dist_helpers import full_tensors, make_optimizer, wrap
+from _dist_helpers import full_tensors, kept_groups, make_optimizer, module_cache, wrap
 
 from megatron.core.distributed.mfsdp_v2 import Placements, fully_shard_optimizer, microbatch
 from megatron.core.global_slices import global_slices_of
@@ -43,14 +43,16 @@ PLACEMENTS = {"zero3": lambda: Placements.zero3("dp"), "zero2": lambda: Placemen
               "hsdp": lambda: Placements.hsdp("outer", "inner"), "hfsdp": lambda: Placements.hfsdp("outer", "inner")}
 HYBRID = ("hsdp", "hfsdp")  # on the ("outer", "inner") DP axes
 
-_STATES: Dict[Tuple[int, int], ParallelState] = {}
+_STATES: Dict[Tuple[int, int], ParallelState] = module_cache()
 
 
 def parallel_state(tp: int, dp_outer: int = 1) -> ParallelState:
-    """The mesh for (TP, outer DP) over the whole world (built once: meshes create groups)."""
+    """The mesh for (TP, outer DP) over the whole world (built once per test module: meshes
+    create groups)."""
     key = (tp, dp_outer)
     if key not in _STATES:
-        _STATES[key] = build_parallel_state(tp, dp_outer, "cpu")
+        with kept_groups():
+            _STATES[key] = build_parallel_state(tp, dp_outer, "cpu")
     return _STATES[key]
 
 
