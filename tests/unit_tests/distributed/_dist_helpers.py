@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -97,6 +98,9 @@ def destroy_groups(groups, keep_module_groups: bool) -> None:
 
         _clear_sharding_prop_cache()
         clear_redistribute_planner_cache()
+        # A group's threads end when its last reference goes; models are reference cycles,
+        # so without a collection they (and the groups they hold) wait for the next one.
+        gc.collect()
 
 
 def forget_module_caches() -> None:
