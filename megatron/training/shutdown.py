@@ -7,9 +7,9 @@ Then the script leaves with :func:`leave` once its output is flushed.
 
 Why the last step skips the interpreter's teardown in a multi-rank launch:
 ``destroy_process_group`` unregisters a gloo group but joins its worker threads only when
-the last Python reference to the group goes, and the engine's units keep their mesh's
-groups until the process ends (they are held from C++, out of reach of Python's garbage
-collector). Those worker threads live into interpreter finalization. One that releases a
+the last Python reference to the group goes, and whatever still holds the model at exit
+(the caller's frames, reference cycles the garbage collector has not reached yet) holds
+its mesh's groups. Those worker threads can live into interpreter finalization. One that releases a
 finished collective late (descheduled on a loaded machine) drops a tensor whose Python
 object it owns, which needs the GIL; a thread that asks for the GIL while the interpreter
 finalizes is ended with ``pthread_exit``, whose unwinding through a ``noexcept`` destructor
