@@ -570,7 +570,7 @@ class _Trainer:
             return
         try:
             compared = check_weight_hashes_across_dp_replicas(
-                self.built.unwrapped, parallel_state.get_parallel_state().dp_cp_group)
+                self.built.unwrapped, parallel_state.get_parallel_state().dp_cp_group, self.built.context)
         except WeightHashMismatch as error:
             print_rank_0(f"error: after iteration {iteration}: {error}; stop and check those ranks' devices")
             sys.exit(1)

@@ -2,20 +2,22 @@
 
 What is compared: each rank hashes (SHA-256 of the raw bytes) the piece of every model
 parameter it holds, and the hashes are compared among the ranks of the data-parallel x
-context-parallel group that hold *the same piece*. A piece is named by the parameter, its
-tensor/expert-parallel slice (``global_slices``) and, for an MFSDP DTensor, its shard index
-on each mesh axis that shards it (a replicating axis does not enter the name). So:
+context-parallel group that hold *the same piece*. A piece is named by the parameter, which
+copy it is (the registered parameter, or MFSDP's compute copy), its tensor/expert-parallel
+slice (``global_slices``) and, for an MFSDP DTensor, its shard index on each mesh axis that
+shards it (a replicating axis does not enter the name). So:
 
-* DDP, MFSDP no_shard and ZeRO-1/2 (parameters replicated at rest): every parameter is
-  compared across all data-parallel (and context-parallel) ranks;
+* DDP and MFSDP no_shard: every parameter is compared across all data-parallel (and
+  context-parallel) ranks;
+* MFSDP ZeRO-1/2: the registered parameters are the ranks' own optimizer shards (unique),
+  but the compute copies the forward uses are replicated and are compared;
 * ZeRO-3 over the whole data-parallel mesh: every shard is unique, nothing is replicated and
-  nothing can be compared (said once in the log, not an error);
+  nothing can be compared (the log says so, not an error);
 * HSDP/HFSDP: each inner shard is compared across the outer replicas that hold it;
 * TP and PP ranks are never compared with each other (they hold different pieces): the
   group is per TP/PP position.
 
-Only the module's parameters are hashed (the weights the forward uses), not fp32 main
-copies or optimizer state. On a mismatch every rank reaches the same verdict from the same
+Optimizer state is not hashed. On a mismatch every rank reaches the same verdict from the same
 gathered hashes; a hash held by a strict majority of a piece's holders is taken as right and
 the others are named; with no majority (e.g. two replicas) all holders are named.
 """
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-Piece = Tuple[str, str, Tuple]  # (parameter name, its TP/EP slice, its DTensor shard index)
+Piece = Tuple[str, str, str, Tuple]  # (parameter name, which copy, its TP/EP slice, its DTensor shard index)
 
 
 class WeightHashMismatch(RuntimeError):
@@ -55,15 +57,32 @@ def _sha256(tensor: torch.Tensor) -> str:
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def local_weight_hashes(model: nn.Module) -> Dict[Piece, str]:
-    """This rank's pieces of ``model``'s parameters, each with the hash of its bytes."""
+def replicated_compute_copies(context) -> Dict[int, torch.Tensor]:
+    """id(registered MFSDP parameter) -> its full compute copy, where the compute weights
+    stay unsharded at rest (no_shard, ZeRO-1/2); {} without MFSDP."""
+    copies = {}
+    for unit in getattr(context, "units", ()):
+        for group in unit.parameter_groups:
+            if group.strategy.param_sharded or not group.is_unsharded:
+                continue
+            for p in group.fsdp_parameters:
+                copies[id(p.sharded_param)] = p.unsharded_param
+    return copies
+
+
+def local_weight_hashes(model: nn.Module, context=None) -> Dict[Piece, str]:
+    """This rank's pieces of ``model``'s parameters (and of MFSDP's replicated compute
+    copies, given its ``context``), each with the hash of its bytes."""
     from megatron.core.global_slices import global_slices_by_name
 
     slices = global_slices_by_name(model)
+    compute = replicated_compute_copies(context)
     hashes = {}
     for name, param in model.named_parameters():
-        piece = (name, repr(slices.get(name)), _shard_index(param))
-        hashes[piece] = _sha256(_local_tensor(param))
+        where = repr(slices.get(name))
+        hashes[(name, "parameter", where, _shard_index(param))] = _sha256(_local_tensor(param))
+        if id(param) in compute:
+            hashes[(name, "compute copy", where, ())] = _sha256(compute[id(param)])
     return hashes
 
 
@@ -92,14 +111,15 @@ def compare_weight_hashes(gathered: List[Dict[Piece, str]], ranks: List[int]) ->
     who = f"rank{'s' if len(diverging) > 1 else ''} {', '.join(map(str, diverging))}"
     against = (f"differ{'s' if len(diverging) == 1 else ''} from rank{'s' if len(others) > 1 else ''} "
                f"{', '.join(map(str, others))}" if others else "disagree with no majority")
-    return len(shared), (f"{who} {against} in parameter {first_piece[0]}"
+    copy = "" if first_piece[1] == "parameter" else f" ({first_piece[1]})"
+    return len(shared), (f"{who} {against} in parameter {first_piece[0]}{copy}"
                          f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
 
 
-def check_weight_hashes_across_dp_replicas(model: nn.Module, group) -> int:
+def check_weight_hashes_across_dp_replicas(model: nn.Module, group, context=None) -> int:
     """Raise :class:`WeightHashMismatch` (on every rank of ``group``) when replicas of a
     parameter piece differ; return how many pieces were compared. A collective."""
-    hashes = local_weight_hashes(model)
+    hashes = local_weight_hashes(model, context)
     size = dist.get_world_size(group)
     gathered = [None] * size
     dist.all_gather_object(gathered, hashes, group=group)

@@ -19,6 +19,7 @@ from _dist_helpers import mesh_2d, wrap
 from megatron.core.distributed.weight_hash import (
     WeightHashMismatch,
     check_weight_hashes_across_dp_replicas,
+    replicated_compute_copies,
 )
 
 W = 4
@@ -99,6 +100,19 @@ def test_zero3_shards_are_unique_so_nothing_is_compared():
     if dist.get_rank() == 0:
         perturb(model.a.weight)  # no other rank holds this shard: nothing to compare it with
     assert check_weight_hashes_across_dp_replicas(model, world_group()) == 0
+
+
+@pytest.mark.skipif(not dist.is_initialized() or dist.get_world_size() < 2, reason="needs 2+ ranks")
+def test_zero1_compares_the_replicated_compute_copies():
+    model = replicated_model()
+    ctx = wrap(model, placements="zero1")  # registered: own optimizer shards; compute copies: replicated
+    assert check_weight_hashes_across_dp_replicas(model, world_group(), ctx) == 4
+    bad = dist.get_world_size() - 1
+    if dist.get_rank() == bad:
+        perturb(replicated_compute_copies(ctx)[id(model.a.bias)])
+    with pytest.raises(WeightHashMismatch) as info:
+        check_weight_hashes_across_dp_replicas(model, world_group(), ctx)
+    assert f"{expected_names(dist.get_world_size(), bad)} in parameter a.bias (compute copy)" in str(info.value)
 
 
 @pytest.mark.skipif(not dist.is_initialized() or dist.get_world_size() != 4, reason="needs 4 ranks")

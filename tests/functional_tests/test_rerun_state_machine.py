@@ -1,0 +1,108 @@
+"""The re-run state machine and the weight hash check in pretrain_gpt.py at 2 ranks (MFSDP
+ZeRO-1, 2 micro-batches per rank per step), with injected faults:
+
+* a transient fault on a non-fatal check (spiky loss) is detected, the step is re-run on the
+  same micro-batches and RNG, and training continues with the losses and grad norms of a run
+  without injection (which also checks the weight hashes every iteration: they match);
+* a persistent fault on the fatal NaN check is reproduced by the re-run: a checkpoint of the
+  step before is saved and the job stops with exit code 16 and upstream's message;
+* a transient fault on the fatal NaN check is not reproduced: the rank is flagged and the
+  job stops with exit code 17;
+* report_stats (one rank, in process) runs every step twice and reports zero differences.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_pretrain_gpt import REPO, TIMEOUT, _env, read_metrics, run_torchrun
+
+ARGS = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2", "--train-iters", "4",
+    "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--num-workers", "0", "--seed", "3",
+    "--use-mfsdp", "--data-parallel-sharding-strategy", "optim",
+]
+INJECT = ["--rerun-mode", "validate_results", "--error-injection-rate", "1"]
+
+
+def launch(args):
+    """pretrain_gpt.py under torchrun at 2 ranks, whatever its exit code."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "pretrain_gpt.py", *args]
+    return subprocess.run(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """No injection, the weight hashes checked every iteration: (train metrics, stdout)."""
+    log_dir = tmp_path_factory.mktemp("reference") / "logs"
+    proc = run_torchrun(ARGS + ["--log-dir", str(log_dir), "--check-weight-hash-across-dp-replicas-interval", "1"])
+    return read_metrics(str(log_dir))[0], proc.stdout
+
+
+def test_weight_hashes_match_every_iteration(reference):
+    _, out = reference
+    for iteration in range(5):  # at the start, then after each step
+        assert f"weight hashes match across data-parallel replicas after iteration {iteration} (" in out, out[-3000:]
+
+
+def test_transient_fault_is_rerun_and_training_continues_with_the_right_loss(reference, tmp_path):
+    log_dir = tmp_path / "logs"
+    proc = run_torchrun(ARGS + INJECT + ["--error-injection-type", "transient_error", "--log-dir", str(log_dir),
+                                         "--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss"])
+    out = proc.stdout
+    # Every step after the first (rate 1) is hit on both ranks, re-run once, and continues.
+    assert out.count("Injecting error type Transient error") == 2 * 3, out[-4000:]
+    assert out.count("re-running the step to check whether the result is reproducible") == 3
+    assert "Rank 1, node" in out and "Possible transient error!" in out
+    assert out.count("Continuing normal execution because failed validation was not fatal") == 3
+    train, ref = read_metrics(str(log_dir))[0], reference[0]
+    assert sorted(train) == sorted(ref) == [1, 2, 3, 4]
+    for it in ref:  # the re-run served the same micro-batches, from zeroed gradients
+        assert train[it]["lm_loss"] == pytest.approx(ref[it]["lm_loss"], rel=1e-6), it
+        assert train[it]["grad_norm"] == pytest.approx(ref[it]["grad_norm"], rel=1e-5), it
+
+
+def test_persistent_fault_saves_and_stops_with_code_16(tmp_path):
+    proc = launch(ARGS + INJECT + ["--error-injection-type", "persistent_error", "--save", str(tmp_path / "ckpt")])
+    out = proc.stdout
+    assert proc.returncode != 0, out[-3000:]
+    assert "exiting with code 16" in out, out[-3000:]
+    assert "Injecting error type Persistent error" in out
+    assert "First rerun: unexpected result is reproducible within the tolerance" in out
+    assert ("Saving a checkpoint and exiting now. Please resume the job from the checkpoint to rerun the last "
+            "iteration and establish a diagnostic") in out
+    assert "iteration        2/" not in out  # stopped before step 2's optimizer step
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_transient_fault_on_a_fatal_check_flags_the_rank_and_stops_with_code_17(tmp_path):
+    proc = launch(ARGS + INJECT + ["--error-injection-type", "transient_error"])
+    out = proc.stdout
+    assert proc.returncode != 0, out[-3000:]
+    assert "exiting with code 17" in out, out[-3000:]
+    assert "message='found NaN in local forward loss calculation'" in out
+    for rank in (0, 1):
+        assert f"Rank {rank}, node" in out and "Possible transient error!" in out
+    assert "Exiting now. The job can be resumed from a previous checkpoint" in out
+    assert "iteration        2/" not in out
+
+
+def test_report_stats_runs_every_step_twice_and_reports_no_difference(capsys):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_megatron_flag_behaviour import run
+
+    reference = run("--train-iters 2")
+    capsys.readouterr()
+    stats = run("--train-iters 2 --rerun-mode report_stats")
+    out = capsys.readouterr().out
+    assert "iteration 2: Stats on computation determinism in validation calls" in out, out[-3000:]
+    # Two steps, one micro-batch each, two checks (NaN, Inf): 2 samples per check, all equal.
+    assert ("From validation call 'found NaN in local forward loss calculation': 2 samples (0 inf), min 0.000e+00, "
+            "median 0.000e+00, mean 0.000e+00, max 0.000e+00") in out
+    assert stats["lm_loss"] == reference["lm_loss"]
