@@ -18,6 +18,7 @@ from megatron.core.rerun_state_machine import (
     relative_difference,
 )
 from megatron.training.arguments import parse_args
+from megatron.training.step_counters import restore_step_counters, save_step_counters
 
 
 def run_step(machine, data, poison=None, fatal=True):
@@ -132,3 +133,22 @@ def test_flags_parse_with_upstream_values():
     assert (args.rerun_mode, args.error_injection_type, args.error_injection_rate) == \
         ("report_stats", "persistent_error", 0)
     assert args.check_weight_hash_across_dp_replicas_interval == 10
+
+
+def test_step_counters_come_back_to_where_the_step_started():
+    """What a re-run restores besides the RNG: the routers' token counts (plain tensor
+    attributes) and the MoE/MTP metrics objects, as copies (a state may serve twice)."""
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.local_tokens_per_expert = torch.zeros(4)
+            self.metrics = {"records": 0}
+
+    model = torch.nn.Sequential(Router(), torch.nn.Linear(2, 2))
+    saved = save_step_counters(model)
+    for _ in range(2):  # a forward counts, the re-run restores; twice
+        model[0].local_tokens_per_expert += 3
+        model[0].metrics["records"] += 1
+        restore_step_counters(saved)
+        assert model[0].local_tokens_per_expert.tolist() == [0.0] * 4 and model[0].metrics == {"records": 0}
