@@ -3,7 +3,8 @@ ZeRO-1, 2 micro-batches per rank per step), with injected faults:
 
 * a transient fault on a non-fatal check (spiky loss) is detected, the step is re-run on the
   same micro-batches and RNG, and training continues with the losses and grad norms of a run
-  without injection (which also checks the weight hashes every iteration: they match);
+  without injection (which also checks the weight hashes every iteration: they match), under
+  MFSDP ZeRO-1 and ZeRO-3 and under DDP;
 * a persistent fault on the fatal NaN check is reproduced by the re-run: a checkpoint of the
   step before is saved and the job stops with exit code 16 and upstream's message;
 * a transient fault on the fatal NaN check is not reproduced: the rank is flagged and the
@@ -54,12 +55,15 @@ def test_weight_hashes_match_every_iteration(reference):
 
 # ZeRO-3 reduce-scatters every micro-batch into the gradient shard: the re-run must not add
 # onto the first run's (same numbers as ZeRO-1 up to fp32 summation order).
-@pytest.mark.parametrize("strategy, rel", [("optim", 1e-6), ("optim_grads_params", 1e-5)])
+# DDP: its gradient buckets are all-reduced in each run's backward.
+@pytest.mark.parametrize("strategy, rel", [("optim", 1e-6), ("optim_grads_params", 1e-5), ("ddp", 1e-5)])
 def test_transient_fault_is_rerun_and_training_continues_with_the_right_loss(reference, tmp_path, strategy, rel):
     log_dir = tmp_path / "logs"
-    proc = run_torchrun(ARGS + INJECT + ["--error-injection-type", "transient_error", "--log-dir", str(log_dir),
-                                         "--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss",
-                                         "--data-parallel-sharding-strategy", strategy])
+    layout = ARGS[:ARGS.index("--use-mfsdp")] if strategy == "ddp" else ARGS + [
+        "--data-parallel-sharding-strategy", strategy]
+    proc = run_torchrun(layout + INJECT + ["--error-injection-type", "transient_error", "--log-dir", str(log_dir),
+                                           "--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss"])
+    assert ("DDP" in proc.stdout) == (strategy == "ddp")
     out = proc.stdout
     # Every step after the first (rate 1) is hit on both ranks, re-run once, and continues.
     assert out.count("Injecting error type Transient error") == 2 * 3, out[-4000:]
