@@ -179,7 +179,8 @@ class RerunStateMachine:
         self.stats: Dict[str, List[float]] = defaultdict(list)
         self.max_values: Dict[str, float] = {}
         self.value_counts: Dict[str, int] = defaultdict(int)
-        self.announced = False
+        if self.enabled:  # from rank 0 here: under pipeline parallelism it validates nothing
+            _say(f"Result validation enabled (--rerun-mode {self.mode.value})")
 
     @property
     def enabled(self) -> bool:
@@ -255,9 +256,6 @@ class RerunStateMachine:
         """Check ``result`` (a 0-dim tensor) where it is computed; see the module docstring."""
         if not self.enabled or self.state not in (_State.INITIAL_RUN, _State.RERUNNING_IN_PLACE):
             return
-        if not self.announced:
-            self.announced = True
-            _say("Result validation enabled")
         self.calls[message] += 1
         call = (message, self.calls[message])
         if self.mode == RerunMode.REPORT_STATS:

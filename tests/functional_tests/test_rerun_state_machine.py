@@ -83,6 +83,7 @@ def test_persistent_fault_saves_and_stops_with_code_16(tmp_path):
     out = proc.stdout
     assert proc.returncode != 0, out[-3000:]
     assert "exiting with code 16" in out, out[-3000:]
+    assert "Result validation enabled (--rerun-mode validate_results)" in out
     assert "Injecting error type Persistent error" in out
     assert "First rerun: unexpected result is reproducible within the tolerance" in out
     assert ("Saving a checkpoint and exiting now. Please resume the job from the checkpoint to rerun the last "
