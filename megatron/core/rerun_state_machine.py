@@ -40,7 +40,7 @@ import math
 import os
 import random
 import statistics
-from collections import defaultdict
+from collections import defaultdict, deque
 from enum import Enum
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -51,6 +51,7 @@ import torch.distributed as dist
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
 EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
 SPIKY_LOSS_FACTOR = 10  # a loss >= 10x the largest of the first samples is a spike
+STATS_MAX_SAMPLES = 100_000  # per validation call and rank, the latest kept (report_stats)
 MATCH, MISMATCH = 0.0, math.inf
 
 
@@ -176,7 +177,7 @@ class RerunStateMachine:
         self.exit_code = 0
         self.reruns = 0  # steps re-run in this job
         self.initial_results: Dict[Tuple[str, int], torch.Tensor] = {}
-        self.stats: Dict[str, List[float]] = defaultdict(list)
+        self.stats: Dict[str, deque] = defaultdict(lambda: deque(maxlen=STATS_MAX_SAMPLES))
         self.max_values: Dict[str, float] = {}
         self.value_counts: Dict[str, int] = defaultdict(int)
         if self.enabled:  # from rank 0 here: under pipeline parallelism it validates nothing

@@ -9,7 +9,8 @@ ZeRO-1, 2 micro-batches per rank per step), with injected faults:
   step before is saved and the job stops with exit code 16 and upstream's message;
 * a transient fault on the fatal NaN check is not reproduced: the rank is flagged and the
   job stops with exit code 17;
-* report_stats (one rank, in process) runs every step twice and reports zero differences.
+* report_stats runs every step twice, reports zero differences gathered from both ranks, and
+  keeps the losses.
 """
 
 import os
@@ -104,16 +105,14 @@ def test_transient_fault_on_a_fatal_check_flags_the_rank_and_stops_with_code_17(
     assert "iteration        2/" not in out
 
 
-def test_report_stats_runs_every_step_twice_and_reports_no_difference(capsys):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_megatron_flag_behaviour import run
-
-    reference = run("--train-iters 2")
-    capsys.readouterr()
-    stats = run("--train-iters 2 --rerun-mode report_stats")
-    out = capsys.readouterr().out
-    assert "iteration 2: Stats on computation determinism in validation calls" in out, out[-3000:]
-    # Two steps, one micro-batch each, two checks (NaN, Inf): 2 samples per check, all equal.
-    assert ("From validation call 'found NaN in local forward loss calculation': 2 samples (0 inf), min 0.000e+00, "
-            "median 0.000e+00, mean 0.000e+00, max 0.000e+00") in out
-    assert stats["lm_loss"] == reference["lm_loss"]
+def test_report_stats_runs_every_step_twice_and_reports_no_difference(reference, tmp_path):
+    log_dir = tmp_path / "logs"
+    out = run_torchrun(ARGS + ["--rerun-mode", "report_stats", "--log-dir", str(log_dir)]).stdout
+    for iteration in (2, 4):
+        assert f"iteration {iteration}: Stats on computation determinism in validation calls" in out, out[-3000:]
+    # Steps 1-2, then 1-4: 2 micro-batches on each of 2 ranks, each run twice; CPU is deterministic.
+    for samples in (8, 16):
+        assert (f"From validation call 'found NaN in local forward loss calculation': {samples} samples (0 inf), "
+                "min 0.000e+00, median 0.000e+00, mean 0.000e+00, max 0.000e+00") in out, out[-3000:]
+    train, ref = read_metrics(str(log_dir))[0], reference[0]
+    assert [train[it]["lm_loss"] for it in ref] == [ref[it]["lm_loss"] for it in ref]

@@ -87,7 +87,7 @@ def test_rerun_sees_the_same_batch_and_random_draws():
     machine, data = machine_after_first_step("report_stats")
     runs, losses, decision = run_step(machine, data)
     assert runs == 2 and losses[0] == losses[1] and decision == (False, False, 0)
-    assert machine.stats["NaN loss"] == [0.0, 0.0]  # the first step's comparison too
+    assert list(machine.stats["NaN loss"]) == [0.0, 0.0]  # the first step's comparison too
     runs, losses, _ = run_step(machine, data)
     assert runs == 2 and losses[0] == losses[1] and losses[0] >= 2  # batch 2: steps did not skip data
 
