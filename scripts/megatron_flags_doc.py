@@ -27,7 +27,7 @@ functional-test configuration of upstream (from the mirror, or from its snapshot
 gloo, transformer_engine -> local, FP8 / NCCL user-buffer / TP-comm-overlap flags dropped,
 tiny model, mock data) at each line's own TP/PP/CP sizes, and prints the accepted count and
 the remaining rejections by flag. Of the 161 training configurations (44 inference/RL ones
-are skipped), 120 parse at their own TP/PP/CP sizes
+are skipped), 142 parse at their own TP/PP/CP sizes
 (`tests/functional_tests/test_upstream_replay.py` keeps this count from dropping); two
 train on 2 ranks (`tests/functional_tests/test_megatron_command_lines.py`). With `--suite
 moe` it replays upstream's MoE recipes (`test_cases/moe`, snapshot
@@ -59,6 +59,16 @@ Deviations worth knowing:
   (default: the final global batch) throughout.
 - A user error under torchrun: ranks other than 0 wait (up to 30 s, through torchrun's
   store) until rank 0 has printed the one line, so torchrun cannot kill rank 0 first.
+- `--rerun-mode` defaults to `disabled` (upstream: `validate_results`): without it a NaN/Inf
+  gradient skips the step as before and no per-step collective is paid. Under
+  `validate_results` a fatal check (NaN/Inf loss) that a re-run reproduces saves a
+  checkpoint and exits 16, one it does not reproduce exits 17; resuming from that
+  checkpoint does not perform upstream's second re-run on other devices (the machine's state
+  is not checkpointed). `--error-injection-rate` needs `validate_results`.
+- `--check-weight-hash-across-dp-replicas-interval` also works under MFSDP ZeRO-3 (upstream
+  refuses it): the ranks holding the same shard are compared (none under plain ZeRO-3, the
+  outer replicas under HSDP), and under ZeRO-1/2 the replicated compute copies; a mismatch
+  exits 1 with one line naming the diverging rank(s) (upstream: an assertion).
 
 - `--log-memory-to-tensorboard` on CPU writes `mem-rss-bytes` and `mem-max-rss-bytes` (there
   is no CUDA allocator); on CUDA Megatron's `mem-reserved-bytes`, `mem-allocated-bytes`,

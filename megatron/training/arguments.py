@@ -23,6 +23,7 @@ from megatron.training.context_parallel_arguments import (
     add_context_parallel_args, validate_context_parallel_args, validate_context_parallel_size)
 from megatron.training.mla_arguments import add_mla_args, validate_mla_args
 from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_without_mfsdp, validate_moe_args
+from megatron.training.resilience_arguments import add_resilience_args, validate_resilience_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 from megatron.training.recipe_arguments import add_recipe_args, validate_recipe_args
 
@@ -205,6 +206,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     add_pipeline_args(parser)
     add_context_parallel_args(parser)
     add_recipe_args(parser)
+    add_resilience_args(parser)
     add_megatron_compat_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
@@ -310,6 +312,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_memory_args(args)
     _validate_logging_and_checkpointing(args)
     _validate_fidelity(args)
+    validate_resilience_args(args)
     validate_moe_args(args)
     validate_mla_args(args)
     validate_recipe_args(args, _note)

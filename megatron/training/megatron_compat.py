@@ -74,11 +74,9 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
                          "--async-save has one strategy here (a background writer thread); both values select it"),
     "--verify-integrity": (dict(action="store_true"),
                            "always: every checkpoint file's checksum is written at save and verified at load"),
-    "--rerun-mode": (dict(choices=("disabled",), default="disabled"),
-                     "only disabled: no re-run state machine here"),
     "--no-check-for-nan-in-loss-and-grad": (dict(action="store_true"),
-                                            "a NaN/inf gradient skips the step here (counted in the log line) "
-                                            "instead of stopping the run"),
+                                            "no NaN/Inf check of the loss under --rerun-mode validate_results/report_stats; "
+                                            "a NaN/inf gradient still skips the step (counted in the log line)"),
 }
 
 # Flags that choose GPU kernels, CUDA graphs, offloading or communication overlap: the
@@ -149,14 +147,11 @@ REJECTED: Dict[str, str] = {
     "--use-legacy-models": "only the Megatron-Core GPT model exists; drop it",
     "--use-checkpoint-args": "pass the model flags explicitly (the checkpoint's common.json lists them)",
     "--use-mup": "muP is not implemented; drop it",
-    "--check-weight-hash-across-dp-replicas-interval": "not implemented; drop it",
     "--log-straggler": "straggler detection is not implemented; drop it",
     "--straggler-minmax-count": "straggler detection is not implemented; drop it",
     "--log-progress": "not implemented; the iteration log line has the progress",
     "--test-mode": "not implemented; drop it",
     "--fim-data": "fill-in-the-middle data is not implemented; drop it",
-    "--error-injection-rate": "the re-run machinery is not implemented; drop it",
-    "--error-injection-type": "the re-run machinery is not implemented; drop it",
 }
 
 

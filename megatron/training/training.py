@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed.comm_device import comm_device
+from megatron.core.distributed.weight_hash import WeightHashMismatch, check_weight_hashes_across_dp_replicas
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.rerun_state_machine import SPIKY_LOSS_FACTOR, RerunDataIterator, rerun_state_machine_from_args
 from megatron.core.transformer.moe.expert_bias import update_expert_biases
 from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
 from megatron.core.transformer.moe.metrics import collect_moe_metrics, format_moe_metrics
@@ -51,6 +53,7 @@ from megatron.training.log_utils import (
     print_rank_0,
 )
 from megatron.training.shutdown import shutdown_distributed
+from megatron.training.step_counters import restore_step_counters, save_step_counters
 from megatron.training.timers import Timers, timers_to_log
 from megatron.training.user_errors import user_errors
 from megatron.training.model_builder import (
@@ -352,6 +355,10 @@ class _Trainer:
         self.dashboards = bool(args.tensorboard_dir or args.wandb_project)
         self._params_norm = (None, None)  # (iteration, value): computed once per iteration
         self.batch_schedule = batch_size_schedule_from_args(args)
+        self.rerun = rerun_state_machine_from_args(args)
+        self.rerun.extra_state = functools.partial(save_step_counters, built.unwrapped)
+        self.rerun.restore_extra_state = restore_step_counters
+        self.iteration = 0  # the last completed step's number
 
     def _flops_per_token(self) -> Optional[float]:
         try:
@@ -376,6 +383,7 @@ class _Trainer:
 
         def scaled_loss_func(output):
             result = loss_func(output)
+            self._validate_loss(result[0])
             if len(result) == 3 and not per_token:
                 # Megatron's default: each microbatch's mean loss, averaged over microbatches
                 # (the schedule divides 2-tuples by their number) and data-parallel ranks.
@@ -393,21 +401,45 @@ class _Trainer:
 
         return output_tensor, scaled_loss_func
 
-    def train_step(self, data_iterator):
+    def _validate_loss(self, loss: torch.Tensor) -> None:
+        """Megatron's checks of a micro-batch's local loss (before any reduction), for the
+        re-run state machine: NaN and Inf (fatal), and with --check-for-spiky-loss a spike."""
+        if not self.rerun.enabled:
+            return
+        loss = loss.detach().float()
+        if not self.args.no_check_for_nan_in_loss_and_grad:
+            self.rerun.validate_result(loss, torch.isnan, "found NaN in local forward loss calculation")
+            self.rerun.validate_result(loss, torch.isinf, "found Inf in local forward loss calculation")
+        if self.args.check_for_spiky_loss:
+            spiky = functools.partial(self.rerun.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss")
+            self.rerun.validate_result(loss, spiky, "Spiky loss", fatal=False)
+
+    def _forward_backward(self, data_iterator):
+        """One run of the step's forward-backward from zeroed gradients: its loss reports."""
         args = self.args
-        timers = self.timers
         self.optimizer.zero_grad(set_to_none=True)
         # The router losses' gradients get the factor each micro-batch's loss gets.
         loss_scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         set_aux_loss_backward_scale(self.built.unwrapped, loss_scale / args.num_microbatches)
         set_mtp_loss_backward_scale(self.built.unwrapped, loss_scale / args.num_microbatches)
-        with timers("forward-backward", 1), self._autocast():
+        with self.timers("forward-backward", 1), self._autocast():
             reports = self.forward_backward(
                 self._forward_step, data_iterator, self.built.model, args.num_microbatches,
                 context=self.built.context, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                timers=timers, dp_group=parallel_state.get_parallel_state().dp_cp_group,
+                timers=self.timers, dp_group=parallel_state.get_parallel_state().dp_cp_group,
             )
             finalize_model_grads(args, self.built)
+        return reports
+
+    def train_step(self, data_iterator):
+        args = self.args
+        timers = self.timers
+        # The re-run state machine runs the forward-backward again (same batches and RNG)
+        # when a result failed validation; nothing before the optimizer step outlives a run
+        # but the gradients, zeroed at each run's start, and the counters it restores.
+        while self.rerun.should_run_forward_backward(data_iterator if self.rerun.enabled else None):
+            reports = self._forward_backward(data_iterator)
+        self._stop_if_rerun_says_so()
         # Under pipeline parallelism only the last stage reports: the sum over every rank
         # is its data-parallel ranks' (TP ranks report the same microbatches: the ratio holds).
         local = _reduce_reports(reports)
@@ -442,6 +474,10 @@ class _Trainer:
         if train_iter is None:
             return iteration
         self.built.unwrapped.train()
+        if self.rerun.enabled:
+            train_iter = RerunDataIterator(train_iter)  # a step's micro-batches can be served again
+        self.iteration = iteration
+        self._check_weight_hashes(iteration, force=True)
         interval_loss, interval_count, interval_iters = 0.0, 0, 0
         interval_start = time.time()
         if args.manual_gc:
@@ -462,6 +498,8 @@ class _Trainer:
                 self.batch_schedule.apply(args, self.consumed)  # --rampup-batch-size etc.: this step's batch
             loss, grad_norm, skipped = self.train_step(train_iter)
             iteration += 1
+            self.iteration = iteration
+            self._check_weight_hashes(iteration)
             self.consumed += args.global_batch_size
             interval_iters += 1
             if skipped:
@@ -509,6 +547,39 @@ class _Trainer:
                 print_rank_0(f"> exiting {reason}")
                 sys.exit(0)
         return iteration
+
+    def _stop_if_rerun_says_so(self) -> None:
+        """After a step's runs, before the optimizer: the re-run state machine may stop the
+        job (a checkpoint of the step before first, when it asks for one)."""
+        save, stop, code = self.rerun.should_checkpoint_and_exit()
+        if not stop:
+            return
+        if save and self.args.save and self.last_saved_iteration != self.iteration:
+            self.save(self.iteration)
+        finalize_async_save()
+        print_rank_0(f"> exiting with code {code} (--rerun-mode {self.args.rerun_mode}) at iteration "
+                     f"{self.iteration + 1}, before its optimizer step")
+        sys.exit(code)
+
+    def _check_weight_hashes(self, iteration: int, force: bool = False) -> None:
+        """--check-weight-hash-across-dp-replicas-interval: every N iterations (and when
+        training starts) the data-parallel replicas must hold equal weights; a mismatch stops
+        every rank with one line naming the diverging rank(s)."""
+        interval = self.args.check_weight_hash_across_dp_replicas_interval
+        if interval is None or not (force or iteration % interval == 0):
+            return
+        try:
+            compared = check_weight_hashes_across_dp_replicas(
+                self.built.unwrapped, parallel_state.get_parallel_state().dp_cp_group, self.built.context)
+        except WeightHashMismatch as error:
+            print_rank_0(f"error: after iteration {iteration}: {error}; stop and check those ranks' devices")
+            sys.exit(1)
+        if compared == 0:
+            print_rank_0(f"> weight hashes after iteration {iteration}: nothing to compare (no parameter piece "
+                         "is held by more than one data-parallel rank)")
+        else:
+            print_rank_0(f"> weight hashes match across data-parallel replicas after iteration {iteration} "
+                         f"({compared} parameter pieces compared)")
 
     def _minutes_run_on_any_rank(self) -> float:
         """Minutes since the earliest rank's pretrain() started; the maximum over ranks, so

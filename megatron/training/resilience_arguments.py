@@ -1,0 +1,46 @@
+"""The reliability flags: the re-run state machine (``megatron/core/rerun_state_machine.py``)
+and the weight hash check across data-parallel replicas (``megatron/core/distributed/weight_hash.py``).
+Names, choices and meanings are Megatron-LM's; ``--rerun-mode`` defaults to ``disabled``
+here (upstream: ``validate_results``), so a run that does not ask for it keeps skipping a
+NaN/Inf step instead of stopping, and pays no per-step collective."""
+
+from __future__ import annotations
+
+import argparse
+
+RERUN_MODES = ("disabled", "validate_results", "report_stats")
+ERROR_INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
+
+
+def add_resilience_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("reliability (re-run state machine, weight hashes)")
+    g.add_argument("--rerun-mode", choices=RERUN_MODES, default="disabled",
+                   help="validate_results: re-run a step whose loss fails validation (NaN, Inf, spike) to tell "
+                        "a transient fault (job stops, exit 17) from a reproducible result (checkpoint, exit 16); "
+                        "report_stats: run every step twice and report how much the results differ")
+    g.add_argument("--error-injection-rate", type=int, default=0,
+                   help="with --rerun-mode validate_results: declare about one validation in N wrong (1: every "
+                        "one after the first step), to test the re-run machinery; 0: never")
+    g.add_argument("--error-injection-type", choices=ERROR_INJECTION_TYPES, default="transient_error",
+                   help="what an injected error pretends to be on re-run: not reproducible (transient_error), "
+                        "reproducible (persistent_error), or a right result (correct_result)")
+    g.add_argument("--check-for-spiky-loss", action="store_true",
+                   help="with --rerun-mode: also validate each micro-batch's loss against 10x the largest of "
+                        "its first 100 values (not fatal)")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="every N iterations (and at the start) compare hashes of the weights that data-parallel "
+                        "ranks hold in common; a mismatch stops the run naming the diverging rank(s)")
+
+
+def validate_resilience_args(args: argparse.Namespace) -> None:
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is not None and interval < 1:
+        raise ValueError(f"--check-weight-hash-across-dp-replicas-interval must be >= 1 (got {interval}); "
+                         "leave it out to skip the check.")
+    if args.error_injection_rate < 0:
+        raise ValueError(f"--error-injection-rate must be >= 0 (got {args.error_injection_rate}); 0 injects none.")
+    if args.error_injection_rate and args.rerun_mode != "validate_results":
+        raise ValueError("--error-injection-rate tests the re-run machinery; add --rerun-mode validate_results.")
+    if args.check_for_spiky_loss and args.rerun_mode == "disabled":
+        raise ValueError("--check-for-spiky-loss validates through the re-run state machine; add "
+                         "--rerun-mode validate_results (or report_stats).")
