@@ -4,6 +4,10 @@ parse + validate args -> distributed init -> tokenizer -> model (MFSDP units ins
 fully_shard_context, or DDP) -> optimizer (+ fully_shard_optimizer) and LR schedule ->
 optional resume -> data iterators -> loop {schedule with the context, clip, step, LR step,
 log, eval, save} -> final checkpoint and evaluation.
+
+The step and the loop are here (``_Trainer``); what the loop reports is
+``training_log.py``, evaluation ``evaluation.py``, and the loss arithmetic both share
+``loss_reports.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import os
 import signal
 import sys
 import time
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,10 +31,8 @@ from megatron.core.distributed.weight_hash import WeightHashMismatch, check_weig
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.rerun_state_machine import SPIKY_LOSS_FACTOR, RerunDataIterator, rerun_state_machine_from_args
 from megatron.core.transformer.moe.expert_bias import update_expert_biases
-from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
-from megatron.core.transformer.moe.metrics import collect_moe_metrics, format_moe_metrics
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
-from megatron.core.transformer.multi_token_prediction import collect_mtp_metrics, set_mtp_loss_backward_scale
+from megatron.core.transformer.multi_token_prediction import set_mtp_loss_backward_scale
 from megatron.training.batch_size_schedule import batch_size_schedule_from_args, train_samples_needed
 from megatron.training.checkpointing import (
     exit_signal_received,
@@ -41,20 +43,13 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.data import DeviceIterator, build_pretraining_data_loader
 from megatron.training.initialize import initialize_distributed, set_deterministic_mode, set_random_seed
-from megatron.training.log_utils import (
-    MetricsWriter,
-    format_iteration_line,
-    format_validation_box,
-    jsonable_config,
-    memory_label,
-    memory_scalars,
-    peak_memory_mb,
-    perplexity,
-    print_rank_0,
-)
+from megatron.training.evaluation import Evaluator
+from megatron.training.log_utils import MetricsWriter, jsonable_config, print_rank_0
+from megatron.training.loss_reports import mean_loss, reduce_reports, world_size
 from megatron.training.shutdown import shutdown_distributed
 from megatron.training.step_counters import restore_step_counters, save_step_counters
-from megatron.training.timers import Timers, timers_to_log
+from megatron.training.timers import Timers
+from megatron.training.training_log import TrainingLog
 from megatron.training.user_errors import user_errors
 from megatron.training.model_builder import (
     BuiltModel,
@@ -63,15 +58,7 @@ from megatron.training.model_builder import (
     count_zeros_of,
     finalize_model_grads,
     get_grad_norm_and_clip,
-    get_params_norm_of,
 )
-
-
-# Metrics of one iteration: TensorBoard and W&B get them every --tensorboard-log-interval
-# iterations, with that iteration's values (Megatron's training_log); metrics.jsonl gets
-# them every --log-interval with the console line (the loss there is the interval's mean).
-ITERATION_SCALARS = ("learning_rate", "global_batch_size", "lm_loss", "grad_norm", "loss_scale", "num_zeros",
-                     "params_norm")
 
 
 def build_tokenizer_from_args(args):
@@ -94,20 +81,9 @@ def _earliest(timestamp: float) -> float:
     """The smallest ``timestamp`` over ranks (Megatron times --exit-duration-in-mins from the
     first rank to start)."""
     t = torch.tensor([timestamp], dtype=torch.float64, device=comm_device())
-    if _world() > 1:
+    if world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return float(t.item())
-
-
-def _world():
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _all_reduce_sum(values) -> torch.Tensor:
-    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    if _world() > 1:
-        dist.all_reduce(t)
-    return t
 
 
 def _sum_over(value: torch.Tensor, group) -> torch.Tensor:
@@ -115,15 +91,6 @@ def _sum_over(value: torch.Tensor, group) -> torch.Tensor:
     reduced = value.reshape(()).to(comm_device(group)).clone()
     dist.all_reduce(reduced, group=group)
     return reduced.to(value.device)
-
-
-def _reduce_reports(reports, key: str = "lm loss"):
-    """Sum the [loss_sum, num_tokens] reports of this rank's microbatches ([0, 0] on a
-    pipeline stage that computes no loss)."""
-    total = torch.zeros(2, dtype=torch.float64)
-    for report in reports:
-        total = total + report[key].detach().double().reshape(-1).cpu()
-    return total
 
 
 def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_provider, forward_step_func):
@@ -169,7 +136,7 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
         if args.context_parallel_size > 1:
             strategy += f", context parallel {args.context_parallel_size} ({' '.join(args.cp_comm_type)})"
         print_rank_0(
-            f"> model: {n_params:,} parameters ({n_params / 1e6:.2f}M), {strategy}, world size {_world()}, "
+            f"> model: {n_params:,} parameters ({n_params / 1e6:.2f}M), {strategy}, world size {world_size()}, "
             f"device {device.type}, {args.num_microbatches} microbatch(es) of {args.micro_batch_size} per rank per step"
         )
 
@@ -220,8 +187,8 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
             # continues exactly like an uninterrupted one.
             with torch.random.fork_rng(devices=[]):
                 train_iter = DeviceIterator(loader, device, parallel.cp_size, parallel.cp_rank)
-        trainer.valid_ds, trainer.test_ds = valid_ds, test_ds
-        trainer.tokenizer = tokenizer
+        trainer.valid_ds = valid_ds
+        trainer.evaluator.tokenizer = tokenizer
 
         print_rank_0("> training ...")
         iteration = trainer.train(train_iter, iteration, consumed)
@@ -231,13 +198,13 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
             trainer.save(iteration)
         finalize_async_save()
         if args.eval_iters > 0:
-            if valid_ds is not None and trainer.last_eval_iteration != iteration:
+            if valid_ds is not None and trainer.evaluator.last_eval_iteration != iteration:
                 trainer.evaluate_and_print(iteration, f"iteration {iteration} on validation set", valid_ds, "validation")
             if test_ds is not None:
                 trainer.evaluate_and_print(iteration, f"iteration {iteration} on test set", test_ds, "test")
         print_rank_0(f"> total time {time.time() - start_time:.1f} s")
         finished = True
-        return trainer.last_metrics
+        return trainer.log.last_metrics
     finally:
         writer.close()
         # In order: the save in flight and its thread, a barrier (only when every rank
@@ -268,8 +235,8 @@ def _model_parameter_count(built: BuiltModel) -> int:
     pieces = global_slices_by_name(built.unwrapped)
     sizes = {name: (math.prod(pieces[name].global_shape) if name in pieces else p.numel())
              for name, p in built.unwrapped.named_parameters()}
-    if _world() > 1:
-        gathered = [None] * _world()
+    if world_size() > 1:
+        gathered = [None] * world_size()
         dist.all_gather_object(gathered, sizes)
         for part in gathered:
             sizes.update(part)
@@ -321,6 +288,10 @@ def _build_datasets(args, tokenizer, provider):
 
 
 class _Trainer:
+    """The training loop: steps (forward-backward under the re-run state machine, clipping,
+    the optimizer and LR steps), and between them the log, evaluation, checkpoints, the
+    weight-hash check and the exit conditions."""
+
     def __init__(self, args, built: BuiltModel, optimizer, scheduler, forward_step_func, device, writer,
                  start_time: float):
         self.args = args
@@ -330,50 +301,31 @@ class _Trainer:
         self.scheduler = scheduler
         self.forward_step_func = forward_step_func
         self.device = device
-        self.writer = writer
         self.forward_backward = get_forward_backward_func()
         if args.pipeline_model_parallel_size > 1:
             self.forward_backward = functools.partial(
                 self.forward_backward, microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage)
-        self.last_saved_iteration = None
-        self.last_eval_iteration = None
-        self.last_metrics: Dict[str, float] = {}
-        self.valid_ds = None
-        self.test_ds = None
-        self.tokenizer = None  # for bits per character
-        self._text_sizes = {}
-        self.consumed = 0
-        self.skipped_iterations = 0  # in the current log interval, as Megatron counts them
-        self.nan_iterations = 0
-        self.flops_per_token = self._flops_per_token()
         self.grad_scaler = getattr(optimizer, "grad_scaler", None)
         self.timers = Timers(args.timing_log_level, args.timing_log_option, device)
-        self.num_zeros = None
         self.params = [p for p in built.unwrapped.parameters() if p.requires_grad]
-        # Decided from the arguments, not from the (rank-0-only) writer: every rank must take
-        # part in the collectives behind the per-iteration scalars.
-        self.dashboards = bool(args.tensorboard_dir or args.wandb_project)
-        self._params_norm = (None, None)  # (iteration, value): computed once per iteration
+        self.log = TrainingLog(args, built, optimizer, device, writer, self.timers, self.params)
+        self.evaluator = Evaluator(args, built, self.forward_backward, forward_step_func, device, writer,
+                                   self._autocast)
+        self.valid_ds = None
+        self.last_saved_iteration = None
+        self.consumed = 0
+        self.iteration = 0  # the last completed step's number
         self.batch_schedule = batch_size_schedule_from_args(args)
         self.rerun = rerun_state_machine_from_args(args)
         self.rerun.extra_state = functools.partial(save_step_counters, built.unwrapped)
         self.rerun.restore_extra_state = restore_step_counters
-        self.iteration = 0  # the last completed step's number
-
-    def _flops_per_token(self) -> Optional[float]:
-        try:
-            from megatron.core.models.gpt import flops_per_token
-
-            return float(flops_per_token(self.built.unwrapped.config, self.args.padded_vocab_size, self.args.seq_length))
-        except (ImportError, AttributeError):
-            return None
 
     def _autocast(self):
         if self.args.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.args.autocast_dtype)
 
-    # ------------------------------------------------------------------------------------
+    # One step ---------------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
         """The user's forward step, with Megatron's loss normalization and the fp16 loss scale."""
         output_tensor, loss_func = self.forward_step_func(data_iterator, model)
@@ -432,6 +384,7 @@ class _Trainer:
         return reports
 
     def train_step(self, data_iterator):
+        """One step: (loss, grad norm, whether the update was skipped)."""
         args = self.args
         timers = self.timers
         # The re-run state machine runs the forward-backward again (same batches and RNG)
@@ -440,11 +393,7 @@ class _Trainer:
         while self.rerun.should_run_forward_backward(data_iterator if self.rerun.enabled else None):
             reports = self._forward_backward(data_iterator)
         self._stop_if_rerun_says_so()
-        # Under pipeline parallelism only the last stage reports: the sum over every rank
-        # is its data-parallel ranks' (TP ranks report the same microbatches: the ratio holds).
-        local = _reduce_reports(reports)
-        loss_sum, tokens = _all_reduce_sum(local.tolist()).tolist()
-        loss = loss_sum / max(tokens, 1.0)
+        loss = mean_loss(reduce_reports(reports))
         with timers("optimizer", 1):
             if self.grad_scaler is not None:
                 with timers("optimizer-unscale-and-check-inf", 1):
@@ -457,7 +406,7 @@ class _Trainer:
                 self.grad_scaler.update(skipped)
             if args.log_num_zeros_in_grad:
                 with timers("optimizer-count-zeros", 1):
-                    self.num_zeros = count_zeros_of(args, self.built, self.params)
+                    self.log.num_zeros = count_zeros_of(args, self.built, self.params)
             if skipped:
                 # Megatron skips the update (and the LR step) rather than writing NaN/inf weights.
                 self.optimizer.zero_grad(set_to_none=True)
@@ -467,86 +416,6 @@ class _Trainer:
                 update_expert_biases(self.built.unwrapped)  # aux-loss-free balancing, once per step taken
                 self.scheduler.step(increment=args.global_batch_size)
         return loss, grad_norm, skipped
-
-    def train(self, train_iter, iteration: int, consumed: int) -> int:
-        args = self.args
-        self.consumed = consumed
-        if train_iter is None:
-            return iteration
-        self.built.unwrapped.train()
-        if self.rerun.enabled:
-            train_iter = RerunDataIterator(train_iter)  # a step's micro-batches can be served again
-        self.iteration = iteration
-        self._check_weight_hashes(iteration, force=True)
-        interval_loss, interval_count, interval_iters = 0.0, 0, 0
-        interval_start = time.time()
-        if args.manual_gc:
-            # Collect at the same points on every rank instead of whenever the allocator decides.
-            gc.disable()
-            gc.collect()
-        try:
-            return self._train_loop(train_iter, iteration, interval_loss, interval_count, interval_iters,
-                                    interval_start)
-        finally:
-            if args.manual_gc:
-                gc.enable()
-
-    def _train_loop(self, train_iter, iteration, interval_loss, interval_count, interval_iters, interval_start):
-        args = self.args
-        while iteration < args.train_iters:
-            if self.batch_schedule is not None:
-                self.batch_schedule.apply(args, self.consumed)  # --rampup-batch-size etc.: this step's batch
-            loss, grad_norm, skipped = self.train_step(train_iter)
-            iteration += 1
-            self.iteration = iteration
-            self._check_weight_hashes(iteration)
-            self.consumed += args.global_batch_size
-            interval_iters += 1
-            if skipped:
-                self.skipped_iterations += 1  # an overflow under --fp16, or a NaN/inf gradient
-            if math.isfinite(loss):
-                interval_loss += loss
-                interval_count += 1
-            else:
-                self.nan_iterations += 1
-            if self.dashboards and iteration % args.tensorboard_log_interval == 0:
-                self._write_iteration_scalars(iteration, loss, grad_norm)
-
-            if iteration % args.log_interval == 0 or iteration == args.train_iters:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                elapsed = time.time() - interval_start
-                self._log_training(iteration, elapsed / interval_iters,
-                                   interval_loss / interval_count if interval_count else float("nan"), grad_norm,
-                                   interval_iters)
-                interval_loss, interval_count, interval_iters = 0.0, 0, 0
-                self.skipped_iterations = self.nan_iterations = 0
-                interval_start = time.time()
-
-            if args.eval_iters > 0 and self.valid_ds is not None and iteration % args.eval_interval == 0:
-                self.evaluate_and_print(iteration, f"iteration {iteration}", self.valid_ds, "validation")
-                interval_start = time.time()  # evaluation time is not training time
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
-                self.save(iteration)
-                interval_start = time.time()
-            if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
-                gc.collect()
-            reason = None
-            minutes = self._minutes_run_on_any_rank() if args.exit_duration_in_mins else None
-            if args.exit_signal_handler and exit_signal_received():
-                reason = f"on signal after iteration {iteration} ({args.exit_signal})"
-            elif minutes is not None and minutes > args.exit_duration_in_mins:
-                reason = (f"after {minutes:.2f} minutes (--exit-duration-in-mins {args.exit_duration_in_mins}) "
-                          f"at iteration {iteration}")
-            elif args.exit_interval and iteration % args.exit_interval == 0:
-                reason = f"at --exit-interval {args.exit_interval} after iteration {iteration}"
-            if reason:
-                if args.save and self.last_saved_iteration != iteration:
-                    self.save(iteration)
-                finalize_async_save()
-                print_rank_0(f"> exiting {reason}")
-                sys.exit(0)
-        return iteration
 
     def _stop_if_rerun_says_so(self) -> None:
         """After a step's runs, before the optimizer: the re-run state machine may stop the
@@ -560,6 +429,80 @@ class _Trainer:
         print_rank_0(f"> exiting with code {code} (--rerun-mode {self.args.rerun_mode}) at iteration "
                      f"{self.iteration + 1}, before its optimizer step")
         sys.exit(code)
+
+    # The loop ---------------------------------------------------------------------------
+    def train(self, train_iter, iteration: int, consumed: int) -> int:
+        """Train from ``iteration`` to --train-iters (or an exit condition); the last iteration."""
+        args = self.args
+        self.consumed = consumed
+        if train_iter is None:
+            return iteration
+        self.built.unwrapped.train()
+        if self.rerun.enabled:
+            train_iter = RerunDataIterator(train_iter)  # a step's micro-batches can be served again
+        self.iteration = iteration
+        self._check_weight_hashes(iteration, force=True)
+        self.log.restart_interval()
+        if args.manual_gc:
+            # Collect at the same points on every rank instead of whenever the allocator decides.
+            gc.disable()
+            gc.collect()
+        try:
+            while self.iteration < args.train_iters:
+                self._train_one_iteration(train_iter)
+                reason = self._exit_reason()
+                if reason:
+                    if args.save and self.last_saved_iteration != self.iteration:
+                        self.save(self.iteration)
+                    finalize_async_save()
+                    print_rank_0(f"> exiting {reason}")
+                    sys.exit(0)
+            return self.iteration
+        finally:
+            if args.manual_gc:
+                gc.enable()
+
+    def _train_one_iteration(self, train_iter) -> None:
+        """A step and what is due after it: weight hashes, the log, evaluation, a checkpoint."""
+        args = self.args
+        if self.batch_schedule is not None:
+            self.batch_schedule.apply(args, self.consumed)  # --rampup-batch-size etc.: this step's batch
+        loss, grad_norm, skipped = self.train_step(train_iter)
+        self.iteration += 1
+        iteration = self.iteration
+        self._check_weight_hashes(iteration)
+        self.consumed += args.global_batch_size
+        self.log.record_step(iteration, loss, grad_norm, skipped, self.consumed)
+        if args.eval_iters > 0 and self.valid_ds is not None and iteration % args.eval_interval == 0:
+            self.evaluate_and_print(iteration, f"iteration {iteration}", self.valid_ds, "validation")
+            self.log.restart_clock()
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            self.save(iteration)
+            self.log.restart_clock()
+        if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+            gc.collect()
+
+    def _exit_reason(self) -> Optional[str]:
+        """Why training stops after this iteration before --train-iters, or None."""
+        args, iteration = self.args, self.iteration
+        minutes = self._minutes_run_on_any_rank() if args.exit_duration_in_mins else None
+        if args.exit_signal_handler and exit_signal_received():
+            return f"on signal after iteration {iteration} ({args.exit_signal})"
+        if minutes is not None and minutes > args.exit_duration_in_mins:
+            return (f"after {minutes:.2f} minutes (--exit-duration-in-mins {args.exit_duration_in_mins}) "
+                    f"at iteration {iteration}")
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            return f"at --exit-interval {args.exit_interval} after iteration {iteration}"
+        return None
+
+    def _minutes_run_on_any_rank(self) -> float:
+        """Minutes since the earliest rank's pretrain() started; the maximum over ranks, so
+        every rank takes the same exit decision although each reads its own clock."""
+        minutes = torch.tensor([(time.time() - self.start_time) / 60.0], dtype=torch.float64,
+                               device=comm_device())
+        if world_size() > 1:
+            dist.all_reduce(minutes, op=dist.ReduceOp.MAX)
+        return float(minutes.item())
 
     def _check_weight_hashes(self, iteration: int, force: bool = False) -> None:
         """--check-weight-hash-across-dp-replicas-interval: every N iterations (and when
@@ -581,184 +524,11 @@ class _Trainer:
             print_rank_0(f"> weight hashes match across data-parallel replicas after iteration {iteration} "
                          f"({compared} parameter pieces compared)")
 
-    def _minutes_run_on_any_rank(self) -> float:
-        """Minutes since the earliest rank's pretrain() started; the maximum over ranks, so
-        every rank takes the same exit decision although each reads its own clock."""
-        minutes = torch.tensor([(time.time() - self.start_time) / 60.0], dtype=torch.float64,
-                               device=comm_device())
-        if _world() > 1:
-            dist.all_reduce(minutes, op=dist.ReduceOp.MAX)
-        return float(minutes.item())
-
-    def _log_training(self, iteration: int, seconds_per_iteration: float, loss: float, grad_norm: float,
-                      interval_iters: int) -> None:
-        args = self.args
-        world = _world()
-        tokens_per_iteration = args.global_batch_size * args.seq_length
-        tokens_per_second = tokens_per_iteration / seconds_per_iteration
-        tflops = None
-        if self.flops_per_token is not None:
-            tflops = self.flops_per_token * tokens_per_iteration / (seconds_per_iteration * world * 1e12)
-        # Peak memory: the maximum over ranks (the rank that decides whether a run fits).
-        mem = torch.tensor([peak_memory_mb(self.device)], dtype=torch.float64, device=comm_device())
-        if world > 1:
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        mem = float(mem.item())
-        lr = self.optimizer.param_groups[0]["lr"]
-        loss_scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
-        params_norm = self._params_norm_at(iteration) if args.log_params_norm else None
-        num_zeros = self.num_zeros if args.log_num_zeros_in_grad else None
-        timer_text, timer_scalars = self.timers.report(timers_to_log(args.timing_log_level), interval_iters)
-        moe = collect_moe_metrics(self.built.unwrapped, comm_device(),  # CP ranks route their own tokens
-                                  group=parallel_state.get_parallel_state().dp_cp_group)
-        losses = {"lm loss": loss}
-        losses.update({name: moe[name] for name in MOE_LOSS_NAMES if name in moe})
-        mtp = collect_mtp_metrics(self.built.unwrapped, comm_device(),
-                                  group=parallel_state.get_parallel_state().dp_group)
-        losses.update(mtp)  # "mtp_1 loss", ...: each depth apart
-        line = format_iteration_line(
-            iteration=iteration,
-            train_iters=args.train_iters,
-            consumed_samples=self.consumed,
-            elapsed_ms_per_iteration=seconds_per_iteration * 1000.0,
-            learning_rate=lr,
-            global_batch_size=args.global_batch_size,
-            losses=losses,
-            moe_text=format_moe_metrics(moe),
-            grad_norm=grad_norm,
-            skipped_iterations=self.skipped_iterations,
-            nan_iterations=self.nan_iterations,
-            loss_scale=loss_scale,
-            num_zeros=num_zeros,
-            params_norm=params_norm,
-            tflops_per_device=tflops if args.log_throughput else None,
-            tokens_per_second=tokens_per_second if args.log_throughput else None,
-            peak_memory_mb=mem,
-            memory_label=memory_label(self.device),
-        )
-        print_rank_0(line)
-        if timer_text:
-            print_rank_0(timer_text)
-        metrics = {
-            "consumed_samples": self.consumed,
-            "elapsed_time_per_iteration_ms": seconds_per_iteration * 1000.0,
-            "tokens_per_second": tokens_per_second,
-            "tokens_per_second_per_device": tokens_per_second / world,
-            "throughput_tflops_per_device": tflops,
-            "learning_rate": lr,
-            "global_batch_size": args.global_batch_size,
-            "lm_loss": loss,
-            "grad_norm": grad_norm,
-            "skipped_iterations": self.skipped_iterations,
-            "nan_iterations": self.nan_iterations,
-            "peak_memory_mb": mem,
-            "loss_scale": loss_scale if self.grad_scaler is not None else None,
-            "num_zeros": num_zeros,
-            "params_norm": params_norm,
-        }
-        metrics.update(moe)
-        metrics.update({name.replace(" ", "_"): value for name, value in mtp.items()})
-        self.last_metrics = {k: v for k, v in metrics.items() if v is not None}
-        self.writer.write_record("train", iteration, self.last_metrics)
-        # The dashboards get the interval's own numbers here (timing, throughput, MoE loads
-        # and losses); the per-iteration ones go every --tensorboard-log-interval.
-        self.writer.write_scalars("train", iteration, {k: v for k, v in self.last_metrics.items()
-                                                       if k not in ITERATION_SCALARS})
-        if args.log_timers_to_tensorboard:
-            self.writer.write_tensorboard(iteration, {"iteration-time": seconds_per_iteration, **timer_scalars})
-
-    def _params_norm_at(self, iteration: int) -> float:
-        """The L2 norm of the parameters after ``iteration`` (a collective; once per iteration)."""
-        if self._params_norm[0] != iteration:
-            self._params_norm = (iteration, float(get_params_norm_of(self.args, self.built, self.params)))
-        return self._params_norm[1]
-
-    def _write_iteration_scalars(self, iteration: int, loss: float, grad_norm: float) -> None:
-        """Megatron's TensorBoard/W&B scalars of this one iteration (its training_log at
-        --tensorboard-log-interval): loss, learning rate, grad norm, ... Every rank calls it."""
-        args = self.args
-        scalars = {
-            "learning_rate": self.optimizer.param_groups[0]["lr"],
-            "global_batch_size": args.global_batch_size,
-            "lm_loss": loss,
-            "grad_norm": grad_norm,
-        }
-        if self.grad_scaler is not None:
-            scalars["loss_scale"] = self.grad_scaler.scale
-        if args.log_num_zeros_in_grad:
-            scalars["num_zeros"] = self.num_zeros
-        if args.log_params_norm:
-            scalars["params_norm"] = self._params_norm_at(iteration)
-        self.writer.write_scalars("train", iteration, scalars)
-        extra = {}
-        if args.log_memory_to_tensorboard:
-            extra.update(memory_scalars(self.device))
-        if args.log_world_size_to_tensorboard:
-            extra["world-size"] = _world()
-        self.writer.write_tensorboard(iteration, extra)
-
-    # ------------------------------------------------------------------------------------
-    def evaluate(self, dataset) -> float:
-        args = self.args
-        parallel = parallel_state.get_parallel_state()
-        loader = build_pretraining_data_loader(
-            dataset, 0, args.micro_batch_size, parallel.dp_rank, parallel.dp_size, 0,
-            pin_memory=self.device.type == "cuda",
-        )
-        data_iter = DeviceIterator(loader, self.device, parallel.cp_size, parallel.cp_rank)
-        model = self.built.model
-        self.built.unwrapped.eval()
-        total = None
-        try:
-            with torch.no_grad(), self._autocast():
-                for _ in range(args.eval_iters):
-                    reports = self.forward_backward(
-                        self.forward_step_func, data_iter, model,
-                        getattr(args, "eval_num_microbatches", args.num_microbatches),
-                        context=self.built.context, forward_only=True, seq_length=args.seq_length,
-                        micro_batch_size=args.micro_batch_size,
-                    )
-                    local = _reduce_reports(reports)
-                    total = local if total is None else total + local
-        finally:
-            if self.built.context is not None and hasattr(self.built.context, "reshard_all"):
-                # Forward-only passes must not leave any unit holding unsharded weights.
-                self.built.context.reshard_all()
-            self.built.unwrapped.train()
-        loss_sum, tokens = _all_reduce_sum(total.tolist()).tolist()
-        return loss_sum / max(tokens, 1.0)
-
-    def _bits_per_character(self, dataset, loss: float) -> Optional[float]:
-        """The loss in bits per character of the evaluated text (None without text)."""
-        from megatron.training.text_metrics import bits_per_character, characters_and_tokens
-
-        if self.tokenizer is None:
-            return None
-        key = id(dataset)
-        if key not in self._text_sizes:  # the same samples at every evaluation: count once
-            samples = self.args.eval_iters * getattr(self.args, "eval_global_batch_size", self.args.global_batch_size)
-            self._text_sizes[key] = characters_and_tokens(dataset, samples, self.tokenizer)
-        sizes = self._text_sizes[key]
-        return bits_per_character(loss, *sizes) if sizes else None
-
+    # Between steps ----------------------------------------------------------------------
     def evaluate_and_print(self, iteration: int, prefix: str, dataset, split: str) -> float:
-        if self.args.manual_gc and self.args.manual_gc_eval:
-            gc.collect()
-        loss = self.evaluate(dataset)
-        if self.args.manual_gc and self.args.manual_gc_eval:
-            gc.collect()
-        if self.args.log_validation_ppl_to_tensorboard:
-            self.writer.write_tensorboard(iteration, {f"lm loss {split} ppl": perplexity(loss)})
-        bpc = self._bits_per_character(dataset, loss)
-        print_rank_0(format_validation_box(prefix, {"lm loss": loss}, bits_per_character=bpc))
-        metrics = {"lm_loss": loss, "lm_loss_ppl": perplexity(loss)}
-        if bpc is not None:
-            metrics["bits_per_character"] = bpc
-        self.writer.write(split, iteration, metrics)
-        self.writer.flush()
+        loss = self.evaluator.evaluate_and_print(iteration, prefix, dataset, split)
         if split == "validation":
-            self.last_eval_iteration = iteration
-            self.last_metrics["validation_lm_loss"] = loss
+            self.log.last_metrics["validation_lm_loss"] = loss
         return loss
 
     def save(self, iteration: int) -> None:
