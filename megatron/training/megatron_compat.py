@@ -76,6 +76,9 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
                            "always: every checkpoint file's checksum is written at save and verified at load"),
     "--rerun-mode": (dict(choices=("disabled",), default="disabled"),
                      "only disabled: no re-run state machine here"),
+    "--no-use-layer-wise-param-layout": (dict(action="store_true"),
+                                         "no effect: upstream's choice of buffer layout for its layer-wise "
+                                         "distributed Muon; here Muon gathers each matrix from MFSDP's rows"),
     "--no-check-for-nan-in-loss-and-grad": (dict(action="store_true"),
                                             "a NaN/inf gradient skips the step here (counted in the log line) "
                                             "instead of stopping the run"),
@@ -126,6 +129,8 @@ ANNOUNCED: Dict[str, Tuple[dict, str]] = {
         dict(action="store_true"),
         "the refreshed weights are gathered after the optimizer step (ZeRO-1/2, HFSDP) or per unit at its "
         "use (ZeRO-3), not overlapped with the step" + _SAME),
+    "--muon-use-syrk": (dict(action="store_true"),
+                        "no Triton SYRK kernel here: Muon's Gram matrices are plain matmuls" + _SAME),
     "--te-rng-tracker": (dict(action="store_true"),
                          "no Transformer Engine RNG tracker: dropout draws from torch's generators (it exists "
                          "upstream for CUDA graphs)"),
