@@ -3,7 +3,8 @@
 Muon orthogonalizes whole matrices, so a rank holding some rows of a weight (and, under
 TP, a piece of it) must gather them before Newton-Schulz. Each case trains the tiny
 Llama model (GQA: the QKV split; SwiGLU: fc1's gate and up blocks under TP) a few steps
-with ``--optimizer muon`` (fp32 Newton-Schulz), and the same model at TP 1 in one process
+with ``--optimizer muon`` (fp32 Newton-Schulz), and the same with a MoE layer (each
+stacked expert its own matrix, its rows cut anywhere by the shards), and the same model at TP 1 in one process
 on the whole global batch; losses, gradient norms and every rank's piece of every weight
 must agree.
 """
@@ -13,7 +14,12 @@ import torch
 import torch.distributed as dist
 from _dist_helpers import check, full_tensor, wrap
 from _tp_models import (
+    ARCHITECTURES,
     HYBRID,
+    SEED,
+    SEQ,
+    UNPADDED_VOCAB,
+    VOCAB,
     MAX_NORM,
     assert_pieces_match,
     build_gpt,
@@ -25,17 +31,36 @@ from _tp_models import (
 )
 
 from megatron.core.distributed.mfsdp_v2 import fully_shard_optimizer
+from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.muon import Muon
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.initialization import initialize_parameters_
+
+# The Llama model with its second layer's MLP a MoE layer of 4 stacked SwiGLU experts.
+MOE = dict(ARCHITECTURES["llama"], num_moe_experts=4, moe_ffn_hidden_size=16, moe_layer_freq=[0, 1],
+           moe_router_topk=2)
+
+
+def _build(arch, state=None, sequence_parallel=False):
+    if arch != "moe":
+        return build_gpt(arch, state, sequence_parallel)
+    tp = 1 if state is None else state.tp_size
+    config = TransformerConfig(**MOE, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+                               tp_group=None if tp == 1 else state.tp_group)
+    model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, unpadded_vocab_size=UNPADDED_VOCAB,
+                     share_embeddings_and_output_weights=False)
+    initialize_parameters_(model, SEED)
+    return model
 
 
 def _layouts():
     world = dist.get_world_size()
-    layouts = [(1, "zero3", "llama"), (1, "zero1", "llama"), (1, "zero3", "gpt2")]
+    layouts = [(1, "zero3", "llama"), (1, "zero1", "llama"), (1, "zero3", "gpt2"), (1, "zero3", "moe")]
     if world >= 4:
         layouts.append((1, "hsdp", "llama"))
     if world >= 2:
-        layouts += [(2, "zero3", "llama"), (2, "zero1", "llama")]
+        layouts += [(2, "zero3", "llama"), (2, "zero1", "llama"), (2, "zero3", "moe")]
     return layouts
 
 
@@ -49,11 +74,11 @@ def _muon(model, tp_mode="duplicated"):
 def test_sharded_muon_equals_single_process(tp, strategy, arch):
     state = parallel_state(tp, dp_outer=2 if strategy in HYBRID else 1)
     batches = global_batches(3)
-    reference = build_gpt(arch)
+    reference = _build(arch)
     ref_opt = _muon(reference)
     ref_losses, ref_norms = train_reference(reference, ref_opt, batches)
 
-    model = build_gpt(arch, state, sequence_parallel=tp > 1)
+    model = _build(arch, state, sequence_parallel=tp > 1)
     ctx = wrap(model, units=list(model.decoder.layers) + [model], mesh=state.dp_mesh,
                placements=PLACEMENTS[strategy]())
     opt = fully_shard_optimizer(_muon(model))
