@@ -75,7 +75,8 @@ class Muon(torch.optim.Optimizer):
             if group["use_muon"]:
                 self._muon_step(group)
         if self._scalar is not None:
-            # The same state object (a checkpoint load may have replaced it).
+            # The same groups and state objects: torch's load_state_dict replaces both.
+            self._scalar.param_groups = [g for g in self.param_groups if not g["use_muon"]]
             self._scalar.state = self.state
             self._scalar.step()
         return None

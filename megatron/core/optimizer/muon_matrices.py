@@ -27,6 +27,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+# The package's rule (its __init__ imports this module only inside the factory).
+from megatron.core.optimizer import is_embedding_or_output_parameter
+
 
 @dataclasses.dataclass(frozen=True)
 class MuonMatrix:
@@ -36,12 +39,6 @@ class MuonMatrix:
     qkv_split: Optional[Tuple[int, ...]] = None  # rows of each part within a query group
     tp_group: Any = None  # the group whose ranks hold the other pieces (None: not split)
     tp_dim: Optional[int] = None  # 0: the pieces are row blocks; 1: column blocks
-
-
-def is_embedding_or_output_parameter(name: str) -> bool:
-    from megatron.core.optimizer import is_embedding_or_output_parameter as rule
-
-    return rule(name)
 
 
 def takes_muon(name: str, param: torch.Tensor) -> bool:

@@ -175,3 +175,20 @@ def test_muon_step_equals_the_equations(nesterov, scale_mode):
 def test_muon_refuses_vectors_in_a_muon_group():
     with pytest.raises(ValueError, match="matrices only"):
         Muon([{"params": [torch.nn.Parameter(torch.zeros(3))], "use_muon": True}], {})
+
+
+def test_torch_state_dict_round_trip_keeps_adamw_on_the_live_groups():
+    """After torch's load_state_dict (new group dicts and state), the AdamW part still
+    steps with the scheduler's learning rate."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6))
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=0.1), model)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    norm = model[1].weight.detach().clone()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert torch.equal(model[1].weight.detach(), norm)  # lr 0 reached the AdamW group
+    assert "exp_avg" in opt.state[model[1].weight] and opt.state[model[1].weight]["step"] == 2
