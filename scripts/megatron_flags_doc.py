@@ -112,9 +112,8 @@ Deviations worth knowing:
   the same update as one process (docs/design.md, "Muon"). `--muon-tp-mode distributed`
   gathers like `duplicated` (the same values; upstream spreads the Newton-Schulz work over
   TP instead). Refused: `--fp16`, `--muon-scalar-optimizer lion`,
-  `--muon-fp32-matmul-prec low` (not a torch precision), HFSDP
-  (`--outer-dp-sharding-strategy optim`), an unknown `--muon-coefficient-type` (`custom`
-  included: it needs coefficients no flag gives). `--muon-use-syrk` is announced (no Triton
+  `--muon-fp32-matmul-prec low` (not a torch precision), an unknown
+  `--muon-coefficient-type` (`custom` included: it needs coefficients no flag gives). `--muon-use-syrk` is announced (no Triton
   kernel).
 - `--recompute-modules` (with `--recompute-granularity selective`): `core_attn`,
   `layernorm`, `mlp`, `moe`, `moe_act` (needs `--moe-grouped-gemm`, as upstream),

@@ -68,6 +68,3 @@ def validate_muon_args(args: argparse.Namespace) -> None:
         coefficient_schedule(args.muon_coefficient_type, args.muon_num_ns_steps)
     except ValueError as error:
         raise ValueError(f"--muon-num-ns-steps {args.muon_num_ns_steps}: {error}") from None
-    if args.use_mfsdp and args.outer_dp_sharding_strategy == "optim":
-        raise ValueError("--optimizer muon needs whole matrices, which HFSDP's nested shards cannot give; use "
-                         "--outer-dp-sharding-strategy no_shard (HSDP).")

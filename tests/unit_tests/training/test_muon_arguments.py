@@ -69,10 +69,10 @@ def test_refusals(extra, message):
     assert "\n" not in str(error.value)
 
 
-def test_hfsdp_is_refused():
-    with pytest.raises(ValueError, match="HSDP"):
-        parse("--use-mfsdp --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim", world_size=4)
-    assert parse("--use-mfsdp --num-distributed-optimizer-instances 2", world_size=4).optimizer == "muon"  # HSDP
+def test_hsdp_and_hfsdp_are_accepted():
+    for extra in ("", " --outer-dp-sharding-strategy optim"):
+        args = parse("--use-mfsdp --num-distributed-optimizer-instances 2" + extra, world_size=4)
+        assert args.optimizer == "muon" and args.dp_outer_size == 2
 
 
 def test_unknown_choices_are_argparse_errors():

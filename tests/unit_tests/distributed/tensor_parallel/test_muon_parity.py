@@ -1,4 +1,4 @@
-"""Muon on MFSDP shards (ZeRO-1, ZeRO-3, HSDP) and TP pieces equals single-process Muon.
+"""Muon on MFSDP shards (ZeRO-1, ZeRO-3, HSDP, HFSDP) and TP pieces equals single-process Muon.
 
 Muon orthogonalizes whole matrices, so a rank holding some rows of a weight (and, under
 TP, a piece of it) must gather them before Newton-Schulz. Each case trains the tiny
@@ -58,7 +58,7 @@ def _layouts():
     world = dist.get_world_size()
     layouts = [(1, "zero3", "llama"), (1, "zero1", "llama"), (1, "zero3", "gpt2"), (1, "zero3", "moe")]
     if world >= 4:
-        layouts.append((1, "hsdp", "llama"))
+        layouts += [(1, "hsdp", "llama"), (1, "hfsdp", "llama"), (1, "hfsdp", "moe")]
     if world >= 2:
         layouts += [(2, "zero3", "llama"), (2, "zero1", "llama"), (2, "zero3", "moe")]
     return layouts
