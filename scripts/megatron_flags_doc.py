@@ -105,7 +105,8 @@ Deviations worth knowing:
   follow Megatron. Not with `--rotary-interleaved` or `--rotary-percent` < 1.
 - `--optimizer muon` (and the deprecated `dist_muon`, which adds `--use-distributed-optimizer`)
   with upstream's `--muon-*` flags and defaults: Muon for every trainable 2-D weight but the
-  word embedding and output layer (the router weight and the experts included, as upstream;
+  word embedding and output layer (the router weight, the experts and a learned position
+  embedding included, as upstream;
   `linear_qkv` split into its query, key and value matrices, each expert its own matrix),
   AdamW (`--adam-*`) for the rest, one optimizer and one checkpoint state. Under MFSDP each
   matrix's update is gathered from its row shards, orthogonalized whole, and cut back:

@@ -158,7 +158,7 @@ def test_muon_step_equals_the_equations(nesterov, scale_mode):
                                   {"params": [p for p in others if p.dim() <= 1], "weight_decay": 0.0}], lr=lr)
     for step in range(3):
         ids, labels = _batch(step)
-        for m, o in ((model, opt), (reference, None)):
+        for m in (model, reference):
             m.zero_grad()
             m(ids, labels=labels).mean().backward()
         opt.step()
