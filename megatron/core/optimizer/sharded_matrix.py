@@ -53,7 +53,6 @@ class RowLayout:
         dim, placement = sharded[0]
         if placement.dim != 0:
             raise NotImplementedError(f"a parameter sharded on dim {placement.dim}; only dim-0 row shards are gathered.")
-        mesh = tensor.device_mesh
         size, total = mesh.size(dim), tensor.shape[0]
         pieces = [placement.local_shard_size_and_offset(total, size, r) for r in range(size)]
         self.group = mesh.get_group(dim)
@@ -118,8 +117,8 @@ class NestedPieces:
                     pieces.append((start, rank_data[cursor: cursor + rows]))
                     cursor += rows
         whole = local.new_zeros((self.total,) + tuple(local.shape[1:]))
-        for start, rows in pieces:
-            whole[start: start + rows.shape[0]] = rows
+        for start, piece in pieces:
+            whole[start: start + piece.shape[0]] = piece
         return whole
 
 
