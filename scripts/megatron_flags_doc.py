@@ -31,10 +31,10 @@ are skipped), 142 parse at their own TP/PP/CP sizes
 (`tests/functional_tests/test_upstream_replay.py` keeps this count from dropping); two
 train on 2 ranks (`tests/functional_tests/test_megatron_command_lines.py`). With `--suite
 moe` it replays upstream's MoE recipes (`test_cases/moe`, snapshot
-`upstream_moe_configs.json`): 23 of the 51 training configurations parse (16 before the
-GPU-only flags, YaRN, `--recompute-modules`, MTP and EP without `--use-mfsdp`); the others
-need multi-latent attention, an expert tensor-parallel size apart from TP, Muon or MoE
-under CP.
+`upstream_moe_configs.json`): 36 of the 51 training configurations parse (16 before the
+GPU-only flags, YaRN, `--recompute-modules`, MTP and EP without `--use-mfsdp`; 32 before
+Muon); of the six Muon lines two still carry the rejected
+`--check-weight-hash-across-dp-replicas-interval`.
 
 Deviations worth knowing:
 
@@ -113,6 +113,19 @@ Deviations worth knowing:
   whenever `mscale` or `mscale_all_dim` is 0, Megatron as m(s, mscale) / m(s,
   mscale_all_dim): they differ only for `--mscale` != 1 with `--mscale-all-dim 0`; we
   follow Megatron. Not with `--rotary-interleaved` or `--rotary-percent` < 1.
+- `--optimizer muon` (and the deprecated `dist_muon`, which adds `--use-distributed-optimizer`)
+  with upstream's `--muon-*` flags and defaults: Muon for every trainable 2-D weight but the
+  word embedding and output layer (the router weight, the experts and a learned position
+  embedding included, as upstream;
+  `linear_qkv` split into its query, key and value matrices, each expert its own matrix),
+  AdamW (`--adam-*`) for the rest, one optimizer and one checkpoint state. Under MFSDP each
+  matrix's update is gathered from its row shards, orthogonalized whole, and cut back:
+  the same update as one process (docs/design.md, "Muon"). `--muon-tp-mode distributed`
+  gathers like `duplicated` (the same values; upstream spreads the Newton-Schulz work over
+  TP instead). Refused: `--fp16`, `--muon-scalar-optimizer lion`,
+  `--muon-fp32-matmul-prec low` (not a torch precision), an unknown
+  `--muon-coefficient-type` (`custom` included: it needs coefficients no flag gives). `--muon-use-syrk` is announced (no Triton
+  kernel).
 - `--recompute-modules` (with `--recompute-granularity selective`): `core_attn`,
   `layernorm`, `mlp`, `moe`, `moe_act` (needs `--moe-grouped-gemm`, as upstream),
   `shared_experts`; `mla_up_proj`, `gdn_norm_out`, `gdp_in_proj`, `gdp_qkv`, `mhc` are

@@ -233,6 +233,11 @@ def main(argv=None):
         raise SystemExit("estimate_memory.py: error: plans with --expert-tensor-parallel-size other than "
                          "--tensor-model-parallel-size are not supported yet; plan with the experts split like the "
                          "dense layers (drop --expert-tensor-parallel-size).")
+    if args.optimizer == "muon":
+        # The optimizer state is planned as Adam's two states per weight; Muon keeps one for
+        # its matrices and gathers each matrix's update for a step.
+        raise SystemExit("estimate_memory.py: error: plans with --optimizer muon are not supported yet (the planner "
+                         "counts Adam's two states per weight); plan with --optimizer adam for an upper bound.")
     if getattr(args, "mtp_num_layers", None):
         raise SystemExit("estimate_memory.py: error: plans with --mtp-num-layers are not supported yet (the MTP "
                          "depths' activations are not modelled); plan without it.")

@@ -22,6 +22,7 @@ from megatron.training.megatron_compat import add_megatron_compat_args, apply_me
 from megatron.training.context_parallel_arguments import (
     add_context_parallel_args, validate_context_parallel_args, validate_context_parallel_size)
 from megatron.training.mla_arguments import add_mla_args, validate_mla_args
+from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist_muon, validate_muon_args
 from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_without_mfsdp, validate_moe_args
 from megatron.training.resilience_arguments import add_resilience_args, validate_resilience_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
@@ -97,7 +98,9 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
                    help="samples per evaluation step (default --global-batch-size)")
 
     g = parser.add_argument_group("optimizer and schedule")
-    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                   help="adam (AdamW), sgd, or muon (matrices; AdamW for the rest; see --muon-*); dist_muon: "
+                        "upstream's deprecated name of muon with --use-distributed-optimizer")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
@@ -202,6 +205,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     _add_activation_args(parser)
     _add_memory_args(parser)
     _add_fidelity_args(parser)
+    add_muon_args(parser)
     add_moe_args(parser)
     add_pipeline_args(parser)
     add_context_parallel_args(parser)
@@ -242,6 +246,11 @@ def _add_memory_args(parser: argparse.ArgumentParser) -> None:
 def _validate_memory_args(args: argparse.Namespace) -> None:
     from megatron.core.transformer.transformer_config import check_recompute
 
+    if args.recompute_granularity is None and (args.recompute_method or args.recompute_num_layers is not None):
+        # Upstream checks the method and the number of layers only under a granularity.
+        _note("--recompute-method / --recompute-num-layers have no effect without --recompute-granularity "
+              "(as upstream); ignored.")
+        args.recompute_method = args.recompute_num_layers = None
     check_recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers, args.num_layers)
 
 
@@ -313,6 +322,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_logging_and_checkpointing(args)
     _validate_fidelity(args)
     validate_resilience_args(args)
+    validate_muon_args(args)
     validate_moe_args(args)
     validate_mla_args(args)
     validate_recipe_args(args, _note)
@@ -766,6 +776,7 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
 def _apply_fidelity_synonyms(args: argparse.Namespace) -> None:
     """Flags that are another name for one of our settings; resolved before validation."""
     apply_megatron_compat(args)
+    map_dist_muon(args, _note)
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if args.squared_relu and args.swiglu:

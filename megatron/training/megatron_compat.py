@@ -74,6 +74,13 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
                          "--async-save has one strategy here (a background writer thread); both values select it"),
     "--verify-integrity": (dict(action="store_true"),
                            "always: every checkpoint file's checksum is written at save and verified at load"),
+    "--no-use-layer-wise-param-layout": (dict(action="store_true"),
+                                         "no effect: upstream's choice of buffer layout for its layer-wise "
+                                         "distributed Muon; here Muon gathers each matrix from MFSDP's rows"),
+    "--test-mode": (dict(action="store_true"),
+                    "upstream checks at every attention forward that the QK-layernorm weights agree across "
+                    "data- and tensor-parallel ranks; here it turns on the weight-hash check across "
+                    "data-parallel replicas every iteration (every replicated weight; TP pieces are not compared)"),
     "--no-check-for-nan-in-loss-and-grad": (dict(action="store_true"),
                                             "no NaN/Inf check of the loss under --rerun-mode validate_results/report_stats; "
                                             "a NaN/inf gradient still skips the step (counted in the log line)"),
@@ -124,6 +131,8 @@ ANNOUNCED: Dict[str, Tuple[dict, str]] = {
         dict(action="store_true"),
         "the refreshed weights are gathered after the optimizer step (ZeRO-1/2, HFSDP) or per unit at its "
         "use (ZeRO-3), not overlapped with the step" + _SAME),
+    "--muon-use-syrk": (dict(action="store_true"),
+                        "no Triton SYRK kernel here: Muon's Gram matrices are plain matmuls" + _SAME),
     "--te-rng-tracker": (dict(action="store_true"),
                          "no Transformer Engine RNG tracker: dropout draws from torch's generators (it exists "
                          "upstream for CUDA graphs)"),
@@ -150,7 +159,6 @@ REJECTED: Dict[str, str] = {
     "--log-straggler": "straggler detection is not implemented; drop it",
     "--straggler-minmax-count": "straggler detection is not implemented; drop it",
     "--log-progress": "not implemented; the iteration log line has the progress",
-    "--test-mode": "not implemented; drop it",
     "--fim-data": "fill-in-the-middle data is not implemented; drop it",
 }
 

@@ -317,6 +317,11 @@ def materialize_units(units, seed: int) -> None:
         )
 
 
+# The --muon-* settings OptimizerConfig takes under the same names.
+MUON_FIELDS = ("muon_momentum", "muon_nesterov", "muon_split_qkv", "muon_scale_mode", "muon_extra_scale_factor",
+               "muon_fp32_matmul_prec", "muon_coefficient_type", "muon_num_ns_steps", "muon_tp_mode")
+
+
 def build_optimizer(args, built: BuiltModel):
     """Torch optimizer over the (possibly sharded) parameters, plus the LR scheduler."""
     from megatron.core.optimizer import OptimizerConfig, OptimizerParamScheduler, get_megatron_optimizer
@@ -334,6 +339,7 @@ def build_optimizer(args, built: BuiltModel):
         decoupled_lr=getattr(args, "decoupled_lr", None),
         decoupled_min_lr=getattr(args, "decoupled_min_lr", None),
         apply_wd_to_qk_layernorm=getattr(args, "apply_wd_to_qk_layernorm", False),
+        **{name: getattr(args, name) for name in MUON_FIELDS if hasattr(args, name)},
     )
     # Named parameters of the unwrapped model: DDP's "module." prefix does not matter to
     # the bias rule, and with MFSDP these are the sharded DTensor parameters.

@@ -34,6 +34,9 @@ def add_resilience_args(parser: argparse.ArgumentParser) -> None:
 
 def validate_resilience_args(args: argparse.Namespace) -> None:
     interval = args.check_weight_hash_across_dp_replicas_interval
+    if getattr(args, "test_mode", False) and interval is None:
+        # Upstream's --test-mode compares replicated weights across ranks as training runs.
+        args.check_weight_hash_across_dp_replicas_interval = interval = 1
     if interval is not None and interval < 1:
         raise ValueError(f"--check-weight-hash-across-dp-replicas-interval must be >= 1 (got {interval}); "
                          "leave it out to skip the check.")

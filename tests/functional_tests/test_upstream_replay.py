@@ -14,11 +14,11 @@ import replay_upstream_configs as replay  # noqa: E402
 # 129 with multi-latent attention; 130 with the GPU-only MoE flags accepted and
 # upstream's [ ] list values; 133 with the deferred embedding wgrad and the param-gather
 # overlap announced; 142 with the re-run state machine's flags and the weight hash check).
-ACCEPTED = 142
+ACCEPTED = 146
 # Upstream's MoE recipes (test_cases/moe, --suite moe): 16 of 51 before the GPU-only flags,
 # YaRN, --recompute-modules and --logging-level; 17 after; 23 with EP under DDP run as MFSDP
-# no_shard; 32 with expert TP apart from TP, multi-latent attention and MoE under CP.
-ACCEPTED_MOE = 32
+# no_shard; 32 with expert TP apart from TP, multi-latent attention and MoE under CP; 36 with Muon.
+ACCEPTED_MOE = 38
 
 
 def test_replay_counts_do_not_drop(capsys):

@@ -3,7 +3,8 @@
 ``get_megatron_optimizer`` builds a plain torch optimizer over the model's parameters in
 two groups (weight decay on matrices, none on biases and norm weights), so it works the
 same on plain tensors (DDP, one rank) and on the sharded DTensor parameters of MFSDP
-(where the trainer then hands it to ``fully_shard_optimizer``).
+(where the trainer then hands it to ``fully_shard_optimizer``). With ``optimizer="muon"``
+the matrices go to Muon (``muon.py``) and the rest to AdamW, in one optimizer.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ __all__ = [
     "no_weight_decay",
 ]
 
-_OPTIMIZERS = ("adam", "sgd")
+_OPTIMIZERS = ("adam", "sgd", "muon")
 
 
 @dataclasses.dataclass
@@ -51,6 +52,16 @@ class OptimizerConfig:
     # --decoupled-lr/--decoupled-min-lr: the embedding and output layer's own schedule.
     decoupled_lr: Optional[float] = None
     decoupled_min_lr: Optional[float] = None
+    # --muon-*: upstream Megatron-LM's names and defaults (the CLI's momentum default, 0.9).
+    muon_momentum: float = 0.9
+    muon_nesterov: bool = False
+    muon_split_qkv: bool = True
+    muon_scale_mode: str = "spectral"
+    muon_extra_scale_factor: float = 1.0
+    muon_fp32_matmul_prec: str = "medium"
+    muon_coefficient_type: str = "quintic"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "duplicated"
 
     def __post_init__(self):
         if self.optimizer not in _OPTIMIZERS:
@@ -116,6 +127,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> t
         raise ValueError("the model has no trainable parameters; nothing to optimize.")
     for g in groups:
         g["weight_decay"] = config.weight_decay * g["wd_mult"]
+    if config.optimizer == "muon":
+        return _muon_optimizer(config, model, groups)
     if config.optimizer == "adam":
         # Megatron's "adam" is AdamW (decoupled weight decay).
         return torch.optim.AdamW(
@@ -128,3 +141,17 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> t
     return torch.optim.SGD(
         groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay
     )
+
+
+def _muon_optimizer(config: OptimizerConfig, model: torch.nn.Module, groups: List[Dict]) -> torch.optim.Optimizer:
+    from .muon import Muon, muon_and_adamw_groups
+    from .muon_matrices import muon_matrices, takes_muon
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = muon_and_adamw_groups(groups, lambda p: takes_muon(names[id(p)], p))
+    return Muon(groups, muon_matrices(model, config.muon_split_qkv), lr=config.lr,
+                weight_decay=config.weight_decay, momentum=config.muon_momentum, nesterov=config.muon_nesterov,
+                num_ns_steps=config.muon_num_ns_steps, coefficient_type=config.muon_coefficient_type,
+                scale_mode=config.muon_scale_mode, extra_scale_factor=config.muon_extra_scale_factor,
+                fp32_matmul_prec=config.muon_fp32_matmul_prec, tp_mode=config.muon_tp_mode,
+                adam_betas=(config.adam_beta1, config.adam_beta2), adam_eps=config.adam_eps)

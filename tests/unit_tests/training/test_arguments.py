@@ -246,6 +246,15 @@ def test_sequence_parallel_without_tensor_parallelism_is_turned_off(capsys):
     assert out == ["WARNING: --sequence-parallel is turned off: it needs --tensor-model-parallel-size > 1."]
 
 
+def test_recompute_layers_without_granularity_are_ignored_as_upstream_does(capsys):
+    args = parse("--recompute-num-layers 1 --recompute-method uniform")
+    assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == (None, None, None)
+    out = capsys.readouterr().out
+    assert "--recompute-method / --recompute-num-layers have no effect without --recompute-granularity" in out
+    with pytest.raises(ValueError, match="only applies to full recompute"):
+        parse("--recompute-granularity selective --recompute-method uniform")
+
+
 TP_ERRORS = {
     "world size": ("--tensor-model-parallel-size 3", 4, r"--tensor-model-parallel-size \(3\) must divide the world size \(4\)"),
     "at least 1": ("--tensor-model-parallel-size 0", 1, "must be at least 1"),

@@ -135,6 +135,14 @@ def test_flags_parse_with_upstream_values():
     assert args.check_weight_hash_across_dp_replicas_interval == 10
 
 
+def test_test_mode_checks_the_weight_hashes_every_iteration():
+    parse = lambda extra: parse_args(argv=(BASE + extra).split(), world_size=1, cuda_available=False)
+    assert parse(" --test-mode").check_weight_hash_across_dp_replicas_interval == 1
+    assert parse(" --test-mode --check-weight-hash-across-dp-replicas-interval 5") \
+        .check_weight_hash_across_dp_replicas_interval == 5
+    assert parse("").check_weight_hash_across_dp_replicas_interval is None
+
+
 def test_step_counters_come_back_to_where_the_step_started():
     """What a re-run restores besides the RNG: the routers' token counts (plain tensor
     attributes) and the MoE/MTP metrics objects, as copies (a state may serve twice)."""

@@ -458,6 +458,8 @@ def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
              "--train-iters", "1"]
     with pytest.raises(SystemExit, match="--num-attention-heads"):
         main(["--world-size", "2", *small, "--hidden-size", "30"])
+    with pytest.raises(SystemExit, match="--optimizer muon are not supported yet"):
+        main(["--world-size", "2", *small, "--optimizer", "muon"])
     # What the planner does not model (the trainer runs it), it refuses: which TP
     # collectives of a recomputed MoE layer run again.
     with pytest.raises(SystemExit, match="tensor-model-parallel-size > 1 and full recompute"):
