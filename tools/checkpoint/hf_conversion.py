@@ -932,3 +932,44 @@ def _qwen2_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str, shared
     if gated:
         out[m + "mlp.shared_experts.gate_weight"] = _need(theirs, o + "mlp.shared_expert_gate.weight")
     return out
+
+
+# --------------------------------------------------------------------------------------
+# Qwen3-Next's gated delta net, one layer (megatron/core/transformer/gated_delta_net.py).
+# Hugging Face groups in_proj_qkvz / in_proj_ba per key head ([q_h, k_h, v_group, z_group],
+# [b_group, a_group]); ours stacks whole blocks [q; k; v; z; b; a]. The convolution, A_log,
+# dt_bias, the gated norm ("norm" there, "out_norm" here) and out_proj are the same tensors.
+# The full Qwen3-Next model (gated attention, MoE with its shared-expert gate, zero-centered
+# norms, MTP) is not converted yet: these two functions are its linear-attention part.
+# --------------------------------------------------------------------------------------
+
+def _gdn_dims(cfg) -> Tuple[int, int, int, int, int]:
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    return nk, nv, nv // nk, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+
+
+def qwen3_next_gdn_from_hf(theirs: Tensors, cfg) -> Tensors:
+    """Hugging Face ``Qwen3NextGatedDeltaNet`` tensors (names relative to the module) -> ours."""
+    nk, nv, r, dk, dv = _gdn_dims(cfg)
+    qkvz = theirs["in_proj_qkvz.weight"]
+    hidden = qkvz.shape[-1]
+    q, k, v, z = qkvz.view(nk, 2 * dk + 2 * r * dv, hidden).split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = theirs["in_proj_ba.weight"].view(nk, 2 * r, hidden).split([r, r], dim=1)
+    in_proj = torch.cat([t.reshape(-1, hidden) for t in (q, k, v, z, b, a)], dim=0)
+    return {"in_proj.weight": in_proj, "conv1d.weight": theirs["conv1d.weight"], "A_log": theirs["A_log"],
+            "dt_bias": theirs["dt_bias"], "out_norm.weight": theirs["norm.weight"],
+            "out_proj.weight": theirs["out_proj.weight"]}
+
+
+def qwen3_next_gdn_to_hf(ours: Tensors, cfg) -> Tensors:
+    """The inverse of ``qwen3_next_gdn_from_hf``."""
+    nk, nv, r, dk, dv = _gdn_dims(cfg)
+    w = ours["in_proj.weight"]
+    hidden = w.shape[-1]
+    q, k, v, z, b, a = w.split([nk * dk, nk * dk, nv * dv, nv * dv, nv, nv], dim=0)
+    group = lambda t: t.reshape(nk, -1, hidden)  # noqa: E731  (per key head)
+    qkvz = torch.cat([group(q), group(k), group(v), group(z)], dim=1).reshape(-1, hidden)
+    ba = torch.cat([group(b), group(a)], dim=1).reshape(-1, hidden)
+    return {"in_proj_qkvz.weight": qkvz.contiguous(), "in_proj_ba.weight": ba.contiguous(),
+            "conv1d.weight": ours["conv1d.weight"], "A_log": ours["A_log"], "dt_bias": ours["dt_bias"],
+            "norm.weight": ours["out_norm.weight"], "out_proj.weight": ours["out_proj.weight"]}
