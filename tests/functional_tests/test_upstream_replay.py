@@ -13,8 +13,8 @@ import replay_upstream_configs as replay  # noqa: E402
 # 102 with pipeline parallelism; 119 with context parallelism; 127 with --expert-tensor-parallel-size;
 # 129 with multi-latent attention; 130 with the GPU-only MoE flags accepted and
 # upstream's [ ] list values; 133 with the deferred embedding wgrad and the param-gather
-# overlap announced).
-ACCEPTED = 133
+# overlap announced; 138 with the gated delta net's hybrid linear attention).
+ACCEPTED = 138
 # Upstream's MoE recipes (test_cases/moe, --suite moe): 16 of 51 before the GPU-only flags,
 # YaRN, --recompute-modules and --logging-level; 17 after; 23 with EP under DDP run as MFSDP
 # no_shard; 32 with expert TP apart from TP, multi-latent attention and MoE under CP.

@@ -172,3 +172,51 @@ def test_gdn_norm_out_recompute_gives_the_same_gradients():
 def test_config_refusals(overrides, message):
     with pytest.raises(ValueError, match=message):
         _config(**overrides)
+
+
+PARSE_BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
+              "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --train-iters 1 --lr 1e-3 "
+              "--experimental-attention-variant gated_delta_net --linear-key-head-dim 8 --linear-value-head-dim 8 "
+              "--linear-num-key-heads 2 --linear-num-value-heads 4").split()
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ("--linear-attention-freq 4", 4),
+    ("--linear-attention-freq ([1]*3+[0]*1)", [1, 1, 1, 0]),
+    ("--linear-attention-freq [0,1,1,1]", [0, 1, 1, 1]),
+])
+def test_flags_parse_like_upstream(flags, expected):
+    from megatron.training.arguments import parse_args
+    from megatron.training.linear_attention_arguments import linear_attention_config_kwargs
+
+    args = parse_args(PARSE_BASE + flags.split(), world_size=1, cuda_available=False)
+    assert args.linear_attention_freq == expected
+    config = _config(**{k: v for k, v in linear_attention_config_kwargs(args).items()}, hidden_size=64)
+    assert config.experimental_attention_variant == "gated_delta_net" and config.linear_num_value_heads == 4
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    ("", 1, "needs --linear-attention-freq"),
+    ("--linear-attention-freq [1,0]", 1, "has 2 entries but --num-layers is 4"),
+    ("--linear-attention-freq 2 --tensor-model-parallel-size 4", 4,
+     r"--linear-num-key-heads \(2\) must be a multiple of --tensor-model-parallel-size \(4\)"),
+    ("--linear-attention-freq 2 --linear-num-value-heads 3", 1, "must be a multiple of --linear-num-key-heads"),
+    ("--linear-attention-freq 2 --context-parallel-size 2", 2, "with --context-parallel-size > 1 is not supported"),
+    ("--linear-attention-freq 2 --linear-conv-kernel-dim 0", 1, "--linear-conv-kernel-dim must be a positive"),
+    ("--linear-attention-freq 2 --experimental-attention-variant dsa", 1, "dsa is not implemented here"),
+    ("--linear-attention-freq 2 --recompute-granularity selective --recompute-modules gdn_norm_out "
+     "--experimental-attention-variant gdn2", 1, "gdn2 is not implemented here"),
+])
+def test_parse_time_errors(flags, world, message):
+    from megatron.training.arguments import parse_args
+
+    with pytest.raises(ValueError, match=message):
+        parse_args(PARSE_BASE + flags.split(), world_size=world, cuda_available=False)
+
+
+def test_bad_pattern_expression_is_refused_without_evaluating_it():
+    from megatron.training.arguments import ArgumentError, parse_args
+
+    with pytest.raises(ArgumentError, match="--linear-attention-freq .* is not a list of 0/1"):
+        parse_args(PARSE_BASE + ["--linear-attention-freq", "[1]*__import__('os').getpid()"], world_size=1,
+                   cuda_available=False)
