@@ -184,6 +184,9 @@ class GatedDeltaNet(nn.Module):
             self.conv1d.global_slices = {"weight": partition_sections(
                 (2 * qk + vv, 1, config.linear_conv_kernel_dim), 0, rank, tp, (qk, qk, vv))}
             self.global_slices = {name: partition((nv,), 0, rank, tp) for name in ("A_log", "dt_bias")}
+            # Split over TP (finalize_grads: not summed over TP, counted once by the clipping).
+            self.conv1d.tensor_parallel_split = ("weight",)
+            self.tensor_parallel_split = ("A_log", "dt_bias")
         self.out_norm = build_norm(config, self.value_head_dim)
         # A rank's out_norm gradient covers its own heads only: without sequence parallelism
         # (which sums replicated gradients in finalize_grads) the weight goes through
