@@ -280,6 +280,10 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         raise ConversionError("this checkpoint was trained with --apply-layernorm-1p (norm weights stored "
                               "as gamma - 1), which Hugging Face GPT-2/Llama cannot express; convert a model "
                               "trained without it.")
+    if args.get("experimental_attention_variant") or any(".self_attention.in_proj." in k for k in shapes):
+        raise ConversionError("this checkpoint has gated delta-net layers (--experimental-attention-variant, "
+                              "Qwen3-Next's hybrid), which the Hugging Face converter does not write yet (only "
+                              "qwen3_next_gdn_to_hf, one layer); convert it --to safetensors instead.")
     if args.get("attention_output_gate"):
         raise ConversionError("this checkpoint was trained with --attention-output-gate (gated attention), which "
                               "Hugging Face GPT-2/Llama/Qwen3 cannot express; convert it --to safetensors instead.")

@@ -220,3 +220,42 @@ def test_bad_pattern_expression_is_refused_without_evaluating_it():
     with pytest.raises(ArgumentError, match="--linear-attention-freq .* is not a list of 0/1"):
         parse_args(PARSE_BASE + ["--linear-attention-freq", "[1]*__import__('os').getpid()"], world_size=1,
                    cuda_available=False)
+
+
+def test_hf_export_of_a_hybrid_checkpoint_is_refused():
+    from tools.checkpoint.hf_conversion import ConversionError, config_from_tensors
+
+    model_shapes = {"embedding.word_embeddings.weight": (128, 32),
+                    "decoder.layers.0.self_attention.in_proj.weight": (88, 32)}
+    with pytest.raises(ConversionError, match="gated delta-net layers"):
+        config_from_tensors(model_shapes, {"num_attention_heads": 4})
+    with pytest.raises(ConversionError, match="gated delta-net layers"):
+        config_from_tensors({"embedding.word_embeddings.weight": (128, 32)},
+                            {"num_attention_heads": 4, "experimental_attention_variant": "gdn"})
+
+
+def test_pipeline_stage_layers_keep_their_global_kind():
+    """A pipeline stage's block holds global layers: the pattern is read at their numbers."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    config = _config(linear_attention_freq=[1, 0, 0, 1])
+    block = TransformerBlock(config, layer_numbers=[2, 3], post_layer_norm=True)
+    assert [type(layer.self_attention).__name__ for layer in block.layers] == ["SelfAttention", "GatedDeltaNet"]
+
+
+def test_full_recompute_gives_the_same_gradients():
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    torch.manual_seed(0)
+    plain = TransformerBlock(_config())
+    recomputed = TransformerBlock(_config(recompute_granularity="full", recompute_method="uniform",
+                                          recompute_num_layers=2))
+    recomputed.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 11, 32)
+    grads = []
+    for block in (plain, recomputed):
+        block.train()
+        block(x).square().sum().backward()
+        grads.append({n: p.grad for n, p in block.named_parameters()})
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6), name
