@@ -943,8 +943,7 @@ def _qwen2_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str, shared
 # Hugging Face groups in_proj_qkvz / in_proj_ba per key head ([q_h, k_h, v_group, z_group],
 # [b_group, a_group]); ours stacks whole blocks [q; k; v; z; b; a]. The convolution, A_log,
 # dt_bias, the gated norm ("norm" there, "out_norm" here) and out_proj are the same tensors.
-# The full Qwen3-Next model (gated attention, MoE with its shared-expert gate, zero-centered
-# norms, MTP) is not converted yet: these two functions are its linear-attention part.
+# The whole model: qwen3_next_from_hf / qwen3_next_to_hf below.
 # --------------------------------------------------------------------------------------
 
 def _gdn_dims(cfg) -> Tuple[int, int, int, int, int]:
@@ -977,3 +976,133 @@ def qwen3_next_gdn_to_hf(ours: Tensors, cfg) -> Tensors:
     return {"in_proj_qkvz.weight": qkvz.contiguous(), "in_proj_ba.weight": ba.contiguous(),
             "conv1d.weight": ours["conv1d.weight"], "A_log": ours["A_log"], "dt_bias": ours["dt_bias"],
             "norm.weight": ours["out_norm.weight"], "out_proj.weight": ours["out_proj.weight"]}
+
+
+# --------------------------------------------------------------------------------------
+# Qwen3-Next, the whole model, in memory (not yet behind convert.py's --to hf / config
+# detection): Hugging Face ``Qwen3NextForCausalLM`` tensors <-> ours, and the
+# TransformerConfig fields of the same model. Its norms store gamma - 1 (output * (1 + w)),
+# ours gamma (the gated delta net's gated norm stores gamma in both); its gated attention's
+# q_proj holds per head [q_h; gate_h], our linear_qkv per query group
+# [q heads; their gates; k; v] (attention.py); its MoE is Qwen2-MoE's (gated shared expert).
+# --------------------------------------------------------------------------------------
+
+def qwen3_next_config_kwargs(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``TransformerConfig`` fields of the Hugging Face Qwen3-Next config ``hf`` (a dict)."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [("full_attention" if (i + 1) % 4 == 0 else "linear_attention")
+                                      for i in range(layers)]
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    moe = [int(hf.get("num_experts", 0) > 0 and i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ConversionError(f"Qwen3-Next with rope_type {rope.get('rope_type')!r} is not supported (default only).")
+    out = dict(num_layers=layers, hidden_size=hf["hidden_size"], num_attention_heads=hf["num_attention_heads"],
+               num_query_groups=hf["num_key_value_heads"], kv_channels=hf["head_dim"],
+               ffn_hidden_size=hf["intermediate_size"], normalization="RMSNorm", layernorm_epsilon=hf["rms_norm_eps"],
+               gated_linear_unit=True, add_bias_linear=False, position_embedding_type="rope",
+               rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+               rotary_percent=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+               qk_layernorm=True, attention_output_gate=True, experimental_attention_variant="gdn",
+               linear_attention_freq=[int(t == "linear_attention") for t in types],
+               linear_conv_kernel_dim=hf["linear_conv_kernel_dim"], linear_key_head_dim=hf["linear_key_head_dim"],
+               linear_value_head_dim=hf["linear_value_head_dim"], linear_num_key_heads=hf["linear_num_key_heads"],
+               linear_num_value_heads=hf["linear_num_value_heads"])
+    if any(moe):
+        out.update(num_moe_experts=hf["num_experts"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                   moe_router_topk=hf["num_experts_per_tok"], moe_layer_freq=moe,
+                   moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
+                   moe_shared_expert_gate=True)
+        if not hf.get("norm_topk_prob", True):
+            out["moe_router_pre_softmax"] = True  # softmax over all experts, top-k not renormalized
+    return out
+
+
+def _qwen3_next_shape(hf: Dict[str, Any]):
+    import types as _types
+
+    fields = qwen3_next_config_kwargs(hf)
+    fields.setdefault("moe_ffn_hidden_size", None)
+    return _types.SimpleNamespace(num_experts=fields.get("num_moe_experts"), **fields)
+
+
+def qwen3_next_from_hf(theirs: Tensors, hf: Dict[str, Any]) -> Tensors:
+    """``Qwen3NextForCausalLM`` tensors (its state_dict names) -> our GPTModel's."""
+    cfg = _qwen3_next_shape(hf)
+    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    per = heads // groups
+    ours = {"embedding.word_embeddings.weight": _need(theirs, "model.embed_tokens.weight"),
+            "decoder.final_layernorm.weight": _need(theirs, "model.norm.weight") + 1,
+            "output_layer.weight": theirs.get("lm_head.weight", theirs["model.embed_tokens.weight"])}
+    for i in range(cfg.num_layers):
+        o, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        ours[m + "input_layernorm.weight"] = _need(theirs, o + "input_layernorm.weight") + 1
+        ours[m + "pre_mlp_layernorm.weight"] = _need(theirs, o + "post_attention_layernorm.weight") + 1
+        if cfg.linear_attention_freq[i]:
+            prefix = o + "linear_attn."
+            layer = {k[len(prefix):]: v for k, v in theirs.items() if k.startswith(prefix)}
+            ours.update({m + "self_attention." + k: v for k, v in qwen3_next_gdn_from_hf(layer, cfg).items()})
+        else:
+            a = o + "self_attn."
+            h = _need(theirs, a + "q_proj.weight").shape[-1]
+            q, gate = _need(theirs, a + "q_proj.weight").view(heads, 2, d, h).unbind(1)
+            k = _need(theirs, a + "k_proj.weight").view(groups, d, h)
+            v = _need(theirs, a + "v_proj.weight").view(groups, d, h)
+            qkv = torch.cat([q.reshape(groups, per * d, h), gate.reshape(groups, per * d, h), k, v], dim=1)
+            ours[m + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, h)
+            ours[m + "self_attention.q_layernorm.weight"] = _need(theirs, a + "q_norm.weight") + 1
+            ours[m + "self_attention.k_layernorm.weight"] = _need(theirs, a + "k_norm.weight") + 1
+            ours[m + "self_attention.linear_proj.weight"] = _need(theirs, a + "o_proj.weight")
+        if cfg.num_experts and cfg.moe_layer_freq[i]:
+            ours.update(_qwen2_moe_from_hf(theirs, cfg, m, o))
+        else:
+            ours[m + "mlp.linear_fc1.weight"] = torch.cat([_need(theirs, o + "mlp.gate_proj.weight"),
+                                                           _need(theirs, o + "mlp.up_proj.weight")])
+            ours[m + "mlp.linear_fc2.weight"] = _need(theirs, o + "mlp.down_proj.weight")
+    return ours
+
+
+def qwen3_next_to_hf(ours: Tensors, hf: Dict[str, Any]) -> Tensors:
+    """The inverse of ``qwen3_next_from_hf`` (experts as the in-memory 3-D ``gate_up_proj`` /
+    ``down_proj`` of transformers 5)."""
+    cfg = _qwen3_next_shape(hf)
+    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    per = heads // groups
+    theirs = {"model.embed_tokens.weight": ours["embedding.word_embeddings.weight"],
+              "model.norm.weight": ours["decoder.final_layernorm.weight"] - 1,
+              "lm_head.weight": ours["output_layer.weight"]}
+    for i in range(cfg.num_layers):
+        o, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        theirs[o + "input_layernorm.weight"] = ours[m + "input_layernorm.weight"] - 1
+        theirs[o + "post_attention_layernorm.weight"] = ours[m + "pre_mlp_layernorm.weight"] - 1
+        if cfg.linear_attention_freq[i]:
+            prefix = m + "self_attention."
+            layer = {k[len(prefix):]: v for k, v in ours.items() if k.startswith(prefix)}
+            theirs.update({o + "linear_attn." + k: v for k, v in qwen3_next_gdn_to_hf(layer, cfg).items()})
+        else:
+            a, s = o + "self_attn.", m + "self_attention."
+            w = ours[s + "linear_qkv.weight"]
+            h = w.shape[-1]
+            q, gate, k, v = w.view(groups, 2 * per * d + 2 * d, h).split([per * d, per * d, d, d], dim=1)
+            theirs[a + "q_proj.weight"] = torch.stack([q.reshape(heads, d, h), gate.reshape(heads, d, h)],
+                                                      dim=1).reshape(-1, h)
+            theirs[a + "k_proj.weight"] = k.reshape(-1, h).contiguous()
+            theirs[a + "v_proj.weight"] = v.reshape(-1, h).contiguous()
+            theirs[a + "q_norm.weight"] = ours[s + "q_layernorm.weight"] - 1
+            theirs[a + "k_norm.weight"] = ours[s + "k_layernorm.weight"] - 1
+            theirs[a + "o_proj.weight"] = ours[s + "linear_proj.weight"]
+        if cfg.num_experts and cfg.moe_layer_freq[i]:
+            per_expert = _qwen2_moe_to_hf(ours, cfg, m, o)
+            e = cfg.num_experts
+            theirs[o + "mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([per_expert.pop(f"{o}mlp.experts.{j}.gate_proj.weight"),
+                            per_expert.pop(f"{o}mlp.experts.{j}.up_proj.weight")]) for j in range(e)])
+            theirs[o + "mlp.experts.down_proj"] = torch.stack(
+                [per_expert.pop(f"{o}mlp.experts.{j}.down_proj.weight") for j in range(e)])
+            theirs.update(per_expert)
+        else:
+            gate_up = ours[m + "mlp.linear_fc1.weight"]
+            theirs[o + "mlp.gate_proj.weight"], theirs[o + "mlp.up_proj.weight"] = (
+                t.contiguous() for t in gate_up.chunk(2, dim=0))
+            theirs[o + "mlp.down_proj.weight"] = ours[m + "mlp.linear_fc2.weight"]
+    return theirs
