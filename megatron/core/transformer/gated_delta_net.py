@@ -92,6 +92,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     (I + A) U = beta V - beta exp(G) K S0 with A[t, s] = beta_t exp(G_t - G_s) k_t.k_s for
     s < t; then O = (exp(G) Q) S0 + (Q K^T * exp(G_t - G_s))_{s <= t} U and
     S_C = exp(G_C) S0 + (exp(G_C - G) K)^T U. Padding tokens (beta = g = 0) write nothing."""
+    # fp32 matmuls even under autocast (the state is chained over the whole sequence).
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, initial_state)
+
+
+def _chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, initial_state):
     out_dtype = v.dtype
     q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))  # [b, h, s, d]
     g, beta = (x.float().transpose(1, 2) for x in (g, beta))  # [b, h, s]

@@ -259,3 +259,11 @@ def test_full_recompute_gives_the_same_gradients():
         grads.append({n: p.grad for n, p in block.named_parameters()})
     for name in grads[0]:
         assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6), name
+
+
+def test_chunked_rule_stays_fp32_under_autocast():
+    inputs = [x.detach() for x in _inputs(40)]
+    expected, _ = recurrence(*(x.double() for x in inputs))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = chunk_gated_delta_rule(*inputs, chunk_size=16)
+    assert got.dtype == torch.float32 and (got.double() - expected).abs().max().item() <= 1e-5
