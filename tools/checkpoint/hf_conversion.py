@@ -113,9 +113,13 @@ class ModelConfig:
     qk_head_dim: int = 0
     qk_pos_emb_head_dim: int = 0
     v_head_dim: int = 0
+    # Qwen3-Next (hybrid gated delta net): its Hugging Face config; imported only (--to mfsdp).
+    qwen3_next: Optional[Dict[str, Any]] = None
 
     @property
     def style(self) -> str:
+        if self.qwen3_next is not None:
+            return "qwen3_next"
         if self.rotary_interleaved:
             raise ConversionError("this model was trained with --rotary-interleaved (RoPE pairs 2i, 2i+1); Hugging "
                                   "Face Llama/Mixtral rotate halves (i, i + d/2) and would compute something else. "
@@ -171,6 +175,13 @@ class ModelConfig:
 
     def to_megatron_args(self) -> Dict[str, Any]:
         """The arguments pretrain_gpt.py needs to build this model (Megatron flag names)."""
+        args = self._megatron_args()
+        if self.qwen3_next is not None:
+            fields = qwen3_next_config_kwargs(self.qwen3_next)
+            args.update({name: fields[name] for name in _QWEN3_NEXT_FIELDS if name in fields})
+        return args
+
+    def _megatron_args(self) -> Dict[str, Any]:
         return {
             "num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
@@ -257,6 +268,17 @@ class ModelConfig:
                             if self.moe_router_topk_scaling_factor else "")
                          + (f" --moe-router-num-groups {self.moe_router_num_groups} --moe-router-group-topk "
                             f"{self.moe_router_group_topk}" if self.moe_router_num_groups else ""))
+        if self.qwen3_next is not None:
+            f = qwen3_next_config_kwargs(self.qwen3_next)
+            pattern = lambda values: "'[" + ",".join(str(v) for v in values) + "]'"  # noqa: E731
+            flags.append(f"--attention-output-gate --rotary-percent {f['rotary_percent']:g}")
+            flags.append(f"--experimental-attention-variant gdn --linear-attention-freq "
+                         f"{pattern(f['linear_attention_freq'])} --linear-conv-kernel-dim {f['linear_conv_kernel_dim']} "
+                         f"--linear-key-head-dim {f['linear_key_head_dim']} --linear-value-head-dim "
+                         f"{f['linear_value_head_dim']} --linear-num-key-heads {f['linear_num_key_heads']} "
+                         f"--linear-num-value-heads {f['linear_num_value_heads']}")
+            if "moe_layer_freq" in f:
+                flags.append(f"--moe-layer-freq {pattern(f['moe_layer_freq'])}")
         return flags
 
 
@@ -778,6 +800,18 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
                 moe_router_enable_expert_bias=True, moe_router_num_groups=groups if groups > 1 else None,
                 moe_router_group_topk=group_topk if groups > 1 else None,
                 moe_shared_expert_intermediate_size=config["moe_intermediate_size"] * config.get("n_shared_experts", 1))))
+    if kind == "qwen3_next":
+        fields = qwen3_next_config_kwargs(config)  # refuses what it cannot express
+        if config.get("attention_bias"):
+            raise ConversionError("Qwen3-Next with attention_bias is not supported (no linear biases).")
+        rope = dict(config.get("rope_parameters") or {}, rope_type="default")
+        dense = config_from_hf(dict(config, model_type="llama", attention_bias=False, mlp_bias=False,
+                                    rope_parameters=rope))
+        moe = {} if "num_moe_experts" not in fields else dict(
+            num_experts=fields["num_moe_experts"], moe_ffn_hidden_size=fields["moe_ffn_hidden_size"],
+            moe_router_topk=fields["moe_router_topk"], moe_router_pre_softmax=fields.get("moe_router_pre_softmax", False),
+            moe_shared_expert_intermediate_size=fields["moe_shared_expert_intermediate_size"])
+        return dataclasses.replace(dense, qk_layernorm=True, qwen3_next=dict(config), **moe)
     if kind == "qwen3":
         if config.get("attention_bias"):
             raise ConversionError("Qwen3 with attention_bias has biases in attention but not in the MLP; this model "
@@ -810,8 +844,9 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
             attention_dropout=float(config.get("attention_dropout", 0.0)),
         )
     raise ConversionError(f"Hugging Face model_type {kind!r} is not supported; GPT-2 ('gpt2'), Llama "
-                          "('llama'), Qwen3 ('qwen3'), Mixtral ('mixtral'), Qwen2-MoE ('qwen2_moe') and DeepSeek-V3 "
-                          "('deepseek_v3', dense MLPs) models convert.")
+                          "('llama'), Qwen3 ('qwen3'), Mixtral ('mixtral'), Qwen2-MoE ('qwen2_moe'), DeepSeek-V3 "
+                          "('deepseek_v3', dense MLPs) and, to this trainer only, Qwen3-Next ('qwen3_next') models "
+                          "convert.")
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -831,6 +866,13 @@ def from_hf(theirs: Tensors, cfg: ModelConfig, padded_vocab: Optional[int] = Non
     zero-padded to ``padded_vocab`` rows."""
     vocab = padded_vocab or cfg.vocab_size
     out: Tensors = {}
+    if cfg.style == "qwen3_next":
+        out = qwen3_next_from_hf(theirs, cfg.qwen3_next)
+        for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            out[name] = _pad_rows(out[name], vocab)
+        if cfg.tied_embeddings:
+            del out["output_layer.weight"]
+        return out
     if cfg.style == "gpt2":
         wte = _need(theirs, "transformer.wte.weight")
         out["embedding.word_embeddings.weight"] = _pad_rows(wte, vocab)
@@ -979,13 +1021,20 @@ def qwen3_next_gdn_to_hf(ours: Tensors, cfg) -> Tensors:
 
 
 # --------------------------------------------------------------------------------------
-# Qwen3-Next, the whole model, in memory (not yet behind convert.py's --to hf / config
-# detection): Hugging Face ``Qwen3NextForCausalLM`` tensors <-> ours, and the
-# TransformerConfig fields of the same model. Its norms store gamma - 1 (output * (1 + w)),
+# Qwen3-Next, the whole model: Hugging Face ``Qwen3NextForCausalLM`` tensors <-> ours, and
+# the TransformerConfig fields of the same model. convert.py imports it (config_from_hf ->
+# style "qwen3_next" -> from_hf); exporting one of our hybrid checkpoints with --to hf is
+# not wired (config_from_tensors refuses it), qwen3_next_to_hf is the in-memory inverse. Its norms store gamma - 1 (output * (1 + w)),
 # ours gamma (the gated delta net's gated norm stores gamma in both); its gated attention's
 # q_proj holds per head [q_h; gate_h], our linear_qkv per query group
 # [q heads; their gates; k; v] (attention.py); its MoE is Qwen2-MoE's (gated shared expert).
 # --------------------------------------------------------------------------------------
+
+# What a Qwen3-Next config adds to the Llama-style arguments (Megatron flag names = field names).
+_QWEN3_NEXT_FIELDS = ("rotary_percent", "attention_output_gate", "experimental_attention_variant",
+                      "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+                      "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "moe_layer_freq")
+
 
 def qwen3_next_config_kwargs(hf: Dict[str, Any]) -> Dict[str, Any]:
     """The ``TransformerConfig`` fields of the Hugging Face Qwen3-Next config ``hf`` (a dict)."""

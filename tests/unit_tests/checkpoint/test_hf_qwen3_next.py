@@ -3,8 +3,9 @@
 download) converted with ``qwen3_next_from_hf`` gives the same logits in our GPTModel built
 from ``qwen3_next_config_kwargs``, and ``qwen3_next_to_hf`` gives back every tensor (bit for
 bit but the zero-centered norms: (w + 1) - 1 rounds in fp32), which a fresh Hugging Face
-model loads (strict) to give our logits. convert.py's --to hf does not write Qwen3-Next
-yet (it refuses such checkpoints)."""
+model loads (strict) to give our logits. convert.py --to mfsdp imports a saved Qwen3-Next
+(same logits, its fine-tuning flags parse); its --to hf does not write Qwen3-Next yet (it
+refuses such checkpoints)."""
 
 import pytest
 import torch
@@ -77,3 +78,40 @@ def test_norm_topk_prob_false_routes_without_renormalizing():
     assert fields["moe_router_pre_softmax"] is True
     with pytest.raises(Exception, match="rope_type"):
         qwen3_next_config_kwargs({**HF, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}})
+
+
+def test_convert_imports_qwen3_next_and_its_flags_parse(tmp_path):
+    """convert.py --to mfsdp from a saved Qwen3-Next: our model loads the checkpoint and gives
+    its logits; the printed fine-tuning flags parse to the same hybrid layout."""
+    import argparse
+    import json
+    import shlex
+
+    from _hf_round_trip import run_convert
+
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing import load_checkpoint
+    from tools.checkpoint.hf_conversion import config_from_hf
+
+    hf = _qwen3_next()
+    hf.save_pretrained(str(tmp_path / "hf"))
+    run_convert(["--input", str(tmp_path / "hf"), "--to", "mfsdp", "--output", str(tmp_path / "mfsdp")])
+    hf_config = json.load(open(tmp_path / "hf" / "config.json"))
+    cfg = config_from_hf(hf_config)
+    assert cfg.style == "qwen3_next"
+    args = cfg.to_megatron_args()
+    assert args["linear_attention_freq"] == [1, 1, 0, 1] and args["moe_layer_freq"] == [1, 0, 1, 1]
+    ours = GPTModel(TransformerConfig(**qwen3_next_config_kwargs(hf_config)), 128, SEQ,
+                    share_embeddings_and_output_weights=False).eval()
+    load_checkpoint(ours, None, None, argparse.Namespace(load=str(tmp_path / "mfsdp")))
+    ids = torch.randint(0, VOCAB, (2, 23), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (ours(ids)[..., :VOCAB] - hf(ids).logits).abs().max().item()
+    print(f"Qwen3-Next -> ours (convert.py) logits max |diff| {diff:.3g}")
+    assert diff <= 1e-5
+    flags = shlex.split(" ".join(cfg.command_line())) + (
+        "--seq-length 32 --micro-batch-size 1 --mock-data --tokenizer-type NullTokenizer --vocab-size 61 "
+        "--train-iters 1 --lr 1e-3").split()
+    parsed = parse_args(flags, world_size=1, cuda_available=False)
+    assert parsed.linear_attention_freq == [1, 1, 0, 1] and parsed.moe_layer_freq == [1, 0, 1, 1]
+    assert parsed.attention_output_gate and parsed.rotary_percent == 0.25 and parsed.linear_num_value_heads == 4
