@@ -81,8 +81,11 @@ def validate_linear_attention_args(args: argparse.Namespace) -> None:
 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron.training.model_builder import activation_from_args
+
     fields = linear_attention_config_kwargs(args)
-    fields.update(num_layers=args.num_layers,
+    fields.update(num_layers=args.num_layers, activation_func=activation_from_args(vars(args)),
+                  squared_relu=getattr(args, "squared_relu", False),
                   tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
                   context_parallel_size=getattr(args, "context_parallel_size", 1),
                   multi_latent_attention=getattr(args, "multi_latent_attention", False))

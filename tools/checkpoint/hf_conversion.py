@@ -273,7 +273,8 @@ class ModelConfig:
             pattern = lambda values: "'[" + ",".join(str(v) for v in values) + "]'"  # noqa: E731
             flags.append(f"--attention-output-gate --rotary-percent {f['rotary_percent']:g}")
             flags.append(f"--experimental-attention-variant gdn --linear-attention-freq "
-                         f"{pattern(f['linear_attention_freq'])} --linear-conv-kernel-dim {f['linear_conv_kernel_dim']} "
+                         f"{pattern(f['linear_attention_freq'])} "
+                         f"--linear-conv-kernel-dim {f['linear_conv_kernel_dim']} "
                          f"--linear-key-head-dim {f['linear_key_head_dim']} --linear-value-head-dim "
                          f"{f['linear_value_head_dim']} --linear-num-key-heads {f['linear_num_key_heads']} "
                          f"--linear-num-value-heads {f['linear_num_value_heads']}")
@@ -809,7 +810,8 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
                                     rope_parameters=rope))
         moe = {} if "num_moe_experts" not in fields else dict(
             num_experts=fields["num_moe_experts"], moe_ffn_hidden_size=fields["moe_ffn_hidden_size"],
-            moe_router_topk=fields["moe_router_topk"], moe_router_pre_softmax=fields.get("moe_router_pre_softmax", False),
+            moe_router_topk=fields["moe_router_topk"],
+            moe_router_pre_softmax=fields.get("moe_router_pre_softmax", False),
             moe_shared_expert_intermediate_size=fields["moe_shared_expert_intermediate_size"])
         return dataclasses.replace(dense, qk_layernorm=True, qwen3_next=dict(config), **moe)
     if kind == "qwen3":
@@ -1024,10 +1026,11 @@ def qwen3_next_gdn_to_hf(ours: Tensors, cfg) -> Tensors:
 # Qwen3-Next, the whole model: Hugging Face ``Qwen3NextForCausalLM`` tensors <-> ours, and
 # the TransformerConfig fields of the same model. convert.py imports it (config_from_hf ->
 # style "qwen3_next" -> from_hf); exporting one of our hybrid checkpoints with --to hf is
-# not wired (config_from_tensors refuses it), qwen3_next_to_hf is the in-memory inverse. Its norms store gamma - 1 (output * (1 + w)),
-# ours gamma (the gated delta net's gated norm stores gamma in both); its gated attention's
-# q_proj holds per head [q_h; gate_h], our linear_qkv per query group
-# [q heads; their gates; k; v] (attention.py); its MoE is Qwen2-MoE's (gated shared expert).
+# not wired (config_from_tensors refuses it), qwen3_next_to_hf is the in-memory inverse.
+# Its norms store gamma - 1 (output * (1 + w)), ours gamma (the gated delta net's gated
+# norm stores gamma in both); its gated attention's q_proj holds per head [q_h; gate_h],
+# our linear_qkv per query group [q heads; their gates; k; v] (attention.py); its MoE is
+# Qwen2-MoE's (gated shared expert).
 # --------------------------------------------------------------------------------------
 
 # What a Qwen3-Next config adds to the Llama-style arguments (Megatron flag names = field names).

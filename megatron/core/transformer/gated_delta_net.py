@@ -18,7 +18,8 @@ linear_num_value_heads, ``d_k`` / ``d_v`` their head dims, ``K`` the conv kernel
   (fp32); the write strength is ``beta = sigmoid(b)``.
 * ``out_norm.weight`` ``[d_v]``: the ``--normalization`` norm on each value head of the
   output, shared by the heads, then multiplied by ``silu(z)`` (the gated RMSNorm).
-* ``out_proj.weight`` ``[hidden, H_v*d_v]`` (row-parallel).
+* ``out_proj.weight`` ``[hidden, H_v*d_v]`` (row-parallel). Neither projection has a bias,
+  whatever ``--add-bias-linear`` says (as upstream).
 
 Value head ``j`` reads query/key head ``j // (H_v / H_k)`` (Qwen3-Next's grouping). After
 L2-normalizing q and k (eps 1e-6) and scaling q by ``d_k**-0.5``, each value head keeps a
@@ -181,7 +182,8 @@ class GatedDeltaNet(nn.Module):
         qk, vv, nv = (config.linear_key_head_dim * config.linear_num_key_heads,
                       config.linear_value_head_dim * config.linear_num_value_heads, config.linear_num_value_heads)
         sections = (qk, qk, vv, vv, nv, nv)
-        self.in_proj = build_parallel_linear(config, config.hidden_size, sum(sections), bias=config.add_bias_linear,
+        # No biases whatever --add-bias-linear says (upstream builds GatedDeltaNet with bias=False).
+        self.in_proj = build_parallel_linear(config, config.hidden_size, sum(sections), bias=False,
                                              init_std=config.init_method_std, split="column", sections=sections)
         self.conv1d = CausalConv1d((2 * qk + vv) // tp, config.linear_conv_kernel_dim, dtype=config.params_dtype)
         self.A_log = nn.Parameter(torch.empty(nv // tp, dtype=config.params_dtype))
@@ -198,7 +200,7 @@ class GatedDeltaNet(nn.Module):
         # (which sums replicated gradients in finalize_grads) the weight goes through
         # copy_to_tensor_model_parallel_region, whose backward sums it over TP.
         self.norm_group = config.tp_group if tp > 1 and not config.sequence_parallel else None
-        self.out_proj = build_parallel_linear(config, vv, config.hidden_size, bias=config.add_bias_linear,
+        self.out_proj = build_parallel_linear(config, vv, config.hidden_size, bias=False,
                                               init_std=output_init_std(config), split="row")
         self.recompute_norm_out = recomputes(config, "gdn_norm_out")
         self.reset_parameters()

@@ -370,7 +370,8 @@ class TransformerConfig:
                 raise ValueError(f"--linear-attention-freq has {len(freq)} entries but --num-layers is "
                                  f"{self.num_layers}; give one 0/1 per layer.")
             if any(v not in (0, 1) for v in freq):
-                raise ValueError(f"--linear-attention-freq entries must be 0 (softmax) or 1 (linear), got {list(freq)}.")
+                raise ValueError(f"--linear-attention-freq entries must be 0 (softmax) or 1 (linear), "
+                                 f"got {list(freq)}.")
         for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                      "linear_num_key_heads", "linear_num_value_heads"):
             value = getattr(self, name)
@@ -384,6 +385,12 @@ class TransformerConfig:
             if getattr(self, name) % tp:
                 raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be a multiple of "
                                  f"--tensor-model-parallel-size ({tp}); change one of them.")
+        activation = getattr(self, "activation_func", "silu")
+        if activation not in ("silu", F.silu) or getattr(self, "squared_relu", False):
+            # Upstream's conv and output gate use the model's activation and its kernels take
+            # silu only; here both are silu.
+            raise ValueError("the gated delta net needs the silu activation (--swiglu), as upstream's kernels; "
+                             "add --swiglu.")
         if self.context_parallel_size > 1:
             raise ValueError("the gated delta net with --context-parallel-size > 1 is not supported here (its "
                              "recurrence runs over the whole sequence); use --context-parallel-size 1.")

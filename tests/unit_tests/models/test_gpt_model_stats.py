@@ -25,6 +25,7 @@ CONFIGS = {
                         linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=2,
                         linear_num_value_heads=4, linear_conv_kernel_dim=3), False, None),
     "gdn_list_layernorm_bias": (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=[0, 1, 1],
+                                     gated_linear_unit=True,
                                      linear_key_head_dim=4, linear_value_head_dim=4, linear_num_key_heads=2,
                                      linear_num_value_heads=2), True, None),
 }

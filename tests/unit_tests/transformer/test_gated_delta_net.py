@@ -166,6 +166,7 @@ def test_gdn_norm_out_recompute_gives_the_same_gradients():
     (dict(linear_num_value_heads=3), "must be a multiple of --linear-num-key-heads"),
     (dict(experimental_attention_variant="dsa"), "dsa is not implemented here"),
     (dict(experimental_attention_variant=None), "needs --experimental-attention-variant gdn"),
+    (dict(gated_linear_unit=False), "needs the silu activation"),
     (dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"],
           experimental_attention_variant=None, linear_attention_freq=None), "gdn_norm_out needs"),
 ])
@@ -174,7 +175,7 @@ def test_config_refusals(overrides, message):
         _config(**overrides)
 
 
-PARSE_BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
+PARSE_BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 --swiglu "
               "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --train-iters 1 --lr 1e-3 "
               "--experimental-attention-variant gated_delta_net --linear-key-head-dim 8 --linear-value-head-dim 8 "
               "--linear-num-key-heads 2 --linear-num-value-heads 4").split()
@@ -204,14 +205,16 @@ def test_flags_parse_like_upstream(flags, expected):
     ("--linear-attention-freq 2 --context-parallel-size 2", 2, "with --context-parallel-size > 1 is not supported"),
     ("--linear-attention-freq 2 --linear-conv-kernel-dim 0", 1, "--linear-conv-kernel-dim must be a positive"),
     ("--linear-attention-freq 2 --experimental-attention-variant dsa", 1, "dsa is not implemented here"),
+    ("--linear-attention-freq 2 --openai-gelu", 1, "needs the silu activation"),
     ("--linear-attention-freq 2 --recompute-granularity selective --recompute-modules gdn_norm_out "
      "--experimental-attention-variant gdn2", 1, "gdn2 is not implemented here"),
 ])
 def test_parse_time_errors(flags, world, message):
     from megatron.training.arguments import parse_args
 
+    base = [f for f in PARSE_BASE if not ("gelu" in flags and f == "--swiglu")]
     with pytest.raises(ValueError, match=message):
-        parse_args(PARSE_BASE + flags.split(), world_size=world, cuda_available=False)
+        parse_args(base + flags.split(), world_size=world, cuda_available=False)
 
 
 def test_bad_pattern_expression_is_refused_without_evaluating_it():
@@ -267,3 +270,8 @@ def test_chunked_rule_stays_fp32_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got, _ = chunk_gated_delta_rule(*inputs, chunk_size=16)
     assert got.dtype == torch.float32 and (got.double() - expected).abs().max().item() <= 1e-5
+
+
+def test_projections_have_no_bias_even_with_add_bias_linear():
+    module = GatedDeltaNet(_config(add_bias_linear=True))
+    assert module.in_proj.bias is None and module.out_proj.bias is None

@@ -35,8 +35,8 @@ def num_parameters(config: TransformerConfig, vocab_size: int, max_sequence_leng
 
     A gated delta-net layer (``linear_attention_freq``; Hk, Hv key/value heads of dk, dv,
     K the conv kernel, qk = Hk*dk, vv = Hv*dv) has, instead of linear_qkv, the norms and
-    linear_proj: in_proj h*(2qk + 2vv + 2Hv) + [bias]*(2qk + 2vv + 2Hv), conv1d (2qk + vv)*K,
-    A_log and dt_bias 2Hv, out_norm dv + [LayerNorm]*dv, out_proj vv*h + [bias]*h.
+    linear_proj: in_proj h*(2qk + 2vv + 2Hv), conv1d (2qk + vv)*K, A_log and dt_bias 2Hv,
+    out_norm dv + [LayerNorm]*dv, out_proj vv*h (no biases, as upstream).
     """
     if position_embedding_type is None:
         position_embedding_type = config.position_embedding_type
@@ -61,20 +61,19 @@ def num_parameters(config: TransformerConfig, vocab_size: int, max_sequence_leng
     moe = experts * (h + bias) + experts * mlp(config.moe_ffn_hidden_size or f)
     if config.moe_shared_expert_intermediate_size:
         moe += mlp(config.moe_shared_expert_intermediate_size) + (h if config.moe_shared_expert_gate else 0)
-    gdn = _gated_delta_net_parameters(config, bias)
+    gdn = _gated_delta_net_parameters(config)
     layers = sum(2 * norm + (gdn if linear else attention) + (moe if is_moe else mlp(f))
                  for is_moe, linear in zip(moe_layer_pattern(config), linear_attention_pattern(config)))
     output = 0 if share_embeddings_and_output_weights else vocab_size * h
     return embeddings + layers + norm + output
 
 
-def _gated_delta_net_parameters(config: TransformerConfig, bias: int) -> int:
+def _gated_delta_net_parameters(config: TransformerConfig) -> int:
     h, nv, dv = config.hidden_size, config.linear_num_value_heads, config.linear_value_head_dim
     qk, vv = config.linear_num_key_heads * config.linear_key_head_dim, nv * dv
     in_proj = 2 * qk + 2 * vv + 2 * nv
     out_norm = dv * (2 if config.normalization == "LayerNorm" else 1)
-    return (h * in_proj + bias * in_proj + (2 * qk + vv) * config.linear_conv_kernel_dim + 2 * nv + out_norm
-            + vv * h + bias * h)
+    return h * in_proj + (2 * qk + vv) * config.linear_conv_kernel_dim + 2 * nv + out_norm + vv * h
 
 
 def flops_per_token(config: TransformerConfig, vocab_size: int, seq_length: int) -> int:

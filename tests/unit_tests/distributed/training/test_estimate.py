@@ -464,7 +464,8 @@ def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
         main(["--world-size", "4", *small, "--use-mfsdp", "--num-experts", "4", "--tensor-model-parallel-size", "2",
               *RECOMPUTE])
     with pytest.raises(SystemExit, match="plans with --experimental-attention-variant"):
-        main(["--world-size", "2", *small, "--experimental-attention-variant", "gdn", "--linear-attention-freq", "2",
+        main(["--world-size", "2", *small, "--swiglu", "--experimental-attention-variant", "gdn",
+              "--linear-attention-freq", "2",
               "--linear-num-key-heads", "2", "--linear-num-value-heads", "2", "--linear-key-head-dim", "8",
               "--linear-value-head-dim", "8"])
     with pytest.raises(SystemExit, match="pipeline plans of a mixture of experts or with full recompute"):
