@@ -33,8 +33,10 @@ chunks are chained through the state. Initialization: ``A_log = log(U(1, 16))``,
 ``dt_bias = 1``, the convolution ``U(-1/sqrt(K), 1/sqrt(K))`` (``nn.Conv1d``'s default, as
 upstream), the projections Megatron's normal init (``out_proj`` scaled like ``linear_proj``).
 
-Not supported (refused when the config is built): context parallelism, a custom
-attention mask (the recurrence is causal over the whole sequence), packed sequences.
+Refused when the config is built: context parallelism, multi-latent attention alongside,
+an activation other than silu (upstream's kernels take silu only), upstream's ``gdn2`` and
+``dsa``. Refused in forward: an attention mask (the recurrence is causal over the whole
+sequence; packed sequences are not supported). An MTP layer keeps softmax attention.
 """
 
 from __future__ import annotations
