@@ -28,6 +28,7 @@ def core_transformer_config_from_args(args):
     from megatron.core.transformer import TransformerConfig
     from megatron.training.context_parallel_arguments import context_parallel_config_kwargs
     from megatron.training.model_builder import activation_from_args
+    from megatron.training.linear_attention_arguments import linear_attention_config_kwargs
     from megatron.training.mla_arguments import mla_config_kwargs
     from megatron.training.moe_arguments import moe_config_kwargs
     from megatron.training.recipe_arguments import recipe_config_kwargs
@@ -69,6 +70,7 @@ def core_transformer_config_from_args(args):
         **context_parallel_config_kwargs(args),
         **moe_config_kwargs(args),
         **mla_config_kwargs(args),
+        **linear_attention_config_kwargs(args),
         **recipe_config_kwargs(args),
     )
     if getattr(args, "squared_relu", False):

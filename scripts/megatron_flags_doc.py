@@ -128,9 +128,15 @@ Deviations worth knowing:
   kernel).
 - `--recompute-modules` (with `--recompute-granularity selective`): `core_attn`,
   `layernorm`, `mlp`, `moe`, `moe_act` (needs `--moe-grouped-gemm`, as upstream),
-  `shared_experts`; `mla_up_proj`, `gdn_norm_out`, `gdp_in_proj`, `gdp_qkv`, `mhc` are
-  refused (their modules do not exist here). `layernorm` and `moe_act` recompute a
-  discarded output through saved-tensor hooks (docs/design.md).
+  `shared_experts`, `gdn_norm_out` (needs `--experimental-attention-variant gdn`);
+  `mla_up_proj`, `gdp_in_proj`, `gdp_qkv`, `mhc` are refused (their modules do not exist
+  here). `layernorm`, `moe_act` and `gdn_norm_out` recompute a discarded output through
+  saved-tensor hooks (docs/design.md).
+- `--experimental-attention-variant gdn` (or its deprecated alias `gated_delta_net`) with
+  `--linear-attention-freq` and the `--linear-*` shapes: Qwen3-Next's gated delta net
+  (megatron/core/transformer/gated_delta_net.py) on the marked layers, softmax attention on
+  the others. Upstream's `gdn2` and `dsa` are refused; not with `--context-parallel-size`
+  > 1 or `--multi-latent-attention`; an MTP layer keeps softmax attention.
 - `--logging-level N` sets the root Python logger's level (else `MEGATRON_LOGGING_LEVEL`).
 - `--mtp-num-layers D`: DeepSeek-V3's multi-token prediction (upstream's module names
   `mtp.layers.{{k}}.{{enorm,hnorm,eh_proj,mtp_model_layer,final_layernorm}}`); each depth's loss

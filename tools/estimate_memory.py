@@ -238,6 +238,12 @@ def main(argv=None):
         # its matrices and gathers each matrix's update for a step.
         raise SystemExit("estimate_memory.py: error: plans with --optimizer muon are not supported yet (the planner "
                          "counts Adam's two states per weight); plan with --optimizer adam for an upper bound.")
+    if getattr(args, "experimental_attention_variant", None):
+        # The weights would be counted (the model is built), but the activation model
+        # knows softmax attention only, not the gated delta net's chunked recurrence.
+        raise SystemExit("estimate_memory.py: error: plans with --experimental-attention-variant (gated delta-net "
+                         "layers) are not supported yet (their activations are not modelled); plan the model "
+                         "without it, or measure a short run.")
     if getattr(args, "mtp_num_layers", None):
         raise SystemExit("estimate_memory.py: error: plans with --mtp-num-layers are not supported yet (the MTP "
                          "depths' activations are not modelled); plan without it.")

@@ -79,6 +79,24 @@ def partition(global_shape, dim: int, rank: int, size: int, blocks: int = 1) -> 
     return GlobalSlice(global_shape, dim, ranges)
 
 
+def partition_sections(global_shape, dim: int, rank: int, size: int, sections) -> GlobalSlice:
+    """Rank ``rank`` of ``size``'s piece when dim ``dim`` is the concatenation of blocks of the
+    sizes ``sections`` (unequal, e.g. the gated delta net's [q; k; v; z; b; a] rows), each
+    split evenly on its own: the rank holds its part of every block, in block order."""
+    global_shape = tuple(int(s) for s in global_shape)
+    sections = [int(n) for n in sections]
+    if sum(sections) != global_shape[dim]:
+        raise ValueError(f"sections {sections} do not add up to dim {dim} of size {global_shape[dim]}.")
+    ranges, start = [], 0
+    for n in sections:
+        if n % size:
+            raise ValueError(f"a block of {n} rows does not split over {size} ranks.")
+        piece = n // size
+        ranges.append((start + rank * piece, start + (rank + 1) * piece))
+        start += n
+    return GlobalSlice(global_shape, dim, tuple(ranges))
+
+
 def global_slices_of(module: nn.Module) -> Dict[str, GlobalSlice]:
     return getattr(module, "global_slices", None) or {}
 

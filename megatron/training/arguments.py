@@ -21,6 +21,7 @@ from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.context_parallel_arguments import (
     add_context_parallel_args, validate_context_parallel_args, validate_context_parallel_size)
+from megatron.training.linear_attention_arguments import add_linear_attention_args, validate_linear_attention_args
 from megatron.training.mla_arguments import add_mla_args, validate_mla_args
 from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist_muon, validate_muon_args
 from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_without_mfsdp, validate_moe_args
@@ -325,6 +326,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     validate_muon_args(args)
     validate_moe_args(args)
     validate_mla_args(args)
+    validate_linear_attention_args(args)
     validate_recipe_args(args, _note)
     _validate_paths(args)
     return args
@@ -725,6 +727,7 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
                    help="Qwen3-Next gated attention: linear_qkv also outputs a gate; the attention output is "
                         "multiplied by its sigmoid before linear_proj")
     add_mla_args(g)
+    add_linear_attention_args(g)
     g.add_argument("--squared-relu", action="store_true", help="squared ReLU activation in the MLP")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                    help="linear layers return their weight gradient to autograd, which MFSDP then copies into "

@@ -78,8 +78,9 @@ def validate_recipe_args(args: argparse.Namespace, note) -> None:
                  "(multi-latent attention, which also reads it, is not implemented here).")
     if args.recompute_modules is not None and args.recompute_granularity != "selective":
         raise ValueError("--recompute-modules applies to --recompute-granularity selective; add that or drop it.")
-    args.recompute_modules = check_recompute_modules(args.recompute_modules, args.recompute_granularity,
-                                                     getattr(args, "moe_grouped_gemm", False))
+    args.recompute_modules = check_recompute_modules(
+        args.recompute_modules, args.recompute_granularity, getattr(args, "moe_grouped_gemm", False),
+        gated_delta_net=getattr(args, "experimental_attention_variant", None) in ("gdn", "gated_delta_net"))
     if args.mtp_num_layers is not None:
         if args.mtp_num_layers < 1:
             raise ValueError(f"--mtp-num-layers must be positive, got {args.mtp_num_layers}; drop it for no MTP.")

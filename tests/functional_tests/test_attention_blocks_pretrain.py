@@ -73,3 +73,39 @@ def test_tp2_equals_tp1_with_multi_latent_attention(mla_runs, name):
     for it in range(1, ITERS + 1):
         assert train[it]["lm_loss"] == pytest.approx(reference[it]["lm_loss"], rel=2e-5, abs=1e-6), it
         assert train[it]["grad_norm"] == pytest.approx(reference[it]["grad_norm"], rel=1e-4, abs=1e-6), it
+
+
+# Qwen3-Next's hybrid: a gated delta net on layer 1, gated softmax attention on layer 2
+# (--linear-attention-freq 2), its norm output recomputed (gdn_norm_out). Under TP the
+# in_proj blocks, the convolution's channels, A_log and dt_bias are split by heads; the
+# gated norm's weight is replicated (its gradient summed over TP by the model without SP,
+# by the trainer with SP).
+GDN_ARGS = list(ARGS) + [
+    "--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2",
+    "--linear-conv-kernel-dim", "4", "--linear-key-head-dim", "8", "--linear-value-head-dim", "8",
+    "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+    "--recompute-granularity", "selective", "--recompute-modules", "core_attn", "gdn_norm_out"]
+
+
+@pytest.fixture(scope="module")
+def gdn_runs(tmp_path_factory):
+    out = {}
+    # TP=2 without SP: tests/unit_tests/distributed/tensor_parallel/test_tp_gated_delta_net.py.
+    for name, nproc, flags in (("tp1", 1, []),
+                               ("tp2-sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
+        log_dir = tmp_path_factory.mktemp("gdn-" + name) / "logs"
+        proc = run_torchrun(GDN_ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
+        out[name] = read_metrics(str(log_dir))[0], proc.stdout
+    return out
+
+
+def test_tp2_sp_equals_tp1_with_gated_delta_net(gdn_runs):
+    reference, _ = gdn_runs["tp1"]
+    train, stdout = gdn_runs["tp2-sp"]
+    assert "tensor parallel 2 x data parallel 1" in stdout
+    print("gdn lm_loss |tp2-sp - tp1|:", [abs(train[i]["lm_loss"] - reference[i]["lm_loss"]) for i in reference])
+    assert sorted(train) == sorted(reference) == list(range(1, ITERS + 1))
+    assert reference[ITERS]["lm_loss"] != reference[1]["lm_loss"]
+    for it in range(1, ITERS + 1):
+        assert train[it]["lm_loss"] == pytest.approx(reference[it]["lm_loss"], rel=1e-5, abs=1e-6), it
+        assert train[it]["grad_norm"] == pytest.approx(reference[it]["grad_norm"], rel=1e-4, abs=1e-6), it

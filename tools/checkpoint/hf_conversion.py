@@ -113,9 +113,13 @@ class ModelConfig:
     qk_head_dim: int = 0
     qk_pos_emb_head_dim: int = 0
     v_head_dim: int = 0
+    # Qwen3-Next (hybrid gated delta net): its Hugging Face config; imported only (--to mfsdp).
+    qwen3_next: Optional[Dict[str, Any]] = None
 
     @property
     def style(self) -> str:
+        if self.qwen3_next is not None:
+            return "qwen3_next"
         if self.rotary_interleaved:
             raise ConversionError("this model was trained with --rotary-interleaved (RoPE pairs 2i, 2i+1); Hugging "
                                   "Face Llama/Mixtral rotate halves (i, i + d/2) and would compute something else. "
@@ -171,6 +175,13 @@ class ModelConfig:
 
     def to_megatron_args(self) -> Dict[str, Any]:
         """The arguments pretrain_gpt.py needs to build this model (Megatron flag names)."""
+        args = self._megatron_args()
+        if self.qwen3_next is not None:
+            fields = qwen3_next_config_kwargs(self.qwen3_next)
+            args.update({name: fields[name] for name in _QWEN3_NEXT_FIELDS if name in fields})
+        return args
+
+    def _megatron_args(self) -> Dict[str, Any]:
         return {
             "num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
@@ -257,6 +268,18 @@ class ModelConfig:
                             if self.moe_router_topk_scaling_factor else "")
                          + (f" --moe-router-num-groups {self.moe_router_num_groups} --moe-router-group-topk "
                             f"{self.moe_router_group_topk}" if self.moe_router_num_groups else ""))
+        if self.qwen3_next is not None:
+            f = qwen3_next_config_kwargs(self.qwen3_next)
+            pattern = lambda values: "'[" + ",".join(str(v) for v in values) + "]'"  # noqa: E731
+            flags.append(f"--attention-output-gate --rotary-percent {f['rotary_percent']:g}")
+            flags.append(f"--experimental-attention-variant gdn --linear-attention-freq "
+                         f"{pattern(f['linear_attention_freq'])} "
+                         f"--linear-conv-kernel-dim {f['linear_conv_kernel_dim']} "
+                         f"--linear-key-head-dim {f['linear_key_head_dim']} --linear-value-head-dim "
+                         f"{f['linear_value_head_dim']} --linear-num-key-heads {f['linear_num_key_heads']} "
+                         f"--linear-num-value-heads {f['linear_num_value_heads']}")
+            if "moe_layer_freq" in f:
+                flags.append(f"--moe-layer-freq {pattern(f['moe_layer_freq'])}")
         return flags
 
 
@@ -280,6 +303,10 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
         raise ConversionError("this checkpoint was trained with --apply-layernorm-1p (norm weights stored "
                               "as gamma - 1), which Hugging Face GPT-2/Llama cannot express; convert a model "
                               "trained without it.")
+    if args.get("experimental_attention_variant") or any(".self_attention.in_proj." in k for k in shapes):
+        raise ConversionError("this checkpoint has gated delta-net layers (--experimental-attention-variant, "
+                              "Qwen3-Next's hybrid), which the Hugging Face converter does not write yet (only "
+                              "qwen3_next_gdn_to_hf, one layer); convert it --to safetensors instead.")
     if args.get("attention_output_gate"):
         raise ConversionError("this checkpoint was trained with --attention-output-gate (gated attention), which "
                               "Hugging Face GPT-2/Llama/Qwen3 cannot express; convert it --to safetensors instead.")
@@ -774,6 +801,19 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
                 moe_router_enable_expert_bias=True, moe_router_num_groups=groups if groups > 1 else None,
                 moe_router_group_topk=group_topk if groups > 1 else None,
                 moe_shared_expert_intermediate_size=config["moe_intermediate_size"] * config.get("n_shared_experts", 1))))
+    if kind == "qwen3_next":
+        fields = qwen3_next_config_kwargs(config)  # refuses what it cannot express
+        if config.get("attention_bias"):
+            raise ConversionError("Qwen3-Next with attention_bias is not supported (no linear biases).")
+        rope = dict(config.get("rope_parameters") or {}, rope_type="default")
+        dense = config_from_hf(dict(config, model_type="llama", attention_bias=False, mlp_bias=False,
+                                    rope_parameters=rope))
+        moe = {} if "num_moe_experts" not in fields else dict(
+            num_experts=fields["num_moe_experts"], moe_ffn_hidden_size=fields["moe_ffn_hidden_size"],
+            moe_router_topk=fields["moe_router_topk"],
+            moe_router_pre_softmax=fields.get("moe_router_pre_softmax", False),
+            moe_shared_expert_intermediate_size=fields["moe_shared_expert_intermediate_size"])
+        return dataclasses.replace(dense, qk_layernorm=True, qwen3_next=dict(config), **moe)
     if kind == "qwen3":
         if config.get("attention_bias"):
             raise ConversionError("Qwen3 with attention_bias has biases in attention but not in the MLP; this model "
@@ -806,8 +846,9 @@ def config_from_hf(config: Dict[str, Any]) -> ModelConfig:
             attention_dropout=float(config.get("attention_dropout", 0.0)),
         )
     raise ConversionError(f"Hugging Face model_type {kind!r} is not supported; GPT-2 ('gpt2'), Llama "
-                          "('llama'), Qwen3 ('qwen3'), Mixtral ('mixtral'), Qwen2-MoE ('qwen2_moe') and DeepSeek-V3 "
-                          "('deepseek_v3', dense MLPs) models convert.")
+                          "('llama'), Qwen3 ('qwen3'), Mixtral ('mixtral'), Qwen2-MoE ('qwen2_moe'), DeepSeek-V3 "
+                          "('deepseek_v3', dense MLPs) and, to this trainer only, Qwen3-Next ('qwen3_next') models "
+                          "convert.")
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -827,6 +868,13 @@ def from_hf(theirs: Tensors, cfg: ModelConfig, padded_vocab: Optional[int] = Non
     zero-padded to ``padded_vocab`` rows."""
     vocab = padded_vocab or cfg.vocab_size
     out: Tensors = {}
+    if cfg.style == "qwen3_next":
+        out = qwen3_next_from_hf(theirs, cfg.qwen3_next)
+        for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            out[name] = _pad_rows(out[name], vocab)
+        if cfg.tied_embeddings:
+            del out["output_layer.weight"]
+        return out
     if cfg.style == "gpt2":
         wte = _need(theirs, "transformer.wte.weight")
         out["embedding.word_embeddings.weight"] = _pad_rows(wte, vocab)
@@ -932,3 +980,181 @@ def _qwen2_moe_from_hf(theirs: Tensors, cfg: ModelConfig, m: str, o: str, shared
     if gated:
         out[m + "mlp.shared_experts.gate_weight"] = _need(theirs, o + "mlp.shared_expert_gate.weight")
     return out
+
+
+# --------------------------------------------------------------------------------------
+# Qwen3-Next's gated delta net, one layer (megatron/core/transformer/gated_delta_net.py).
+# Hugging Face groups in_proj_qkvz / in_proj_ba per key head ([q_h, k_h, v_group, z_group],
+# [b_group, a_group]); ours stacks whole blocks [q; k; v; z; b; a]. The convolution, A_log,
+# dt_bias, the gated norm ("norm" there, "out_norm" here) and out_proj are the same tensors.
+# The whole model: qwen3_next_from_hf / qwen3_next_to_hf below.
+# --------------------------------------------------------------------------------------
+
+def _gdn_dims(cfg) -> Tuple[int, int, int, int, int]:
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    return nk, nv, nv // nk, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+
+
+def qwen3_next_gdn_from_hf(theirs: Tensors, cfg) -> Tensors:
+    """Hugging Face ``Qwen3NextGatedDeltaNet`` tensors (names relative to the module) -> ours."""
+    nk, nv, r, dk, dv = _gdn_dims(cfg)
+    qkvz = theirs["in_proj_qkvz.weight"]
+    hidden = qkvz.shape[-1]
+    q, k, v, z = qkvz.view(nk, 2 * dk + 2 * r * dv, hidden).split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = theirs["in_proj_ba.weight"].view(nk, 2 * r, hidden).split([r, r], dim=1)
+    in_proj = torch.cat([t.reshape(-1, hidden) for t in (q, k, v, z, b, a)], dim=0)
+    return {"in_proj.weight": in_proj, "conv1d.weight": theirs["conv1d.weight"], "A_log": theirs["A_log"],
+            "dt_bias": theirs["dt_bias"], "out_norm.weight": theirs["norm.weight"],
+            "out_proj.weight": theirs["out_proj.weight"]}
+
+
+def qwen3_next_gdn_to_hf(ours: Tensors, cfg) -> Tensors:
+    """The inverse of ``qwen3_next_gdn_from_hf``."""
+    nk, nv, r, dk, dv = _gdn_dims(cfg)
+    w = ours["in_proj.weight"]
+    hidden = w.shape[-1]
+    q, k, v, z, b, a = w.split([nk * dk, nk * dk, nv * dv, nv * dv, nv, nv], dim=0)
+    group = lambda t: t.reshape(nk, -1, hidden)  # noqa: E731  (per key head)
+    qkvz = torch.cat([group(q), group(k), group(v), group(z)], dim=1).reshape(-1, hidden)
+    ba = torch.cat([group(b), group(a)], dim=1).reshape(-1, hidden)
+    return {"in_proj_qkvz.weight": qkvz.contiguous(), "in_proj_ba.weight": ba.contiguous(),
+            "conv1d.weight": ours["conv1d.weight"], "A_log": ours["A_log"], "dt_bias": ours["dt_bias"],
+            "norm.weight": ours["out_norm.weight"], "out_proj.weight": ours["out_proj.weight"]}
+
+
+# --------------------------------------------------------------------------------------
+# Qwen3-Next, the whole model: Hugging Face ``Qwen3NextForCausalLM`` tensors <-> ours, and
+# the TransformerConfig fields of the same model. convert.py imports it (config_from_hf ->
+# style "qwen3_next" -> from_hf); exporting one of our hybrid checkpoints with --to hf is
+# not wired (config_from_tensors refuses it), qwen3_next_to_hf is the in-memory inverse.
+# Its norms store gamma - 1 (output * (1 + w)), ours gamma (the gated delta net's gated
+# norm stores gamma in both); its gated attention's q_proj holds per head [q_h; gate_h],
+# our linear_qkv per query group [q heads; their gates; k; v] (attention.py); its MoE is
+# Qwen2-MoE's (gated shared expert).
+# --------------------------------------------------------------------------------------
+
+# What a Qwen3-Next config adds to the Llama-style arguments (Megatron flag names = field names).
+_QWEN3_NEXT_FIELDS = ("rotary_percent", "attention_output_gate", "experimental_attention_variant",
+                      "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+                      "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "moe_layer_freq")
+
+
+def qwen3_next_config_kwargs(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``TransformerConfig`` fields of the Hugging Face Qwen3-Next config ``hf`` (a dict)."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [("full_attention" if (i + 1) % 4 == 0 else "linear_attention")
+                                      for i in range(layers)]
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    moe = [int(hf.get("num_experts", 0) > 0 and i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ConversionError(f"Qwen3-Next with rope_type {rope.get('rope_type')!r} is not supported (default only).")
+    out = dict(num_layers=layers, hidden_size=hf["hidden_size"], num_attention_heads=hf["num_attention_heads"],
+               num_query_groups=hf["num_key_value_heads"], kv_channels=hf["head_dim"],
+               ffn_hidden_size=hf["intermediate_size"], normalization="RMSNorm", layernorm_epsilon=hf["rms_norm_eps"],
+               gated_linear_unit=True, add_bias_linear=False, position_embedding_type="rope",
+               rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+               rotary_percent=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+               qk_layernorm=True, attention_output_gate=True, experimental_attention_variant="gdn",
+               linear_attention_freq=[int(t == "linear_attention") for t in types],
+               linear_conv_kernel_dim=hf["linear_conv_kernel_dim"], linear_key_head_dim=hf["linear_key_head_dim"],
+               linear_value_head_dim=hf["linear_value_head_dim"], linear_num_key_heads=hf["linear_num_key_heads"],
+               linear_num_value_heads=hf["linear_num_value_heads"])
+    if any(moe):
+        out.update(num_moe_experts=hf["num_experts"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                   moe_router_topk=hf["num_experts_per_tok"], moe_layer_freq=moe,
+                   moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
+                   moe_shared_expert_gate=True)
+        if not hf.get("norm_topk_prob", True):
+            out["moe_router_pre_softmax"] = True  # softmax over all experts, top-k not renormalized
+    return out
+
+
+def _qwen3_next_shape(hf: Dict[str, Any]):
+    import types as _types
+
+    fields = qwen3_next_config_kwargs(hf)
+    fields.setdefault("moe_ffn_hidden_size", None)
+    return _types.SimpleNamespace(num_experts=fields.get("num_moe_experts"), **fields)
+
+
+def qwen3_next_from_hf(theirs: Tensors, hf: Dict[str, Any]) -> Tensors:
+    """``Qwen3NextForCausalLM`` tensors (its state_dict names) -> our GPTModel's."""
+    cfg = _qwen3_next_shape(hf)
+    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    per = heads // groups
+    ours = {"embedding.word_embeddings.weight": _need(theirs, "model.embed_tokens.weight"),
+            "decoder.final_layernorm.weight": _need(theirs, "model.norm.weight") + 1,
+            "output_layer.weight": theirs.get("lm_head.weight", theirs["model.embed_tokens.weight"])}
+    for i in range(cfg.num_layers):
+        o, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        ours[m + "input_layernorm.weight"] = _need(theirs, o + "input_layernorm.weight") + 1
+        ours[m + "pre_mlp_layernorm.weight"] = _need(theirs, o + "post_attention_layernorm.weight") + 1
+        if cfg.linear_attention_freq[i]:
+            prefix = o + "linear_attn."
+            layer = {k[len(prefix):]: v for k, v in theirs.items() if k.startswith(prefix)}
+            ours.update({m + "self_attention." + k: v for k, v in qwen3_next_gdn_from_hf(layer, cfg).items()})
+        else:
+            a = o + "self_attn."
+            h = _need(theirs, a + "q_proj.weight").shape[-1]
+            q, gate = _need(theirs, a + "q_proj.weight").view(heads, 2, d, h).unbind(1)
+            k = _need(theirs, a + "k_proj.weight").view(groups, d, h)
+            v = _need(theirs, a + "v_proj.weight").view(groups, d, h)
+            qkv = torch.cat([q.reshape(groups, per * d, h), gate.reshape(groups, per * d, h), k, v], dim=1)
+            ours[m + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, h)
+            ours[m + "self_attention.q_layernorm.weight"] = _need(theirs, a + "q_norm.weight") + 1
+            ours[m + "self_attention.k_layernorm.weight"] = _need(theirs, a + "k_norm.weight") + 1
+            ours[m + "self_attention.linear_proj.weight"] = _need(theirs, a + "o_proj.weight")
+        if cfg.num_experts and cfg.moe_layer_freq[i]:
+            ours.update(_qwen2_moe_from_hf(theirs, cfg, m, o))
+        else:
+            ours[m + "mlp.linear_fc1.weight"] = torch.cat([_need(theirs, o + "mlp.gate_proj.weight"),
+                                                           _need(theirs, o + "mlp.up_proj.weight")])
+            ours[m + "mlp.linear_fc2.weight"] = _need(theirs, o + "mlp.down_proj.weight")
+    return ours
+
+
+def qwen3_next_to_hf(ours: Tensors, hf: Dict[str, Any]) -> Tensors:
+    """The inverse of ``qwen3_next_from_hf`` (experts as the in-memory 3-D ``gate_up_proj`` /
+    ``down_proj`` of transformers 5)."""
+    cfg = _qwen3_next_shape(hf)
+    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    per = heads // groups
+    theirs = {"model.embed_tokens.weight": ours["embedding.word_embeddings.weight"],
+              "model.norm.weight": ours["decoder.final_layernorm.weight"] - 1,
+              "lm_head.weight": ours["output_layer.weight"]}
+    for i in range(cfg.num_layers):
+        o, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        theirs[o + "input_layernorm.weight"] = ours[m + "input_layernorm.weight"] - 1
+        theirs[o + "post_attention_layernorm.weight"] = ours[m + "pre_mlp_layernorm.weight"] - 1
+        if cfg.linear_attention_freq[i]:
+            prefix = m + "self_attention."
+            layer = {k[len(prefix):]: v for k, v in ours.items() if k.startswith(prefix)}
+            theirs.update({o + "linear_attn." + k: v for k, v in qwen3_next_gdn_to_hf(layer, cfg).items()})
+        else:
+            a, s = o + "self_attn.", m + "self_attention."
+            w = ours[s + "linear_qkv.weight"]
+            h = w.shape[-1]
+            q, gate, k, v = w.view(groups, 2 * per * d + 2 * d, h).split([per * d, per * d, d, d], dim=1)
+            theirs[a + "q_proj.weight"] = torch.stack([q.reshape(heads, d, h), gate.reshape(heads, d, h)],
+                                                      dim=1).reshape(-1, h)
+            theirs[a + "k_proj.weight"] = k.reshape(-1, h).contiguous()
+            theirs[a + "v_proj.weight"] = v.reshape(-1, h).contiguous()
+            theirs[a + "q_norm.weight"] = ours[s + "q_layernorm.weight"] - 1
+            theirs[a + "k_norm.weight"] = ours[s + "k_layernorm.weight"] - 1
+            theirs[a + "o_proj.weight"] = ours[s + "linear_proj.weight"]
+        if cfg.num_experts and cfg.moe_layer_freq[i]:
+            per_expert = _qwen2_moe_to_hf(ours, cfg, m, o)
+            e = cfg.num_experts
+            theirs[o + "mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([per_expert.pop(f"{o}mlp.experts.{j}.gate_proj.weight"),
+                            per_expert.pop(f"{o}mlp.experts.{j}.up_proj.weight")]) for j in range(e)])
+            theirs[o + "mlp.experts.down_proj"] = torch.stack(
+                [per_expert.pop(f"{o}mlp.experts.{j}.down_proj.weight") for j in range(e)])
+            theirs.update(per_expert)
+        else:
+            gate_up = ours[m + "mlp.linear_fc1.weight"]
+            theirs[o + "mlp.gate_proj.weight"], theirs[o + "mlp.up_proj.weight"] = (
+                t.contiguous() for t in gate_up.chunk(2, dim=0))
+            theirs[o + "mlp.down_proj.weight"] = ours[m + "mlp.linear_fc2.weight"]
+    return theirs

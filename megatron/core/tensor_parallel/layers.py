@@ -9,7 +9,8 @@ every TP rank.
 * ``ColumnParallelLinear``: ``Y = X A^T + b`` with ``A``'s rows (outputs) split; the
   input is the whole feature vector on every rank, the output this rank's features.
   ``blocks=2`` splits each of two stacked row blocks on its own (SwiGLU's [gate; up],
-  so a rank holds matching gate and up rows).
+  so a rank holds matching gate and up rows); ``sections`` does the same for stacked
+  blocks of unequal sizes (the gated delta net's [q; k; v; z; b; a]).
 * ``RowParallelLinear``: ``A``'s columns (inputs) split; the input is this rank's
   features, the partial outputs are summed over TP, then the (replicated) bias added.
 * ``VocabParallelEmbedding``: the vocabulary rows split; a rank looks up the ids it
@@ -30,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megatron.core.global_slices import partition
+from megatron.core.global_slices import partition, partition_sections
 
 from .grad_accumulation_fusion import embedding, linear
 from .mappings import (
@@ -72,20 +73,26 @@ class _TensorParallelLayer(nn.Module):
 class ColumnParallelLinear(_TensorParallelLayer):
     def __init__(self, input_size: int, output_size: int, *, bias: bool, init_std: float,
                  tp_group: Optional[dist.ProcessGroup], sequence_parallel: bool = False, blocks: int = 1,
-                 dtype: Optional[torch.dtype] = None, skip_weight_param_allocation: bool = False,
+                 sections=None, dtype: Optional[torch.dtype] = None, skip_weight_param_allocation: bool = False,
                  gradient_accumulation_fusion: bool = True):
         super().__init__(init_std, tp_group, sequence_parallel)
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         rank, size = tp_rank_and_size(tp_group)
         self.input_size, self.output_size = input_size, output_size
         divide(output_size, size * blocks, "the output size of a column-parallel linear")
-        self.global_slices = {"weight": partition((output_size, input_size), 0, rank, size, blocks)}
+        if sections is not None:
+            for n in sections:
+                divide(n, size, "each block of a column-parallel linear")
+            cut = lambda shape: partition_sections(shape, 0, rank, size, sections)  # noqa: E731
+        else:
+            cut = lambda shape: partition(shape, 0, rank, size, blocks)  # noqa: E731
+        self.global_slices = {"weight": cut((output_size, input_size))}
         if skip_weight_param_allocation:  # the caller passes the weight (tied output layer)
             self.weight = None
         else:
             self.weight = nn.Parameter(torch.empty(self.global_slices["weight"].local_shape, dtype=dtype))
         if bias:
-            self.global_slices["bias"] = partition((output_size,), 0, rank, size, blocks)
+            self.global_slices["bias"] = cut((output_size,))
             self.bias = nn.Parameter(torch.empty(self.global_slices["bias"].local_shape, dtype=dtype))
         else:
             self.bias = None

@@ -2,6 +2,7 @@
 
 from .attention import SelfAttention
 from .backends import import_transformer_engine
+from .gated_delta_net import GatedDeltaNet
 from .layers import Embedding, Linear, build_linear, output_init_std, reset_parameters_of
 from .mlp import MLP
 from .norms import LayerNorm, RMSNorm, build_norm
@@ -13,6 +14,7 @@ from .transformer_layer import TransformerLayer
 __all__ = [
     "ACTIVATION_FUNCTIONS",
     "Embedding",
+    "GatedDeltaNet",
     "LayerNorm",
     "Linear",
     "MLP",

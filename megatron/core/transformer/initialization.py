@@ -6,7 +6,9 @@ by ``(seed, fully-qualified name)``, with Megatron's distributions:
 * weights of ``Linear`` / ``Embedding`` / the output layer: normal(0, ``init_std`` of the
   module), which is ``init_method_std`` or, for the projections that write into the
   residual stream (``linear_proj``, ``linear_fc2``), ``init_method_std / sqrt(2 * num_layers)``;
-* norm weights one, biases zero.
+* norm weights one, biases zero;
+* a module with its own rule (the gated delta net's ``A_log``, ``dt_bias`` and causal
+  convolution) fills its global tensor in ``initialize_global_(attr, values, generator)``.
 
 A parameter that is a piece of a larger global tensor (tensor or expert parallelism, see
 ``megatron/core/global_slices.py``) is drawn at its global shape and cut to this rank's
@@ -42,7 +44,10 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def _fill(module: nn.Module, attr: str, fqn: str, values: torch.Tensor, generator: torch.Generator) -> None:
-    if attr == "bias":
+    own_rule = getattr(module, "initialize_global_", None)
+    if own_rule is not None:
+        own_rule(attr, values, generator)
+    elif attr == "bias":
         values.zero_()
     elif _is_norm(module):
         values.fill_(1.0)

@@ -97,9 +97,10 @@ def build_linear(config: TransformerConfig, in_features: int, out_features: int,
 
 
 def build_parallel_linear(config: TransformerConfig, in_features: int, out_features: int, bias: bool,
-                          init_std: float, split: str, blocks: int = 1) -> nn.Module:
+                          init_std: float, split: str, blocks: int = 1, sections=None) -> nn.Module:
     """``build_linear`` at TP size 1; else a column-parallel (``split="column"``, outputs
-    split, ``blocks`` row blocks each split on its own) or row-parallel (``"row"``) linear."""
+    split, ``blocks`` equal row blocks or blocks of the sizes ``sections`` each split on its
+    own) or row-parallel (``"row"``) linear."""
     if config.tensor_model_parallel_size == 1:
         return build_linear(config, in_features, out_features, bias=bias, init_std=init_std)
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -108,7 +109,7 @@ def build_parallel_linear(config: TransformerConfig, in_features: int, out_featu
                   sequence_parallel=config.sequence_parallel, dtype=config.params_dtype,
                   gradient_accumulation_fusion=config.gradient_accumulation_fusion)
     if split == "column":
-        return ColumnParallelLinear(in_features, out_features, blocks=blocks, **kwargs)
+        return ColumnParallelLinear(in_features, out_features, blocks=blocks, sections=sections, **kwargs)
     return RowParallelLinear(in_features, out_features, **kwargs)
 
 

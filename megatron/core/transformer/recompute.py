@@ -21,9 +21,12 @@ consumer's saved tensor is replaced by a recipe through torch's saved-tensor hoo
 sequence parallelism the column-parallel linear keeps the all-gathered input, not the
 norm's output: ``layernorm`` then saves nothing (same results).
 
+* ``gdn_norm_out``: the gated delta net's gated output norm (gated_delta_net.py): its output
+  is not kept for ``out_proj`` (needs ``--experimental-attention-variant gdn``).
+
 Upstream's other names are validated as upstream does: ``mla_up_proj`` needs multi-latent
-attention, ``gdn_norm_out`` / ``gdp_in_proj`` / ``gdp_qkv`` a gated delta-net attention and
-``mhc`` hyper-connections: none of these modules exists here, so they are refused.
+attention, ``gdp_in_proj`` / ``gdp_qkv`` a gated delta-product attention and ``mhc``
+hyper-connections: none of these modules exists here, so they are refused.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 # Upstream's names whose module this project does not have, and what upstream requires for them.
 _MISSING = {
     "mla_up_proj": "multi-latent attention (--multi-latent-attention), which is not implemented here",
-    "gdn_norm_out": "a gated delta-net attention variant, which is not implemented here",
     "gdp_in_proj": "a gated delta-product attention variant, which is not implemented here",
     "gdp_qkv": "a gated delta-product attention variant, which is not implemented here",
     "mhc": "hyper-connections (enable_mhc_connections), which are not implemented here",
@@ -46,7 +48,7 @@ _MISSING = {
 
 
 def check_recompute_modules(modules: Optional[Iterable[str]], granularity: Optional[str],
-                            moe_grouped_gemm: bool = False) -> List[str]:
+                            moe_grouped_gemm: bool = False, gated_delta_net: bool = False) -> List[str]:
     """The modules to recompute (upstream's default ["core_attn"]), or ValueError with the fix."""
     modules = ["core_attn"] if modules is None else list(modules)
     unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
@@ -57,6 +59,9 @@ def check_recompute_modules(modules: Optional[Iterable[str]], granularity: Optio
     for name in modules:
         if name in _MISSING:
             raise ValueError(f"--recompute-modules {name} needs {_MISSING[name]}; drop it from the list.")
+    if "gdn_norm_out" in modules and not gated_delta_net:
+        raise ValueError("--recompute-modules gdn_norm_out needs --experimental-attention-variant gdn (a gated "
+                         "delta-net layer); add it or drop gdn_norm_out from the list.")
     if "moe_act" in modules and not moe_grouped_gemm:
         # Upstream's rule (its activation checkpoint lives in the grouped-GEMM experts).
         raise ValueError("--recompute-modules moe_act is only supported with --moe-grouped-gemm; add it or drop moe_act.")

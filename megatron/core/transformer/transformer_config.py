@@ -136,6 +136,17 @@ class TransformerConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # Hybrid linear attention (gated_delta_net.py; Megatron-LM's fields and defaults):
+    # experimental_attention_variant "gdn" (alias "gated_delta_net") puts a gated delta net
+    # in place of softmax attention on the layers linear_attention_freq marks (an int N:
+    # every N-th layer keeps softmax attention; or a 0/1 list, 1 = linear).
+    experimental_attention_variant: Optional[str] = None
+    linear_attention_freq: Optional[Union[int, List[int]]] = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
     # Linear layers compute their weight gradient straight into the data-parallel wrapper's
     # reduction buffer where it offers one (tensor_parallel/grad_accumulation_fusion.py).
     gradient_accumulation_fusion: bool = True
@@ -299,10 +310,12 @@ class TransformerConfig:
         self._check_tensor_parallel()
         self._check_context_parallel()
         self._check_multi_latent_attention()
+        self._check_linear_attention()
         check_moe_config(self)
         from .recompute import check_recompute_modules
 
-        check_recompute_modules(self.recompute_modules, self.recompute_granularity, self.moe_grouped_gemm)
+        check_recompute_modules(self.recompute_modules, self.recompute_granularity, self.moe_grouped_gemm,
+                                gated_delta_net=self.experimental_attention_variant in ("gdn", "gated_delta_net"))
         if self.mtp_num_layers is not None and (isinstance(self.mtp_num_layers, bool) or self.mtp_num_layers < 1):
             raise ValueError(f"mtp_num_layers must be a positive integer or None, got {self.mtp_num_layers!r}.")
         if self.mtp_num_layers and self.context_parallel_size > 1:
@@ -332,6 +345,58 @@ class TransformerConfig:
         if self.context_parallel_size > 1:
             raise ValueError("--multi-latent-attention with --context-parallel-size > 1 is not supported yet (its "
                              "values are narrower than its queries); use --context-parallel-size 1.")
+
+    def _check_linear_attention(self) -> None:
+        """The gated delta-net checks (upstream's, plus what is not built here); ValueError with the fix."""
+        variant = self.experimental_attention_variant
+        if variant is None:
+            if self.linear_attention_freq is not None:
+                raise ValueError("--linear-attention-freq needs --experimental-attention-variant gdn (or "
+                                 "gated_delta_net); add it or drop --linear-attention-freq.")
+            return
+        if variant not in ("gdn", "gated_delta_net"):
+            raise ValueError(f"--experimental-attention-variant {variant} is not implemented here; only gdn "
+                             "(alias gated_delta_net) is, drop it or use gdn.")
+        freq = self.linear_attention_freq
+        if freq is None:
+            raise ValueError("--experimental-attention-variant gdn needs --linear-attention-freq (e.g. 4: every "
+                             "4th layer softmax attention, or a 0/1 list per layer, 1 = linear).")
+        if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
+            raise ValueError(f"--linear-attention-freq must be an int or a list of 0/1, got {freq!r}.")
+        if isinstance(freq, int) and freq < 1:
+            raise ValueError(f"--linear-attention-freq must be a positive int, got {freq}; 1 means no linear layer.")
+        if isinstance(freq, (list, tuple)):
+            if len(freq) != self.num_layers:
+                raise ValueError(f"--linear-attention-freq has {len(freq)} entries but --num-layers is "
+                                 f"{self.num_layers}; give one 0/1 per layer.")
+            if any(v not in (0, 1) for v in freq):
+                raise ValueError(f"--linear-attention-freq entries must be 0 (softmax) or 1 (linear), "
+                                 f"got {list(freq)}.")
+        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_num_key_heads", "linear_num_value_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"--linear-num-value-heads ({self.linear_num_value_heads}) must be a multiple of "
+                             f"--linear-num-key-heads ({self.linear_num_key_heads}).")
+        tp = self.tensor_model_parallel_size
+        for name in ("linear_num_key_heads", "linear_num_value_heads"):
+            if getattr(self, name) % tp:
+                raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be a multiple of "
+                                 f"--tensor-model-parallel-size ({tp}); change one of them.")
+        activation = getattr(self, "activation_func", "silu")
+        if activation not in ("silu", F.silu) or getattr(self, "squared_relu", False):
+            # Upstream's conv and output gate use the model's activation and its kernels take
+            # silu only; here both are silu.
+            raise ValueError("the gated delta net needs the silu activation (--swiglu), as upstream's kernels; "
+                             "add --swiglu.")
+        if self.context_parallel_size > 1:
+            raise ValueError("the gated delta net with --context-parallel-size > 1 is not supported here (its "
+                             "recurrence runs over the whole sequence); use --context-parallel-size 1.")
+        if self.multi_latent_attention:
+            raise ValueError("--experimental-attention-variant gdn with --multi-latent-attention is not "
+                             "supported; drop one.")
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_model_parallel_size

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .attention import SelfAttention
+from .gated_delta_net import GatedDeltaNet, linear_attention_pattern
 from .layers import reset_parameters_of
 from .mlp import MLP
 from .multi_latent_attention import MLASelfAttention
@@ -32,16 +33,25 @@ from .transformer_config import TransformerConfig
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: TransformerConfig, layer_number: int = 1, expert_parallel=None,
-                 moe: Optional[bool] = None):
+                 moe: Optional[bool] = None, linear_attention: Optional[bool] = None):
         """``moe``: whether the MLP is a MoE layer (default: what ``moe_layer_freq`` says for
-        ``layer_number``; a multi-token prediction layer takes the last layer's kind)."""
+        ``layer_number``; a multi-token prediction layer takes the last layer's kind).
+        ``linear_attention``: whether ``self_attention`` is a gated delta net (default: what
+        ``linear_attention_freq`` says for ``layer_number``; softmax attention past the
+        decoder's layers, i.e. in a multi-token prediction layer, as Qwen3-Next's MTP)."""
         super().__init__()
         moe = is_moe_layer(config, layer_number) if moe is None else moe
+        if linear_attention is None:
+            linear_attention = (layer_number <= config.num_layers
+                                and bool(linear_attention_pattern(config)[layer_number - 1]))
         self.config = config
         self.layer_number = layer_number  # 1-based, as in Megatron
         self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = (MLASelfAttention if config.multi_latent_attention else SelfAttention)(config,
-                                                                                                   layer_number)
+        if linear_attention:
+            self.self_attention = GatedDeltaNet(config, layer_number)
+        else:
+            self.self_attention = (MLASelfAttention if config.multi_latent_attention else SelfAttention)(
+                config, layer_number)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
         # A MoE layer (moe/moe_layer.py) replaces the MLP where --moe-layer-freq says so.
         if moe:

@@ -19,6 +19,15 @@ CONFIGS = {
     # Every other layer a MoE (top-2 of 4 SwiGLU experts) with a shared expert.
     "moe_interleaved_shared": (dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_layer_freq=2,
                                     moe_shared_expert_intermediate_size=16, gated_linear_unit=True), False, None),
+    # Qwen3-Next-like hybrid: gated delta nets on layers 1 and 2, gated softmax attention on 3.
+    "gdn_hybrid": (dict(normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True,
+                        attention_output_gate=True, experimental_attention_variant="gdn", linear_attention_freq=3,
+                        linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_conv_kernel_dim=3), False, None),
+    "gdn_list_layernorm_bias": (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=[0, 1, 1],
+                                     gated_linear_unit=True,
+                                     linear_key_head_dim=4, linear_value_head_dim=4, linear_num_key_heads=2,
+                                     linear_num_value_heads=2), True, None),
 }
 
 

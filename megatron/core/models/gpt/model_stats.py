@@ -8,6 +8,7 @@ and [x] is 1 when x holds, else 0.
 
 from typing import Optional
 
+from megatron.core.transformer.gated_delta_net import linear_attention_pattern
 from megatron.core.transformer.moe.config import moe_layer_pattern
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -31,6 +32,11 @@ def num_parameters(config: TransformerConfig, vocab_size: int, max_sequence_leng
     experts shaped like the MLP with f = moe_ffn_hidden_size, and a shared expert (an MLP
     of moe_shared_expert_intermediate_size, plus h with moe_shared_expert_gate) when set. The count is the global model's (all
     experts), at any expert-parallel size.
+
+    A gated delta-net layer (``linear_attention_freq``; Hk, Hv key/value heads of dk, dv,
+    K the conv kernel, qk = Hk*dk, vv = Hv*dv) has, instead of linear_qkv, the norms and
+    linear_proj: in_proj h*(2qk + 2vv + 2Hv), conv1d (2qk + vv)*K, A_log and dt_bias 2Hv,
+    out_norm dv + [LayerNorm]*dv, out_proj vv*h (no biases, as upstream).
     """
     if position_embedding_type is None:
         position_embedding_type = config.position_embedding_type
@@ -55,9 +61,19 @@ def num_parameters(config: TransformerConfig, vocab_size: int, max_sequence_leng
     moe = experts * (h + bias) + experts * mlp(config.moe_ffn_hidden_size or f)
     if config.moe_shared_expert_intermediate_size:
         moe += mlp(config.moe_shared_expert_intermediate_size) + (h if config.moe_shared_expert_gate else 0)
-    layers = sum(2 * norm + attention + (moe if is_moe else mlp(f)) for is_moe in moe_layer_pattern(config))
+    gdn = _gated_delta_net_parameters(config)
+    layers = sum(2 * norm + (gdn if linear else attention) + (moe if is_moe else mlp(f))
+                 for is_moe, linear in zip(moe_layer_pattern(config), linear_attention_pattern(config)))
     output = 0 if share_embeddings_and_output_weights else vocab_size * h
     return embeddings + layers + norm + output
+
+
+def _gated_delta_net_parameters(config: TransformerConfig) -> int:
+    h, nv, dv = config.hidden_size, config.linear_num_value_heads, config.linear_value_head_dim
+    qk, vv = config.linear_num_key_heads * config.linear_key_head_dim, nv * dv
+    in_proj = 2 * qk + 2 * vv + 2 * nv
+    out_norm = dv * (2 if config.normalization == "LayerNorm" else 1)
+    return h * in_proj + (2 * qk + vv) * config.linear_conv_kernel_dim + 2 * nv + out_norm + vv * h
 
 
 def flops_per_token(config: TransformerConfig, vocab_size: int, seq_length: int) -> int:
@@ -82,6 +98,10 @@ def flops_per_token(config: TransformerConfig, vocab_size: int, seq_length: int)
     A MoE layer counts, instead of the MLP, the router 2hE and each token's top-k experts
     (k times the MLP term with f = moe_ffn_hidden_size), plus the shared expert's MLP term.
     Dropped tokens are not subtracted.
+
+    A gated delta-net layer counts, instead of the attention terms, its projections
+    2h(2qk + 2vv + 2Hv) + 2vv*h, the convolution 2(2qk + vv)K and the recurrence's three
+    [dk, dv] products per value head and token (predict, write, read): 6*Hv*dk*dv.
     """
     h = config.hidden_size
     q = config.query_projection_size
@@ -96,6 +116,11 @@ def flops_per_token(config: TransformerConfig, vocab_size: int, seq_length: int)
     moe = 2 * h * (config.num_moe_experts or 0) + config.moe_router_topk * mlp(config.moe_ffn_hidden_size or f)
     if config.moe_shared_expert_intermediate_size:
         moe += mlp(config.moe_shared_expert_intermediate_size)
-    forward = sum(attention + (moe if is_moe else mlp(f)) for is_moe in moe_layer_pattern(config))
+    nv = config.linear_num_value_heads
+    qk, vv = config.linear_num_key_heads * config.linear_key_head_dim, nv * config.linear_value_head_dim
+    gdn = (2 * h * (2 * qk + 2 * vv + 2 * nv) + 2 * vv * h + 2 * (2 * qk + vv) * config.linear_conv_kernel_dim
+           + 6 * nv * config.linear_key_head_dim * config.linear_value_head_dim)
+    forward = sum((gdn if linear else attention) + (moe if is_moe else mlp(f))
+                  for is_moe, linear in zip(moe_layer_pattern(config), linear_attention_pattern(config)))
     forward += 2 * h * vocab_size
     return 3 * forward

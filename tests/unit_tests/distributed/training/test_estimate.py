@@ -465,6 +465,11 @@ def test_estimate_memory_tool_reuses_the_trainer_flags(capsys):
     with pytest.raises(SystemExit, match="tensor-model-parallel-size > 1 and full recompute"):
         main(["--world-size", "4", *small, "--use-mfsdp", "--num-experts", "4", "--tensor-model-parallel-size", "2",
               *RECOMPUTE])
+    with pytest.raises(SystemExit, match="plans with --experimental-attention-variant"):
+        main(["--world-size", "2", *small, "--swiglu", "--experimental-attention-variant", "gdn",
+              "--linear-attention-freq", "2",
+              "--linear-num-key-heads", "2", "--linear-num-value-heads", "2", "--linear-key-head-dim", "8",
+              "--linear-value-head-dim", "8"])
     with pytest.raises(SystemExit, match="pipeline plans of a mixture of experts or with full recompute"):
         main(["--world-size", "4", *small, "--pipeline-model-parallel-size", "2", *RECOMPUTE])
     # CP: the units over DP x CP ranks (the persistent bytes of CP=1 at the same world),
