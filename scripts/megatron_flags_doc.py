@@ -129,7 +129,8 @@ Deviations worth knowing:
 - `--recompute-modules` (with `--recompute-granularity selective`): `core_attn`,
   `layernorm`, `mlp`, `moe`, `moe_act` (needs `--moe-grouped-gemm`, as upstream),
   `shared_experts`, `gdn_norm_out` (needs `--experimental-attention-variant gdn`);
-  `mla_up_proj`, `gdp_in_proj`, `gdp_qkv`, `mhc` are refused (their modules do not exist
+  `mla_up_proj` (needs `--multi-latent-attention`: the up projections and RoPE run again
+  in backward); `gdp_in_proj`, `gdp_qkv`, `mhc` are refused (their modules do not exist
   here). `layernorm`, `moe_act` and `gdn_norm_out` recompute a discarded output through
   saved-tensor hooks (docs/design.md).
 - `--experimental-attention-variant gdn` (or its deprecated alias `gated_delta_net`) with

@@ -80,7 +80,8 @@ def validate_recipe_args(args: argparse.Namespace, note) -> None:
         raise ValueError("--recompute-modules applies to --recompute-granularity selective; add that or drop it.")
     args.recompute_modules = check_recompute_modules(
         args.recompute_modules, args.recompute_granularity, getattr(args, "moe_grouped_gemm", False),
-        gated_delta_net=getattr(args, "experimental_attention_variant", None) in ("gdn", "gated_delta_net"))
+        gated_delta_net=getattr(args, "experimental_attention_variant", None) in ("gdn", "gated_delta_net"),
+        multi_latent_attention=getattr(args, "multi_latent_attention", False))
     if args.mtp_num_layers is not None:
         if args.mtp_num_layers < 1:
             raise ValueError(f"--mtp-num-layers must be positive, got {args.mtp_num_layers}; drop it for no MTP.")

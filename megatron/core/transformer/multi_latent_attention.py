@@ -58,6 +58,7 @@ from megatron.core.tensor_parallel.mappings import (
 from .attention import SelfAttention
 from .layers import build_linear, build_parallel_linear, output_init_std
 from .norms import build_norm
+from .recompute import recomputes
 from .rope import apply_rotary_pos_emb
 from .transformer_config import TransformerConfig
 
@@ -109,25 +110,36 @@ class MLASelfAttention(SelfAttention):
                                                  split="row")
 
     def query_key_value(self, hidden_states: torch.Tensor, rotary_pos_emb) -> Tuple[torch.Tensor, ...]:
-        """q, k [b, s, heads, d_n + d_r] and v [b, s, heads, d_v] (the whole sequence under SP)."""
+        """q, k [b, s, heads, d_n + d_r] and v [b, s, heads, d_v] (the whole sequence under SP).
+        With ``--recompute-modules mla_up_proj`` the up projections and RoPE (everything after
+        the latents) keep only their inputs and run again in backward, as upstream's."""
         config = self.config
+        q_latent = q = None
         if config.q_lora_rank is None:
             q = self.linear_q_proj(hidden_states)
         else:
-            latent = self.linear_q_down_proj(hidden_states)
+            q_latent = self.linear_q_down_proj(hidden_states)
             if self.q_layernorm is not None:
-                latent = self.q_layernorm(latent)
-            q = self.linear_q_up_proj(latent)
-        latent, k_rope = torch.split(self.linear_kv_down_proj(hidden_states), [config.kv_lora_rank, self.rope_dim],
-                                     dim=-1)
+                q_latent = self.q_layernorm(q_latent)
+        kv_latent, k_rope = torch.split(self.linear_kv_down_proj(hidden_states),
+                                        [config.kv_lora_rank, self.rope_dim], dim=-1)
         if self.kv_layernorm is not None:
-            latent = self.kv_layernorm(latent)
-        kv = self.linear_kv_up_proj(latent)
-        b, s, _ = q.shape
+            kv_latent = self.kv_layernorm(kv_latent)
         if config.tensor_model_parallel_size > 1:
             # The shared rope key feeds every head of every rank: its gradient is their sum.
             k_rope = (gather_from_sequence_parallel_region(k_rope, config.tp_group) if config.sequence_parallel
                       else copy_to_tensor_model_parallel_region(k_rope, config.tp_group))
+        if recomputes(config, "mla_up_proj") and self.training and torch.is_grad_enabled():
+            return checkpoint(self._up_projections_and_rope, q, q_latent, kv_latent, k_rope, rotary_pos_emb,
+                              use_reentrant=False)
+        return self._up_projections_and_rope(q, q_latent, kv_latent, k_rope, rotary_pos_emb)
+
+    def _up_projections_and_rope(self, q, q_latent, kv_latent, k_rope, rotary_pos_emb):
+        """q (given, or the up projection of ``q_latent``), k and v from the latents, RoPE applied."""
+        if q is None:
+            q = self.linear_q_up_proj(q_latent)
+        kv = self.linear_kv_up_proj(kv_latent)
+        b, s, _ = q.shape
         q_nope, q_rope = torch.split(q.view(b, s, self.num_heads, self.q_head_dim), [self.qk_head_dim, self.rope_dim],
                                      dim=-1)
         k_nope, v = torch.split(kv.view(b, s, self.num_heads, self.qk_head_dim + self.v_head_dim),
@@ -153,7 +165,7 @@ class MLASelfAttention(SelfAttention):
             causal = torch.ones(s, s, dtype=torch.bool, device=hidden_states.device).tril()
             attn_mask, is_causal = causal & ~attention_mask.to(torch.bool), False
         # SDPA's default scale is 1 / sqrt(q's last dim) = 1 / sqrt(d_n + d_r), upstream's softmax_scale.
-        if self.config.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
+        if recomputes(self.config, "core_attn") and self.training and torch.is_grad_enabled():
             context = checkpoint(self.core_attention, q, k, v, attn_mask, is_causal, use_reentrant=False)
         else:
             context = self.core_attention(q, k, v, attn_mask, is_causal)

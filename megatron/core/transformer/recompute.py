@@ -40,7 +40,6 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
                      "gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc")
 # Upstream's names whose module this project does not have, and what upstream requires for them.
 _MISSING = {
-    "mla_up_proj": "multi-latent attention (--multi-latent-attention), which is not implemented here",
     "gdp_in_proj": "a gated delta-product attention variant, which is not implemented here",
     "gdp_qkv": "a gated delta-product attention variant, which is not implemented here",
     "mhc": "hyper-connections (enable_mhc_connections), which are not implemented here",
@@ -48,7 +47,8 @@ _MISSING = {
 
 
 def check_recompute_modules(modules: Optional[Iterable[str]], granularity: Optional[str],
-                            moe_grouped_gemm: bool = False, gated_delta_net: bool = False) -> List[str]:
+                            moe_grouped_gemm: bool = False, gated_delta_net: bool = False,
+                            multi_latent_attention: bool = False) -> List[str]:
     """The modules to recompute (upstream's default ["core_attn"]), or ValueError with the fix."""
     modules = ["core_attn"] if modules is None else list(modules)
     unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
@@ -59,6 +59,9 @@ def check_recompute_modules(modules: Optional[Iterable[str]], granularity: Optio
     for name in modules:
         if name in _MISSING:
             raise ValueError(f"--recompute-modules {name} needs {_MISSING[name]}; drop it from the list.")
+    if "mla_up_proj" in modules and not multi_latent_attention:
+        raise ValueError("--recompute-modules mla_up_proj needs --multi-latent-attention (it recomputes the MLA up "
+                         "projections and RoPE); add it or drop mla_up_proj from the list.")
     if "gdn_norm_out" in modules and not gated_delta_net:
         raise ValueError("--recompute-modules gdn_norm_out needs --experimental-attention-variant gdn (a gated "
                          "delta-net layer); add it or drop gdn_norm_out from the list.")

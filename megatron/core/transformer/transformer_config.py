@@ -315,7 +315,8 @@ class TransformerConfig:
         from .recompute import check_recompute_modules
 
         check_recompute_modules(self.recompute_modules, self.recompute_granularity, self.moe_grouped_gemm,
-                                gated_delta_net=self.experimental_attention_variant in ("gdn", "gated_delta_net"))
+                                gated_delta_net=self.experimental_attention_variant in ("gdn", "gated_delta_net"),
+                                multi_latent_attention=self.multi_latent_attention)
         if self.mtp_num_layers is not None and (isinstance(self.mtp_num_layers, bool) or self.mtp_num_layers < 1):
             raise ValueError(f"mtp_num_layers must be a positive integer or None, got {self.mtp_num_layers!r}.")
         if self.mtp_num_layers and self.context_parallel_size > 1:

@@ -146,3 +146,39 @@ def test_mla_parse_time_errors(flags, world, message):
 
     with pytest.raises(ValueError, match=message):
         parse_args(PARSE_BASE + flags.split(), world_size=world, cuda_available=False)
+
+
+@pytest.mark.parametrize("q_lora_rank", [R_Q, None], ids=["q-lora", "no-q-lora"])
+def test_mla_up_proj_recompute_runs_the_up_projections_again_with_the_same_gradients(q_lora_rank):
+    """--recompute-modules mla_up_proj: the up projections run again in backward (and only
+    they: not the down projections), and every gradient is bitwise the plain run's."""
+    torch.manual_seed(0)
+    plain = MLASelfAttention(config(q_lora_rank=q_lora_rank))
+    again = MLASelfAttention(config(q_lora_rank=q_lora_rank, recompute_granularity="selective",
+                                    recompute_modules=["mla_up_proj"]))
+    again.load_state_dict(plain.state_dict())
+    calls = {}
+
+    def count(name):
+        return lambda module, inputs, output: calls.__setitem__(name, calls.get(name, 0) + 1)
+
+    up = "linear_q_up_proj" if q_lora_rank else "linear_q_proj"
+    for name in ("linear_kv_up_proj", "linear_kv_down_proj", up):
+        getattr(again, name).register_forward_hook(count(name))
+    positions = torch.arange(S).repeat(B, 1)
+    rope = RotaryEmbedding(D_R, 100.0)(positions)
+    x = torch.randn(B, S, HIDDEN)
+    grads = []
+    for module in (plain, again):
+        inp = x.clone().requires_grad_(True)
+        module(inp, rotary_pos_emb=rope).square().sum().backward()
+        grads.append([inp.grad] + [p.grad for p in module.parameters()])
+    assert calls["linear_kv_up_proj"] == 2 and calls["linear_kv_down_proj"] == 1
+    assert calls[up] == (2 if q_lora_rank else 1)  # without a q latent, q is the input of the recomputed part
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_mla_up_proj_needs_multi_latent_attention():
+    with pytest.raises(ValueError, match="mla_up_proj needs --multi-latent-attention"):
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, recompute_granularity="selective",
+                          recompute_modules=["mla_up_proj"])

@@ -108,7 +108,7 @@ def test_recompute_saved_replaces_the_saved_tensor_by_its_recipe():
 
 @pytest.mark.parametrize("modules, granularity, grouped, message", [
     (["attention"], "selective", False, "unknown attention"),
-    (["mla_up_proj"], "selective", False, "multi-latent attention"),
+    (["mla_up_proj"], "selective", False, "needs --multi-latent-attention"),
     (["mhc"], "selective", False, "hyper-connections"),
     (["gdn_norm_out"], "selective", False, "gated delta-net"),
     (["moe_act"], "selective", False, "--moe-grouped-gemm"),
