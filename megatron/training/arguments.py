@@ -335,7 +335,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
 def _validate_logging_and_checkpointing(args: argparse.Namespace) -> None:
     """Checkpoint saving needs a directory; W&B names need a project."""
     if args.save_interval is not None and args.save is None:
-        raise ValueError("--save-interval needs --save DIR to write checkpoints to.")
+        # Upstream trains without saving then; say so, since it is usually a forgotten --save.
+        _note("--save-interval without --save: no checkpoint will be written; add --save DIR to keep them.")
     check_retain_interval(args.save_retain_interval, args.save, args.save_interval)
     if args.async_save and args.save is None:
         raise ValueError("--async-save needs --save DIR to write checkpoints to.")
@@ -818,11 +819,14 @@ def _validate_fidelity(args: argparse.Namespace) -> None:
         raise ValueError("--rotary-interleaved applies to RoPE; add --position-embedding-type rope or drop it.")
     if args.apply_layernorm_1p and args.normalization != "LayerNorm":
         raise ValueError("--apply-layernorm-1p applies to LayerNorm; drop it or use --normalization LayerNorm.")
+    # CPU substitutions, like transformer_engine -> local: the math kernel computes the same attention.
     if args.device_type == "cpu" and args.attention_backend == "fused":
-        raise ValueError("--attention-backend fused has no CPU kernel; use auto, flash or unfused on CPU.")
+        _note("--attention-backend fused has no CPU kernel; the unfused (math) kernel runs instead (same results).")
+        args.attention_backend = "unfused"
     if (args.device_type == "cpu" and args.attention_backend == "flash" and args.attention_dropout > 0):
-        raise ValueError("--attention-backend flash takes no attention dropout on CPU; add --attention-dropout 0 "
-                         "or use --attention-backend unfused/auto.")
+        _note("--attention-backend flash takes no attention dropout on CPU; the unfused (math) kernel runs "
+              "instead (same results).")
+        args.attention_backend = "unfused"
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         raise ValueError("--decoupled-min-lr needs --decoupled-lr (the embedding/output peak LR); add it or drop "
                          "--decoupled-min-lr.")

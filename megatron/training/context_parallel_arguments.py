@@ -87,11 +87,6 @@ def validate_context_parallel_args(args: argparse.Namespace) -> None:
             raise ValueError("--moe-expert-capacity-factor with --context-parallel-size > 1 is not supported: each CP "
                              "rank routes its own chunks, so capacity would be per chunk; drop the capacity factor "
                              "or use --context-parallel-size 1.")
-        balancing = getattr(args, "moe_router_load_balancing_type", None)
-        if "sinkhorn" in ([balancing] if isinstance(balancing, str) else list(balancing or [])):
-            raise ValueError("--moe-router-load-balancing-type sinkhorn with --context-parallel-size > 1 is not "
-                             "supported: Sinkhorn normalizes over one rank's tokens, which CP splits; use aux_loss, "
-                             "seq_aux_loss, global_aux_loss or none, or --context-parallel-size 1.")
 
 
 def context_parallel_config_kwargs(args) -> dict:

@@ -66,8 +66,6 @@ ERRORS = {
     "moe capacity": ("--context-parallel-size 2 --num-experts 4 --moe-expert-capacity-factor 1", 2,
                      r"--moe-expert-capacity-factor with --context-parallel-size > 1 is not supported: each CP rank "
                      r"routes its own chunks, so capacity would be per chunk; drop the capacity factor"),
-    "moe sinkhorn": ("--context-parallel-size 2 --num-experts 4 --moe-router-load-balancing-type sinkhorn", 2,
-                     r"--moe-router-load-balancing-type sinkhorn with --context-parallel-size > 1 is not supported"),
     "moe ep": ("--context-parallel-size 2 --num-experts 4 --expert-model-parallel-size 4 --use-mfsdp", 2,
                r"--expert-model-parallel-size \(4\) must divide the data-parallel size \(2 = data-parallel size 1 x "
                r"--context-parallel-size 2\); use a divisor of 2\."),

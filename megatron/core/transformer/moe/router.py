@@ -19,7 +19,8 @@ Megatron-LM's ``TopKRouter`` semantics (``megatron/core/transformer/moe/router.p
   with tokens_e the step's assignments summed over the data-parallel ranks
   (``expert_bias.py``);
 * ``sinkhorn`` balancing (S-BASE): in training the k experts are the top-k of the Sinkhorn
-  normalisation of exp(logits) over this rank's tokens, the weights sigmoid(logits) (k = 1)
+  normalisation of exp(logits) over the micro-batch's tokens (under CP and sequence
+  parallelism every chunk's: the column sums are all-reduced), the weights sigmoid(logits) (k = 1)
   or the softmax over all experts, unnormalised; in evaluation the top-k of those weights;
 * with ``moe_expert_capacity_factor`` each expert keeps at most
   ``ceil(tokens * topk / num_experts * factor)`` tokens of this micro-batch (by probability,
@@ -134,27 +135,42 @@ def topk_routing_with_score_function(logits: torch.Tensor, topk: int, use_pre_so
     return routing_probs, routing_map
 
 
-def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4, groups: Tuple = ()) -> torch.Tensor:
     """Sinkhorn-Knopp on exp(cost) [T, E]: row and column scalings d0, d1 with rows summing
-    to 1/T and columns to 1/E (to ``tol``, mean change of d1 per iteration)."""
+    to 1/T and columns to 1/E (to ``tol``, mean change of d1 per iteration).
+
+    ``groups``: the groups this rank's tokens are one chunk of their sequences over (CP, SP):
+    T and the column sums are over every chunk, so the scalings (and every rank's loop
+    count, read from d1, which the all-reduce makes equal) are those of the whole sequences."""
     cost = torch.exp(cost)
+    tokens = cost.size(0)
+    if groups:
+        count = torch.tensor([tokens], dtype=torch.float64, device=cost.device)
+        for group in groups:
+            dist.all_reduce(count, group=group)
+        tokens = int(count.item())
     d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
     d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
     eps, error, d1_old = 1e-8, float("inf"), d1
     while error > tol:
-        d0 = (1 / d0.size(0)) / (torch.sum(d1 * cost, 1) + eps)
-        d1 = (1 / d1.size(0)) / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        d0 = (1 / tokens) / (torch.sum(d1 * cost, 1) + eps)
+        column = torch.sum(d0.unsqueeze(1) * cost, 0)
+        for group in groups:
+            dist.all_reduce(column, group=group)
+        d1 = (1 / d1.size(0)) / (column + eps)
         error = float(torch.mean(torch.abs(d1_old - d1)))
         d1_old = d1
     return d1 * cost * d0.unsqueeze(1)
 
 
-def sinkhorn_routing(logits: torch.Tensor, topk: int, training: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(routing_probs, routing_map) of S-BASE routing (module docstring)."""
+def sinkhorn_routing(logits: torch.Tensor, topk: int, training: bool,
+                     groups: Tuple = ()) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(routing_probs, routing_map) of S-BASE routing (module docstring); ``groups`` as for
+    :func:`sinkhorn`."""
     weights = torch.sigmoid(logits) if topk == 1 else torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
     if training:
         with torch.no_grad():  # the choice carries no gradient
-            top_indices = torch.topk(sinkhorn(logits.float()), k=topk, dim=1).indices
+            top_indices = torch.topk(sinkhorn(logits.float(), groups=groups), k=topk, dim=1).indices
     else:
         top_indices = torch.topk(weights, k=topk, dim=1).indices
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
@@ -374,7 +390,7 @@ class TopKRouter(nn.Module):
             logits = self._attach(logits, z_loss)
             self.last_stats["z_loss"] = self._whole(z_loss) / config.moe_z_loss_coeff
         if config.moe_router_load_balancing_type == "sinkhorn":
-            probs, routing_map = sinkhorn_routing(logits, self.topk, self.training)
+            probs, routing_map = sinkhorn_routing(logits, self.topk, self.training, self.split_groups)
         else:
             if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
                 self.expert_bias.data = self.expert_bias.data.float()  # a model cast must not round the bias

@@ -216,3 +216,41 @@ def test_sequence_parallel_router_statistics_match_the_reference():
     assert any(float(b.abs().sum()) > 0 for b in expected)
     for b, r in zip(got, expected):
         torch.testing.assert_close(b, r, rtol=0, atol=1e-7)
+
+
+def test_sinkhorn_over_sequence_chunks_is_the_whole_sequences_sinkhorn():
+    """Each rank holds one chunk of the tokens (as a CP or SP rank does): with the world as
+    the split group, every rank's rows of the plan, and so its top-k, are those of the
+    single-process Sinkhorn over all the tokens."""
+    from megatron.core.transformer.moe.router import sinkhorn
+
+    tokens, experts = 6 * WORLD, 4
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(5)) * 2
+    whole = sinkhorn(logits)
+    rows = slice(dist.get_rank() * 6, (dist.get_rank() + 1) * 6)
+    chunk = sinkhorn(logits[rows], groups=(dist.group.WORLD,) if WORLD > 1 else ())
+    torch.testing.assert_close(chunk, whole[rows], rtol=1e-5, atol=1e-9)
+    assert torch.equal(chunk.topk(2, dim=1).indices.sort(1).values, whole[rows].topk(2, dim=1).indices.sort(1).values)
+    if WORLD > 1:  # without the split group a chunk's own plan differs
+        assert not torch.allclose(sinkhorn(logits[rows]), whole[rows], rtol=1e-3)
+
+
+@pytest.mark.skipif(WORLD < 2, reason="needs two ranks or more")
+def test_sinkhorn_under_sequence_parallelism_trains_as_the_reference():
+    """TP=2 with sequence parallelism: each TP rank routes its sequence chunk with the
+    Sinkhorn plan of the whole sequences; the losses and grad norms are the reference's."""
+    from _trainer_models import trainer_args
+    from test_moe_tensor_parallel import tensor_parallel
+    from test_moe_tensor_parallel import train as train_tp
+
+    dp = WORLD // 2
+    flags = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--clip-grad", "0",
+             "--moe-router-load-balancing-type", "sinkhorn"]
+    with tensor_parallel(2) as state:
+        args = trainer_args("gpt2", *flags, "--use-mfsdp", "--expert-model-parallel-size", str(dp),
+                            "--tensor-model-parallel-size", "2", "--sequence-parallel")
+        built = build_model(gpt_provider, args, torch.device("cpu"))
+        reference = reference_with(trainer_args("gpt2", *flags, world_size=1))
+        mine_, ref, norms, ref_norms = train_tp(args, built, reference, state, True)
+    assert mine_ == pytest.approx(ref, rel=2e-5)
+    assert norms == pytest.approx(ref_norms, rel=2e-5)
