@@ -13,7 +13,6 @@ ZeRO-1, 2 micro-batches per rank per step), with injected faults:
   keeps the losses.
 """
 
-import os
 import re
 import subprocess
 import sys
