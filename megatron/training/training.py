@@ -223,7 +223,8 @@ def _initialize_parallel_state(args, device):
         hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size if args.num_experts else None,
-        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
+        # A dense model has no expert view: upstream builds its groups and never uses them.
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None) if args.num_experts else None)
 
 
 def _model_parameter_count(built: BuiltModel) -> int:
