@@ -134,6 +134,31 @@ def train_parallel(model, ctx, optimizer, state: ParallelState, sequence_paralle
     return losses, norms
 
 
+def check_training_and_checkpoint(model, reference, state: ParallelState, sequence_parallel: bool, tmp_path):
+    """Two SGD steps of ``model`` (TP, ZeRO-3) and of the single-process ``reference`` on the
+    same global batches: equal losses and clipped grad norms, each rank's pieces the
+    reference's slices; then the saved checkpoint holds the reference's global tensors."""
+    from megatron.core.distributed.mfsdp_v2.checkpoint import MODEL_PREFIX, load_tensors, save_checkpoint
+    from megatron.core.global_slices import global_slices_by_name
+
+    batches = global_batches(2)
+    ref_losses, ref_norms = train_reference(reference, make_optimizer("sgd", reference.parameters()), batches)
+    ctx, opt = wrap_tp(model, state, "zero3")
+    losses, norms = train_parallel(model, ctx, opt, state, sequence_parallel, batches)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack(norms).float(), torch.stack(ref_norms).float(), rtol=1e-4, atol=1e-6)
+    assert all(float(n) > MAX_NORM for n in ref_norms), "clipping was not active; lower MAX_NORM"
+    assert_pieces_match(model, reference)
+    directory = [str(tmp_path)]
+    dist.broadcast_object_list(directory, src=0)  # rank 0's directory on every rank
+    save_checkpoint(model, opt, directory[0], process_group=dist.group.WORLD, pieces=global_slices_by_name(model))
+    if dist.get_rank() == 0:
+        names = [name for name, _ in reference.named_parameters()]
+        loaded = load_tensors(directory[0], [MODEL_PREFIX + n for n in names])
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(loaded[MODEL_PREFIX + name], param.detach(), rtol=1e-5, atol=1e-6)
+
+
 def named_pieces(model):
     """(name, module, attribute, parameter) of every parameter (tied ones once)."""
     seen = set()

@@ -11,22 +11,16 @@ global tensors of the TP=2 checkpoint (the gate rows at their offsets in linear_
 import pytest
 import torch
 import torch.distributed as dist
-from _dist_helpers import check, make_optimizer
 from _tp_models import (
-    MAX_NORM,
     SEED,
     SEQ,
     UNPADDED_VOCAB,
     VOCAB,
-    assert_pieces_match,
+    check_training_and_checkpoint,
     global_batches,
     parallel_state,
-    train_parallel,
-    train_reference,
-    wrap_tp,
 )
 
-from megatron.core.distributed.mfsdp_v2.checkpoint import MODEL_PREFIX, load_tensors, save_checkpoint
 from megatron.core.global_slices import global_slices_by_name
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import all_reduce_sequence_parallel_grads
@@ -53,7 +47,6 @@ def _build(state=None, sequence_parallel=False):
 @pytest.mark.parametrize("sequence_parallel", (False, True))
 def test_qk_norm_and_output_gate_under_tensor_parallelism(sequence_parallel, tmp_path):
     state = parallel_state(2)
-    batches = global_batches(2)
     reference = _build()
     # Norm weights away from one (the same in both models, they are replicated over TP), so
     # that their gradients shape the outputs.
@@ -65,21 +58,7 @@ def test_qk_norm_and_output_gate_under_tensor_parallelism(sequence_parallel, tmp
                 qk_norms[name] = p.detach().clone()
     model = _build(state, sequence_parallel)
     model.load_state_dict(qk_norms, strict=False)
-    ref_losses, ref_norms = train_reference(reference, make_optimizer("sgd", reference.parameters()), batches)
-    ctx, opt = wrap_tp(model, state, "zero3")
-    losses, norms = train_parallel(model, ctx, opt, state, sequence_parallel, batches)
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.stack(norms).float(), torch.stack(ref_norms).float(), rtol=1e-4, atol=1e-6)
-    check(all(float(n) > MAX_NORM for n in ref_norms), "clipping was not active; lower MAX_NORM")
-    assert_pieces_match(model, reference)
-    directory = [str(tmp_path)]
-    dist.broadcast_object_list(directory, src=0)  # rank 0's directory on every rank
-    save_checkpoint(model, opt, directory[0], process_group=dist.group.WORLD, pieces=global_slices_by_name(model))
-    if dist.get_rank() == 0:
-        names = [name for name, _ in reference.named_parameters()]
-        loaded = load_tensors(directory[0], [MODEL_PREFIX + n for n in names])
-        for name, param in reference.named_parameters():
-            torch.testing.assert_close(loaded[MODEL_PREFIX + name], param.detach(), rtol=1e-5, atol=1e-6)
+    check_training_and_checkpoint(model, reference, state, sequence_parallel, tmp_path)
 
 
 @pytest.mark.skipif(dist.get_world_size() % 2 != 0, reason="needs an even world size for TP 2")

@@ -10,24 +10,16 @@ build initializes to the same weights.
 import pytest
 import torch
 import torch.distributed as dist
-from _dist_helpers import check, make_optimizer
 from _tp_models import (
-    MAX_NORM,
     SEED,
     SEQ,
     UNPADDED_VOCAB,
     VOCAB,
-    assert_pieces_match,
-    global_batches,
+    check_training_and_checkpoint,
     parallel_state,
     reference_piece,
-    train_parallel,
-    train_reference,
-    wrap_tp,
 )
 
-from megatron.core.distributed.mfsdp_v2.checkpoint import MODEL_PREFIX, load_tensors, save_checkpoint
-from megatron.core.global_slices import global_slices_by_name
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.gated_delta_net import GatedDeltaNet
@@ -69,28 +61,13 @@ def _move_norms_off_one(reference):
 @pytest.mark.parametrize("sequence_parallel", (False, True))
 def test_gated_delta_net_under_tensor_parallelism(sequence_parallel, tmp_path):
     state = parallel_state(2)
-    batches = global_batches(2)
     reference = _build()
     kinds = [type(layer.self_attention).__name__ for layer in reference.decoder.layers]
     assert kinds == ["GatedDeltaNet", "GatedDeltaNet", "SelfAttention"], kinds
     norms = _move_norms_off_one(reference)
     model = _build(state, sequence_parallel)
     model.load_state_dict(norms, strict=False)
-    ref_losses, ref_norms = train_reference(reference, make_optimizer("sgd", reference.parameters()), batches)
-    ctx, opt = wrap_tp(model, state, "zero3")
-    losses, grad_norms = train_parallel(model, ctx, opt, state, sequence_parallel, batches)
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.stack(grad_norms).float(), torch.stack(ref_norms).float(), rtol=1e-4, atol=1e-6)
-    check(all(float(n) > MAX_NORM for n in ref_norms), "clipping was not active; lower MAX_NORM")
-    assert_pieces_match(model, reference)
-    directory = [str(tmp_path)]
-    dist.broadcast_object_list(directory, src=0)
-    save_checkpoint(model, opt, directory[0], process_group=dist.group.WORLD, pieces=global_slices_by_name(model))
-    if dist.get_rank() == 0:
-        names = [name for name, _ in reference.named_parameters()]
-        loaded = load_tensors(directory[0], [MODEL_PREFIX + n for n in names])
-        for name, param in reference.named_parameters():
-            torch.testing.assert_close(loaded[MODEL_PREFIX + name], param.detach(), rtol=1e-5, atol=1e-6)
+    check_training_and_checkpoint(model, reference, state, sequence_parallel, tmp_path)
 
 
 @pytest.mark.skipif(dist.get_world_size() % 2 != 0, reason="needs an even world size for TP 2")
