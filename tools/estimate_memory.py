@@ -137,7 +137,7 @@ def activations_in_flight(args, stage: int) -> int:
 def shapes_of(args, model):
     """(ActivationShape, MoEShape or None) of one microbatch of ``model`` built for ``args``."""
     from megatron.core.distributed.mfsdp_v2.estimate import ActivationShape, MoEShape
-    from megatron.core.transformer.moe.expert_parallel import moe_layers
+    from megatron.core.transformer.moe.model_queries import moe_layers
 
     layers, routed = model.decoder.layers, {id(m) for m in moe_layers(model)}
     recomputed, chunk_ends = [], []  # under full recompute (TransformerBlock's chunks)

@@ -47,6 +47,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +147,6 @@ def build_parallel_state(tensor_model_parallel_size: int = 1, dp_outer_size: int
     ``expert_tensor_parallel_size`` its ``tp`` axis (default: the TP size).
     Every group is created here, on every rank in the same order, so that a stage without
     expert layers still takes part in creating the other stages' expert groups."""
-    from torch.distributed.device_mesh import DeviceMesh
 
     world = dist.get_world_size()
     tp, pp, cp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size), int(context_parallel_size)
@@ -187,7 +187,7 @@ def build_parallel_state(tensor_model_parallel_size: int = 1, dp_outer_size: int
         if pp_rank not in (0, pp - 1):
             embedding_group = None
     expert_mesh = None if expert_model_parallel_size is None else \
-        _expert_mesh(device_type, ranks, dp_outer_size, ep, etp)
+        build_expert_mesh(device_type, ranks, dp_outer_size, ep, etp)
     return ParallelState(
         world_mesh=world_mesh,
         dp_mesh=dp_mesh,
@@ -220,7 +220,6 @@ def _dp_cp_mesh(device_type: str, ranks: torch.Tensor, dp_names: Tuple[str, ...]
     """The data-parallel mesh with ``cp`` folded into its innermost axis (same axis names,
     so placements read it as the plain data-parallel mesh). A mesh of its own over the same
     ranks: a DeviceMesh cannot flatten two axes and keep a third beside them."""
-    from torch.distributed.device_mesh import DeviceMesh
 
     pp, cp, tp = ranks.shape[0], ranks.shape[-2], ranks.shape[-1]
     dp_shape = tuple(ranks.shape[1:-2])
@@ -259,12 +258,13 @@ def _group_per_line(ranks: torch.Tensor, members, own_line: Tuple[int, ...]):
     return mine
 
 
-def _expert_mesh(device_type: str, ranks: torch.Tensor, dp_outer: int, ep: int, etp: int):
+def build_expert_mesh(device_type: str, ranks: torch.Tensor, dp_outer: int, ep: int, etp: int):
     """The expert view of this rank's stage: its ranks as (expert-dp, ep, etp), etp innermost.
+    ``ranks``: the world's ranks as (pp, ..., tp), tp innermost (any shape in between); the
+    one builder of expert meshes (``build_expert_parallel`` calls it without a parallel state).
     The stage's ranks flatten in (dp, cp, tp) order, so at etp = tp the first two axes are
     its data-parallel ranks with the CP ranks folded in (cp fastest, as ``dp_cp_mesh``): EP
     groups take consecutive (dp, cp) ranks, as Megatron carves them from dp x cp."""
-    from torch.distributed.device_mesh import DeviceMesh
 
     pp = ranks.shape[0]
     stage = ranks[0].numel()  # dp x cp x tp ranks, tp innermost

@@ -377,7 +377,7 @@ def get_grad_norm_and_clip(args, built: BuiltModel, optimizer: Optional[torch.op
 def norm_axes(args, built: BuiltModel) -> dict:
     """The gradient/parameter norms' keyword arguments that count each TP piece, each
     expert and each pipeline stage once (megatron/core/optimizer/clip_grads.py)."""
-    from megatron.core.transformer.moe.expert_parallel import (
+    from megatron.core.transformer.moe.model_queries import (
         expert_parallel_of, expert_parameters, expert_tensor_parallel_args)
 
     axes = tensor_parallel_norm_args(args, built)

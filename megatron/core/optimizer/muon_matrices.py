@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 # The package's rule (its __init__ imports this module only inside the factory).
-from megatron.core.optimizer import is_embedding_or_output_parameter
+from .param_groups import is_embedding_or_output_parameter
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,8 @@
 * ``token_dispatcher.py``  permute / unpermute and the all-to-all dispatcher
 * ``experts.py``           ``GroupedMLP``: this rank's experts, stacked (loop or grouped GEMM)
 * ``moe_layer.py``         ``MoELayer`` (router -> dispatch -> experts -> combine [+ shared experts])
-* ``expert_parallel.py``   the expert-parallel and expert-data-parallel groups and meshes
+* ``expert_parallel.py``   the expert-parallel and expert-data-parallel layout (``ExpertParallel``)
+* ``model_queries.py``     a built model's MoE layers, expert layout and expert parameters
 * ``metrics.py``           aux losses and token loads, summed over steps and ranks for logging
 
 Import the submodules directly; this package imports nothing on its own, so that

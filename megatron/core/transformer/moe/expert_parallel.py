@@ -55,18 +55,23 @@ averaging over the W * T / (P * ETP) expert-data-parallel ranks leaves the divis
 statistics are summed over the dense data-parallel group (``token_groups``), since the
 mesh's other axes now mix TP ranks.
 
-This module is the one place that builds the expert layout; it needs nothing from
-``parallel_state`` but the TP size and the number of instances (both put TP innermost and
-the instances outermost, so their TP groups and instances agree).
+This module decides the expert layout (sizes, checks, ``ExpertParallel``); the mesh itself
+always comes from ``parallel_state.build_expert_mesh``, the one builder of expert meshes: the run's
+parallel state carves it from its rank tensor, and without one ``build_expert_parallel``
+hands it the world as one stage (TP innermost and the instances outermost in both, so their
+TP groups and instances agree). The model queries (which layers are MoE, which parameters are
+experts) live in ``model_queries.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
+import torch
 import torch.distributed as dist
-import torch.nn as nn
+
+from megatron.core import parallel_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,10 +185,6 @@ def build_expert_parallel(ep_size: int, device_type: str, tp_size: int = 1, dp_o
             raise ValueError(f"expert parallelism of size {ep_size} with TP size {tp_size} and {dp_outer_size} "
                              "instances needs torch.distributed (launch with torchrun).")
         return ExpertParallel()
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
         # The run's one mesh: the expert view of this rank's pipeline stage.
         state = parallel_state.get_parallel_state()
@@ -209,49 +210,8 @@ def build_expert_parallel(ep_size: int, device_type: str, tp_size: int = 1, dp_o
                          f"({world}).")
     dp = world // tp_size
     check_expert_parallel_size(ep_size, dp, tp_size, dp_outer_size)
-    if dp_outer_size > 1:
-        inner = dp // dp_outer_size
-        shape, names = (dp_outer_size, inner // ep_size, ep_size), ("expert_outer", "expert_inner", "ep")
-    else:
-        shape, names = (dp // ep_size, ep_size), ("expert_dp", "ep")
-    if tp_size > 1:
-        shape, names = shape + (tp_size,), names + ("tp",)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    # No parallel state: the world is one stage of (dp, tp) ranks; the same builder as the state's view.
+    mesh = parallel_state.build_expert_mesh(device_type, torch.arange(world).reshape(1, world), dp_outer_size, ep_size,
+                                      tp_size)
     group = mesh.get_group("ep") if ep_size > 1 else None
     return ExpertParallel(size=ep_size, rank=mesh.get_local_rank("ep"), group=group, mesh=mesh)
-
-
-# ---------------------------------------------------------------------------------------
-# Model queries used by the trainer (sharding, grad norm)
-# ---------------------------------------------------------------------------------------
-
-
-def moe_layers(model: nn.Module) -> List[nn.Module]:
-    from .moe_layer import MoELayer
-
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
-
-
-def expert_parallel_of(model: nn.Module) -> Optional[ExpertParallel]:
-    """The layout the model's MoE layers were built with (None for a dense model)."""
-    layers = moe_layers(model)
-    return layers[0].expert_parallel if layers else None
-
-
-def expert_parameters(model: nn.Module) -> List[nn.Parameter]:
-    """Parameters that differ across the EP group (this rank's experts)."""
-    return [p for layer in moe_layers(model) for p in layer.experts.parameters()]
-
-
-def expert_tensor_parallel_parameters(model: nn.Module) -> List[nn.Parameter]:
-    """The expert parameters split over the expert TP group when it is not the TP group."""
-    return [module._parameters[name] for layer in moe_layers(model) for module in layer.experts.modules()
-            for name in getattr(module, "expert_tensor_parallel_split", ())]
-
-
-def expert_tensor_parallel_args(model: nn.Module, ep: ExpertParallel) -> Optional[dict]:
-    """``tensor_parallel_params`` / ``tp_group`` of the experts for the norms when their TP
-    group is not the dense one (None otherwise: the experts are counted with the TP pieces)."""
-    if ep is None or not ep.tensor_parallel_apart:
-        return None
-    return dict(tensor_parallel_params=expert_tensor_parallel_parameters(model), tp_group=ep.tp_group)

@@ -56,9 +56,9 @@ def collect_moe_metrics(model: torch.nn.Module, device: torch.device = torch.dev
     calls it (a collective). Under TP every rank of a TP group records the same whole
     micro-batch, so the data-parallel group counts each token once. ``{}`` for a model
     without MoE layers or without records."""
-    from .expert_parallel import moe_layers
-
-    layers = moe_layers(model)
+    # The layers that record (MoELayer's ``metrics``), found by what they carry: importing
+    # MoELayer here would close an import cycle (moe_layer imports this module).
+    layers = [m for m in model.modules() if isinstance(getattr(m, "metrics", None), MoELayerMetrics)]
     if not layers:
         return {}
     rows = torch.tensor([layer.metrics.as_row() for layer in layers], dtype=torch.float64, device=device)

@@ -226,7 +226,7 @@ def tp_flags(strategy, sequence_parallel, recompute, moe, world):
 
 @pytest.mark.parametrize("strategy,sequence_parallel,recompute,moe", TP_CASES)
 def test_planner_matches_engine_under_tensor_parallelism(strategy, sequence_parallel, recompute, moe, tool_units):
-    from megatron.core.transformer.moe.expert_parallel import expert_parallel_of
+    from megatron.core.transformer.moe.model_queries import expert_parallel_of
     from megatron.training.model_builder import finalize_model_grads
 
     world = dist.get_world_size()
@@ -283,7 +283,7 @@ def ep_flags(strategy, recompute, world):
 
 @pytest.mark.parametrize("strategy,recompute", EP_CASES)
 def test_planner_matches_engine_with_expert_parallelism(strategy, recompute, tool_units):
-    from megatron.core.transformer.moe.expert_parallel import expert_parallel_of
+    from megatron.core.transformer.moe.model_queries import expert_parallel_of
 
     world = dist.get_world_size()
     hybrid = strategy in ("hsdp", "hfsdp")
