@@ -124,7 +124,7 @@ def run(layout: str, seq: int, comm_type: str, out: str) -> None:
 
     import pretrain_gpt
     from megatron.core import parallel_state
-    from megatron.core.distributed.mfsdp_v2.estimate import activation_bytes, context_parallel_buffer_bytes
+    from tools.memory_planner.estimate import activation_bytes, context_parallel_buffer_bytes
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.training.arguments import parse_args
     from megatron.training.data import split_batch_for_context_parallel

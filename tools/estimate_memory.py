@@ -8,7 +8,7 @@
 Takes pretrain_gpt.py's own flags (parsed and validated by the trainer's parser) and the
 world size; builds the model on the meta device (no memory) and prints, per strategy
 (DDP, ZeRO-1/2/3, HSDP, HFSDP) and per rank, the persistent bytes, the transient peak
-and the bytes sent per step by collective kind (megatron/core/distributed/mfsdp_v2/estimate.py).
+and the bytes sent per step by collective kind (tools/memory_planner/estimate.py).
 
 With ``--tensor-model-parallel-size`` or ``--expert-model-parallel-size`` above 1 the
 model is one rank's: its TP-local shapes (the experts' too) and its E/EP experts, laid
@@ -51,7 +51,7 @@ _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 def planned_units(model):
     """The units ``model_builder.build_model`` wraps, in its order: per layer its experts
     (a MoE layer's, sharded over the expert-data-parallel mesh) then the layer; the root last."""
-    from megatron.core.distributed.mfsdp_v2.estimate import units_of
+    from tools.memory_planner.estimate import units_of
     from megatron.core.tensor_parallel import tensor_parallel_parameters
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -136,7 +136,7 @@ def activations_in_flight(args, stage: int) -> int:
 
 def shapes_of(args, model):
     """(ActivationShape, MoEShape or None) of one microbatch of ``model`` built for ``args``."""
-    from megatron.core.distributed.mfsdp_v2.estimate import ActivationShape, MoEShape
+    from tools.memory_planner.estimate import ActivationShape, MoEShape
     from megatron.core.transformer.moe.model_queries import moe_layers
 
     layers, routed = model.decoder.layers, {id(m) for m in moe_layers(model)}
@@ -177,7 +177,7 @@ def estimate(args, world_size: int, outer_size: int, stage: int = 0):
     """Plans of every strategy that fits ``world_size`` ranks, each over the data-parallel
     size world / (TP x PP) (DP x CP: the engine shards over the CP ranks too) (hybrids need outer_size | that, and with experts EP | the
     instance's size), for pipeline stage ``stage``."""
-    from megatron.core.distributed.mfsdp_v2.estimate import STRATEGIES, plan
+    from tools.memory_planner.estimate import STRATEGIES, plan
 
     units, shape, moe = model_units(args, world_size, stage)
     dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
@@ -212,7 +212,7 @@ def main(argv=None):
     known, rest = pre.parse_known_args(argv)
     if known.world_size < 1:
         raise SystemExit("estimate_memory.py: error: --world-size must be at least 1.")
-    from megatron.core.distributed.mfsdp_v2.estimate import format_plans
+    from tools.memory_planner.estimate import format_plans
     from megatron.training.arguments import parse_args
 
     try:
@@ -288,7 +288,7 @@ def main(argv=None):
 
 def _main_per_stage(args, world_size: int, outer: int):
     """One table per pipeline stage; returns {stage: plans}."""
-    from megatron.core.distributed.mfsdp_v2.estimate import format_plans
+    from tools.memory_planner.estimate import format_plans
     from megatron.training.pipeline_arguments import pipeline_layout_from_args
 
     pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size

@@ -48,6 +48,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.ranks import rank as _rank
+from megatron.core.distributed.ranks import sum_over_ranks
+
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
 EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
 SPIKY_LOSS_FACTOR = 10  # a loss >= 10x the largest of the first samples is a spike
@@ -75,10 +78,6 @@ class _State(Enum):
     INITIAL_RUN = 1
     RERUNNING_IN_PLACE = 2
     STOPPING = 3  # the re-run decided the job stops (code in ``exit_code``)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _where() -> str:
@@ -343,13 +342,7 @@ class RerunStateMachine:
 
     def _any_rank(self, *flags: bool):
         """Each flag OR-ed over every rank (a single flag comes back alone)."""
-        values = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            from megatron.core.distributed.comm_device import comm_device
-
-            values = values.to(comm_device())
-            dist.all_reduce(values)
-        result = tuple(bool(v > 0) for v in values.tolist())
+        result = tuple(bool(v > 0) for v in sum_over_ranks([int(f) for f in flags]).tolist())
         return result[0] if len(result) == 1 else result
 
 

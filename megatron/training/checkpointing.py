@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.mfsdp_v2 import checkpoint as engine
-from megatron.core.distributed.comm_device import comm_device
+from megatron.core.distributed.ranks import any_rank
+from megatron.core.distributed.ranks import rank as _rank
+from megatron.core.distributed.ranks import world_size as _world
 from megatron.core.distributed.mfsdp_v2.checkpoint import manifest
 from megatron.core.distributed.mfsdp_v2.checkpoint.agreement import Comm
 from megatron.training.checkpoint_retention import prune_after_commit
@@ -210,17 +212,9 @@ def _rng_filename(rank: int) -> str:
 
 
 def _comm(group=None) -> Comm:
-    """The engine's rank/agree helper (one for the whole project) over ``group`` (None: the
-    world), or a process of its own when there is no process group."""
+    """The engine's agree helper (checkpoint errors) over ``group`` (None: the world), or a
+    process of its own when there is no process group."""
     return Comm(no_dist=not dist.is_initialized(), group=group)
-
-
-def _rank() -> int:
-    return _comm().rank
-
-
-def _world() -> int:
-    return _comm().size
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -320,11 +314,7 @@ def install_exit_signal_handler(sig: int = signal.SIGTERM) -> None:
 
 def exit_signal_received() -> bool:
     """True on every rank as soon as any rank received the exit signal (collective)."""
-    flag = torch.tensor([1.0 if _ExitSignal.received else 0.0])
-    if dist.is_initialized() and _world() > 1:
-        flag = flag.to(comm_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+    return any_rank(_ExitSignal.received)
 
 
 # ----------------------------------------------------------------------------------------

@@ -15,12 +15,13 @@ import sys
 from typing import Any, Dict, Optional
 
 import torch
-import torch.distributed as dist
+
+from megatron.core.distributed.ranks import rank
 
 
 def print_rank_0(*message) -> None:
     """Print on rank 0 only (everywhere before the process group exists)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if rank() == 0:
         print(*message, flush=True)
 
 

@@ -4,21 +4,8 @@ reports, summed over this rank's microbatches and then over every rank."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from megatron.core.distributed.comm_device import comm_device
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def all_reduce_sum(values) -> torch.Tensor:
-    """``values`` (numbers) summed over every rank, as float64."""
-    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    if world_size() > 1:
-        dist.all_reduce(t)
-    return t
+from megatron.core.distributed.ranks import sum_over_ranks
 
 
 def reduce_reports(reports, key: str = "lm loss") -> torch.Tensor:
@@ -34,5 +21,5 @@ def mean_loss(local: torch.Tensor) -> float:
     """The per-token mean of every rank's summed reports (``local`` is this rank's sum).
     Under pipeline parallelism only the last stage reports; TP ranks report the same
     microbatches, so the ratio holds."""
-    loss_sum, tokens = all_reduce_sum(local.tolist()).tolist()
+    loss_sum, tokens = sum_over_ranks(local.tolist()).tolist()
     return loss_sum / max(tokens, 1.0)

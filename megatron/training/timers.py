@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.comm_device import comm_device
+from megatron.core.distributed.ranks import world_size
 
 # The timers the trainer records, by the --timing-log-level that shows them.
 TIMERS_BY_LEVEL = {
@@ -61,7 +62,7 @@ class Timers:
                              dtype=torch.float64)
         for n in names:
             self._elapsed.pop(n, None)
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if world_size() == 1:
             return local.unsqueeze(0)
         comm = comm_device()
         out = torch.empty(dist.get_world_size() * len(names), dtype=torch.float64, device=comm)

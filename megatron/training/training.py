@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed.comm_device import comm_device
+from megatron.core.distributed.ranks import max_over_ranks, min_over_ranks, world_size
 from megatron.core.distributed.weight_hash import WeightHashMismatch, check_weight_hashes_across_dp_replicas
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.rerun_state_machine import SPIKY_LOSS_FACTOR, RerunDataIterator, rerun_state_machine_from_args
@@ -45,7 +46,7 @@ from megatron.training.data import DeviceIterator, build_pretraining_data_loader
 from megatron.training.initialize import initialize_distributed, set_deterministic_mode, set_random_seed
 from megatron.training.evaluation import Evaluator
 from megatron.training.log_utils import MetricsWriter, jsonable_config, print_rank_0
-from megatron.training.loss_reports import mean_loss, reduce_reports, world_size
+from megatron.training.loss_reports import mean_loss, reduce_reports
 from megatron.training.shutdown import shutdown_distributed
 from megatron.training.step_counters import restore_step_counters, save_step_counters
 from megatron.training.timers import Timers
@@ -80,10 +81,7 @@ def build_tokenizer_from_args(args):
 def _earliest(timestamp: float) -> float:
     """The smallest ``timestamp`` over ranks (Megatron times --exit-duration-in-mins from the
     first rank to start)."""
-    t = torch.tensor([timestamp], dtype=torch.float64, device=comm_device())
-    if world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return float(t.item())
+    return min_over_ranks(timestamp)
 
 
 def _sum_over(value: torch.Tensor, group) -> torch.Tensor:
@@ -499,11 +497,7 @@ class _Trainer:
     def _minutes_run_on_any_rank(self) -> float:
         """Minutes since the earliest rank's pretrain() started; the maximum over ranks, so
         every rank takes the same exit decision although each reads its own clock."""
-        minutes = torch.tensor([(time.time() - self.start_time) / 60.0], dtype=torch.float64,
-                               device=comm_device())
-        if world_size() > 1:
-            dist.all_reduce(minutes, op=dist.ReduceOp.MAX)
-        return float(minutes.item())
+        return max_over_ranks((time.time() - self.start_time) / 60.0)
 
     def _check_weight_hashes(self, iteration: int, force: bool = False) -> None:
         """--check-weight-hash-across-dp-replicas-interval: every N iterations (and when

@@ -10,10 +10,10 @@ import time
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed.comm_device import comm_device
+from megatron.core.distributed.ranks import max_over_ranks, world_size
 from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
 from megatron.core.transformer.moe.metrics import collect_moe_metrics, format_moe_metrics
 from megatron.core.transformer.multi_token_prediction import collect_mtp_metrics
@@ -24,7 +24,6 @@ from megatron.training.log_utils import (
     peak_memory_mb,
     print_rank_0,
 )
-from megatron.training.loss_reports import world_size
 from megatron.training.model_builder import get_params_norm_of
 from megatron.training.timers import timers_to_log
 
@@ -104,10 +103,7 @@ class TrainingLog:
         if self.flops_per_token is not None:
             tflops = self.flops_per_token * tokens_per_iteration / (seconds_per_iteration * world * 1e12)
         # Peak memory: the maximum over ranks (the rank that decides whether a run fits).
-        mem = torch.tensor([peak_memory_mb(self.device)], dtype=torch.float64, device=comm_device())
-        if world > 1:
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        mem = float(mem.item())
+        mem = max_over_ranks(peak_memory_mb(self.device))
         lr = self.optimizer.param_groups[0]["lr"]
         loss_scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         params_norm = self.params_norm_at(iteration) if args.log_params_norm else None

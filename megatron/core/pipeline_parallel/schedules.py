@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.comm_device import comm_device
+from megatron.core.distributed.ranks import world_size
 
 
 def get_forward_backward_func():
@@ -146,7 +147,7 @@ def _read_microbatches(data_iterator, num_microbatches: int, forward_only: bool,
     if forward_only:
         return batches, None
     local_tokens = sum(count_loss_tokens_func(b).to(torch.int64).reshape(()).cpu() for b in batches)
-    dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+    dp_size = world_size(dp_group)
     global_tokens = local_tokens.clone()
     if dp_size > 1:
         global_tokens = global_tokens.to(comm_device(dp_group))

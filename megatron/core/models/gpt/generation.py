@@ -9,7 +9,8 @@ which is simple and adequate for samples during training, not for serving.
 from typing import Optional
 
 import torch
-import torch.distributed as dist
+
+from megatron.core.distributed.ranks import all_ranks
 
 
 @torch.no_grad()  # no_grad, not inference_mode: inference tensors could leak into engine buffers
@@ -70,8 +71,6 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, top_k: Optiona
 
 
 def _all_done(done: torch.Tensor, process_group) -> bool:
-    flag = done.all().to(torch.int32).reshape(1)
-    if process_group is not None:
-        # MIN over ranks: stop only when every rank has finished.
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=process_group)
-    return bool(flag.item())
+    finished = bool(done.all())
+    # Stop only when every rank has finished.
+    return all_ranks(finished, process_group) if process_group is not None else finished

@@ -21,6 +21,8 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.ranks import world_size
+
 LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
 
 
@@ -64,7 +66,7 @@ def collect_moe_metrics(model: torch.nn.Module, device: torch.device = torch.dev
     rows = torch.tensor([layer.metrics.as_row() for layer in layers], dtype=torch.float64, device=device)
     for layer in layers:
         layer.metrics.reset()
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    world = world_size(group)
     if world > 1:
         dist.all_reduce(rows, group=group)
     rows = rows.cpu()

@@ -9,8 +9,8 @@ import pytest
 import torch
 from _cp_helpers import CP_SIZES, cp_group, default_a2a_size, hierarchical_groups
 
-from megatron.core.distributed.mfsdp_v2.estimate import plan
-from megatron.core.distributed.mfsdp_v2.estimate_activations import (
+from tools.memory_planner.estimate import plan
+from tools.memory_planner.estimate_activations import (
     ActivationShape, activation_bytes, attention_core_bytes, context_parallel_buffer_bytes, context_parallel_bytes)
 from megatron.core.transformer.context_parallel import context_parallel_attention
 

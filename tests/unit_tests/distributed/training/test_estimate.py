@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from _trainer_models import ARCHS, BASE, REPO, batches, gpt_provider, trainer_args
-from megatron.core.distributed.mfsdp_v2.estimate import (
+from tools.memory_planner.estimate import (
     ActivationShape,
     MoEShape,
     UnitShapes,

@@ -53,7 +53,7 @@ import torch.nn as nn
 from .estimate_activations import (
     ActivationShape, MoEShape, activation_bytes, all_to_all_bytes, context_parallel_buffer_bytes,
     context_parallel_bytes, tensor_parallel_bytes)
-from .layout import FlatLayout
+from megatron.core.distributed.mfsdp_v2.layout import FlatLayout
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "hfsdp")
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, in the main dtype
