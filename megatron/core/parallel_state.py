@@ -49,6 +49,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from megatron.core.torch_private import flatten_mesh
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelState:
@@ -167,12 +169,12 @@ def build_parallel_state(tensor_model_parallel_size: int = 1, dp_outer_size: int
     if len(dp_names) == 1:
         dp_group = dp_mesh.get_group()
     else:
-        dp_group = dp_mesh._flatten("dp_flat").get_group()  # all DP ranks, for data and token counts
+        dp_group = flatten_mesh(dp_mesh, "dp_flat").get_group()  # all DP ranks, for data and token counts
     dp_cp_mesh, dp_cp_group, cp_group, hierarchical = dp_mesh, dp_group, None, None
     if cp > 1:
         cp_group = world_mesh.get_group("cp")
         dp_cp_mesh = _dp_cp_mesh(device_type, ranks, dp_names)
-        dp_cp_group = dp_cp_mesh.get_group() if len(dp_names) == 1 else dp_cp_mesh._flatten("dp_cp_flat").get_group()
+        dp_cp_group = dp_cp_mesh.get_group() if len(dp_names) == 1 else flatten_mesh(dp_cp_mesh, "dp_cp_flat").get_group()
         if hierarchical_context_parallel_sizes is not None:
             hierarchical = _hierarchical_cp_groups(ranks, hierarchical_context_parallel_sizes[0])
 

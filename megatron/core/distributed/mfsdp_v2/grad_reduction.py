@@ -32,6 +32,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from megatron.core.torch_private import current_graph_task_id
+
 from . import work as comm
 from .flat_buffer import single_axis_steps
 from .phase import GradPhase, check_grad_transition
@@ -133,7 +135,7 @@ class GradientReduction:
                 or unsharded.dtype != self.precision.grad_comm or unsharded.grad is not None):
             return None
         self._stashed.add(index)
-        self._slots_out[index] = torch._C._current_graph_task_id()
+        self._slots_out[index] = current_graph_task_id()
         return self.layout.gathered_view(self._pending_reduce_input(), index)
 
     def add_to_fused_wgrad(self, p, touched_rows: Callable[[], Tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -142,7 +144,7 @@ class GradientReduction:
         out, so the gradient must go through autograd). ``touched_rows()`` computes it, only
         once accepted, as ``(rows, values)``: ``values[i]`` belongs to row ``rows[i]``, rows
         distinct. A slot is only ever handed out in the gradient's dtype."""
-        if self._slots_out.get(p.index) != torch._C._current_graph_task_id():
+        if self._slots_out.get(p.index) != current_graph_task_id():
             return False
         self._deferred.setdefault(p.index, []).append(touched_rows())
         return True
@@ -156,7 +158,7 @@ class GradientReduction:
         with torch.no_grad():
             flat = self._pending_reduce_input()
             slot_task = self._slots_out.get(index)
-            if slot_task is not None and slot_task != torch._C._current_graph_task_id():
+            if slot_task is not None and slot_task != current_graph_task_id():
                 # A nested graph (reentrant recompute) delivers before the graph that holds the
                 # fused slot, which may still be summing the slot's value: add this one after.
                 self._deferred.setdefault(index, []).append((None, grad))

@@ -31,16 +31,12 @@ from typing import List, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from megatron.core.torch_private import current_graph_task_id, in_backward, tree_flatten, tree_unflatten
 
 from .phase import Phase, check_transition
 from .profiling import hook_range, unit_label
 from .work import CollectiveWork
-
-
-def _in_backward() -> bool:
-    # A forward that runs while the autograd engine executes a graph is a recomputation.
-    return torch._C._current_graph_task_id() != -1
 
 
 class _InputGradientHook(torch.autograd.Function):
@@ -154,7 +150,7 @@ class UnitState:
     def pre_forward(self, module, args, kwargs):
         context = self.context
         context.check_finalized()
-        recomputing = _in_backward()
+        recomputing = in_backward()
         if not recomputing:
             if context.backward.callback_queued:
                 context.backward.recover_from_aborted_backward()
@@ -184,7 +180,7 @@ class UnitState:
         self.reshard(self.frozen_groups)
 
     def post_forward(self, module, args, kwargs, output):
-        recomputing = _in_backward()
+        recomputing = in_backward()
         grad_enabled = torch.is_grad_enabled()
         with hook_range(self.range_names["post_forward"], self.context.device_handle):
             if grad_enabled:
@@ -214,7 +210,7 @@ class UnitState:
             return grad  # another output of this unit already started its backward
         with hook_range(self.range_names["pre_backward"], context.device_handle):
             self.phase = Phase.BACKWARD
-            self._backward_task = torch._C._current_graph_task_id()
+            self._backward_task = current_graph_task_id()
             self.unshard()
             context.prefetch_backward(self)
         return grad
@@ -223,7 +219,7 @@ class UnitState:
         """A trainable parameter's gradient was accumulated (called by its group)."""
         self.context.backward.ensure_final_callback(self)
         if self._phase is not Phase.POST_BACKWARD and all(g.all_grads_received() for g in self.trainable_groups):
-            if self._backward_task is not None and torch._C._current_graph_task_id() != self._backward_task:
+            if self._backward_task is not None and current_graph_task_id() != self._backward_task:
                 # A graph nested in this unit's backward (a reentrant checkpoint inside the
                 # unit) delivered the last gradient; the unit's own graph may still use the
                 # parameters and add to their gradients. Reduce once that graph moves on.

@@ -19,6 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from megatron.core.torch_private import set_version_counters, version_of
+
 from . import work as comm
 from .flat_buffer import CommResources, FlatBuffer, alloc_storage, free_storage
 from .fsdp_parameter import FsdpParameter
@@ -147,7 +149,7 @@ class ParameterGroup(ShardViews, GradientReduction, WeightSync):
         # Refilling the unsharded storage is not a mutation autograd should see: the graph
         # saved these tensors at forward and expects the same values at backward.
         tensors = (self.unsharded,) + tuple(self._own_unsharded.values())
-        self._unshard_versions = tensors, tuple(t._version for t in tensors)
+        self._unshard_versions = tensors, tuple(version_of(t) for t in tensors)
         with self.device.stream(stream):
             self._alloc_unsharded()
         self.is_unsharded = True
@@ -163,7 +165,7 @@ class ParameterGroup(ShardViews, GradientReduction, WeightSync):
     def use_unsharded(self) -> None:
         if self._unshard_versions is not None:
             tensors, versions = self._unshard_versions
-            torch._C._autograd._unsafe_set_version_counter(tensors, versions)
+            set_version_counters(tensors, versions)
             self._unshard_versions = None
         for p in self.fsdp_parameters:
             p.install(p.unsharded_param)

@@ -18,6 +18,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron.core.torch_private import profiler_enabled
+
 
 def unit_label(name: Optional[str]) -> str:
     """How a unit appears in range names: its module path, or ``<root>``."""
@@ -28,7 +30,7 @@ def hook_range(name: str, device_handle):
     """The range around one hook body. Without an active torch profiler only the NVTX
     range is opened (nothing at all on CPU): a record_function costs tens of microseconds
     per hook even when nobody records."""
-    if torch.autograd._profiler_enabled():
+    if profiler_enabled():
         inner = _profiled_range(name, device_handle)
     else:
         inner = device_handle.nvtx_range(name)
@@ -39,7 +41,7 @@ def cpu_range(name: str, device_handle):
     """A CPU-only range (e.g. the host blocked on a collective), recorded only while a
     torch profiler runs: nested in a hook's range, it splits the hook's time into waiting
     and the engine's own work."""
-    inner = torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+    inner = torch.profiler.record_function(name) if profiler_enabled() else contextlib.nullcontext()
     return _observed(name, inner, device_handle)
 
 

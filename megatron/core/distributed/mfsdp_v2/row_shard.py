@@ -21,8 +21,9 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Shard
+
+from megatron.core.torch_private import functional_collectives as funcol
 
 
 class RowShard(Shard):

@@ -38,8 +38,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Partial, _StridedShard
+from torch.distributed.tensor.placement_types import Partial
+
+from megatron.core.torch_private import (
+    DTensorSpec, StridedShard, TensorMeta, contiguous_strides, dtensor_local, dtensor_spec, sharding_propagator,
+    unwrap_to_op_info)
 
 from .row_shard import NestedRowShard, RowShard
 
@@ -85,19 +88,19 @@ def _is_dim0(p) -> bool:
 
 
 def _sharded(p) -> bool:
-    return isinstance(p, (Shard, _StridedShard))
+    return isinstance(p, (Shard, StridedShard))
 
 
 def _guarded(t) -> bool:
-    return isinstance(t, DTensor) and needs_guard(t._spec.placements)
+    return isinstance(t, DTensor) and needs_guard(t.placements)
 
 
 def _nested(t) -> bool:
-    return isinstance(t, DTensor) and any(isinstance(p, NestedRowShard) for p in t._spec.placements)
+    return isinstance(t, DTensor) and any(isinstance(p, NestedRowShard) for p in t.placements)
 
 
 def _wrap(local: torch.Tensor, mesh, placements, shape) -> "RowShardedTensor":
-    meta = TensorMeta(torch.Size(shape), tuple(torch._prims_common.make_contiguous_strides_for(shape)), local.dtype)
+    meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), local.dtype)
     if local.dim() and not local.is_contiguous():
         meta = TensorMeta(torch.Size(shape), _global_stride(local, shape), local.dtype)
     return RowShardedTensor(local, _guarded_spec(mesh, placements, meta), requires_grad=False)
@@ -141,27 +144,27 @@ def _local_operand(func, t, ref: DTensor):
         return t
     if t.device_mesh != ref.device_mesh:
         _refuse(func, ref.placements, f"meets a DTensor on another mesh ({t.device_mesh})")
-    if t._spec.placements == ref._spec.placements and t.dim() == ref.dim() and (
+    if t.placements == ref.placements and t.dim() == ref.dim() and (
             t.shape[0] == ref.shape[0] if t.dim() else True) and (not _nested(ref) or t.shape == ref.shape):
-        return t._local_tensor
-    if all(p.is_replicate() for p in t._spec.placements):
+        return dtensor_local(t)
+    if all(p.is_replicate() for p in t.placements):
         if t.dim() < ref.dim() or (t.dim() == ref.dim() and t.shape[0] == 1):
-            return t._local_tensor  # it broadcasts over the rows: any rows will do
+            return dtensor_local(t)  # it broadcasts over the rows: any rows will do
         if t.dim() == ref.dim() and t.shape[0] == ref.shape[0] and not _nested(ref):
-            return t._local_tensor.narrow(0, _local_offset(ref), ref._local_tensor.shape[0])
+            return dtensor_local(t).narrow(0, _local_offset(ref), dtensor_local(ref).shape[0])
     if _nested(ref):
         _refuse_nested(func)
-    _refuse(func, ref.placements, f"meets an input placed as {tuple(t._spec.placements)}")
+    _refuse(func, ref.placements, f"meets an input placed as {tuple(t.placements)}")
 
 
 def _local_offset(ref: DTensor) -> int:
     """The first global row of ``ref``'s local rows."""
     offset = 0
-    for d, p in enumerate(ref._spec.placements):
+    for d, p in enumerate(ref.placements):
         if isinstance(p, RowShard):
             offset += p.starts[ref.device_mesh.get_local_rank(d)]
         elif _sharded(p):
-            _refuse("a replicated operand", ref._spec.placements, "cannot be cut at rows split twice")
+            _refuse("a replicated operand", ref.placements, "cannot be cut at rows split twice")
     return offset
 
 
@@ -226,8 +229,8 @@ def _elementwise(func, args: tuple, kwargs: dict):
             if not isinstance(t, torch.Tensor):
                 continue
             local = _local_operand(func, t, ref)
-            if position in written and not (isinstance(t, DTensor) and t._spec.placements == ref._spec.placements):
-                _refuse(func, ref._spec.placements, f"would write an operand placed as {getattr(t, 'placements', 'a torch.Tensor')}")
+            if position in written and not (isinstance(t, DTensor) and t.placements == ref.placements):
+                _refuse(func, ref.placements, f"would write an operand placed as {getattr(t, 'placements', 'a torch.Tensor')}")
             local_for[position, j] = local
             if isinstance(t, DTensor):
                 local_of[id(local)] = t
@@ -240,7 +243,7 @@ def _elementwise(func, args: tuple, kwargs: dict):
                 return local_of[id(out)]
             ref = refs[j]
             shape = ref.shape if _nested(ref) else (ref.shape[0],) + tuple(out.shape[1:])
-            return _wrap(out, ref.device_mesh, ref._spec.placements, shape)
+            return _wrap(out, ref.device_mesh, ref.placements, shape)
         return out
 
     if not any(is_list):
@@ -285,8 +288,8 @@ def _tree_leaves(tree) -> list:
 
 def _plain(t: DTensor) -> DTensor:
     """The same local rows under torch's placement: every RowShard as a plain Shard(0)."""
-    placements = tuple(Shard(0) if isinstance(p, RowShard) else p for p in t._spec.placements)
-    return DTensor(t._local_tensor, DTensorSpec(t.device_mesh, placements, tensor_meta=t._spec.tensor_meta),
+    placements = tuple(Shard(0) if isinstance(p, RowShard) else p for p in t.placements)
+    return DTensor(dtensor_local(t), DTensorSpec(t.device_mesh, placements, tensor_meta=dtensor_spec(t).tensor_meta),
                    requires_grad=False)
 
 
@@ -300,25 +303,24 @@ class _Plan:
         self.plain_of = {id(t): _plain(t) for t in self.guarded}
         self.args = _tree_replace(args, self.plain_of)
         self.kwargs = _tree_replace(kwargs, self.plain_of)
-        dispatcher = DTensor._op_dispatcher
-        op_info = dispatcher.unwrap_to_op_info(func, self.args, self.kwargs)
+        op_info = unwrap_to_op_info(func, self.args, self.kwargs)
         try:
-            dispatcher.sharding_propagator.propagate(op_info)
+            sharding_propagator().propagate(op_info)
         except Exception as error:  # torch refuses even a plain Shard(0) here
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            _refuse(func, self.guarded[0]._spec.placements, f"is not supported ({reason})")
+            _refuse(func, self.guarded[0].placements, f"is not supported ({reason})")
         self.sharding = op_info.output_sharding
         schema = op_info.schema
         wanted = self.sharding.redistribute_schema if self.sharding.needs_redistribute else schema
         self.given = _specs(schema.args_schema) + _specs(list(schema.kwargs_schema.values()))
         self.wanted = _specs(wanted.args_schema) + _specs(list(wanted.kwargs_schema.values()))
         # Which operand each spec in torch's schema is (it keeps the DTensors' own specs).
-        by_spec = {id(self.plain_of[id(t)]._spec): t for t in self.guarded}
-        by_spec.update({id(t._spec): t for t in tensors if not _guarded(t)})
+        by_spec = {id(dtensor_spec(self.plain_of[id(t)])): t for t in self.guarded}
+        by_spec.update({id(dtensor_spec(t)): t for t in tensors if not _guarded(t)})
         self.operands = [by_spec.get(id(s)) for s in self.given]
         self.rows: Dict[int, RowShard] = {}  # mesh axis -> the row split on it
         for t in self.guarded:
-            for d, p in enumerate(t._spec.placements):
+            for d, p in enumerate(t.placements):
                 if isinstance(p, RowShard):
                     if d in self.rows and not self.rows[d] == p:
                         _refuse(func, p, f"meets another row split ({self.rows[d]})")
@@ -331,12 +333,12 @@ class _Plan:
         for operand, given, wanted in zip(self.operands, self.given, self.wanted):
             if operand is None:
                 continue
-            for d, (mine, want) in enumerate(zip(operand._spec.placements, wanted.placements)):
+            for d, (mine, want) in enumerate(zip(operand.placements, wanted.placements)):
                 if _is_rows(mine):
                     if _is_dim0(want):
                         continue
                     if want.is_replicate():
-                        target = list(operand._spec.placements)
+                        target = list(operand.placements)
                         target[d] = Replicate()
                         replace[id(operand)] = operand.redistribute(operand.device_mesh, target)
                         break
@@ -344,10 +346,10 @@ class _Plan:
                 elif d in self.rows and _sharded(want):
                     rows = self.rows[d]
                     if (_is_dim0(want) and mine.is_replicate() and operand.dim() and operand.shape[0] == sum(rows.rows)
-                            and sum(1 for p in operand._spec.placements if _sharded(p)) == 0):
+                            and sum(1 for p in operand.placements if _sharded(p)) == 0):
                         replace[id(operand)] = _cut_at_rows(operand, d, rows)
                         break
-                    _refuse(self.func, rows, f"meets an input placed as {tuple(operand._spec.placements)}")
+                    _refuse(self.func, rows, f"meets an input placed as {tuple(operand.placements)}")
         if not replace:
             return None
         return _tree_replace(args, replace), _tree_replace(kwargs, replace)
@@ -385,7 +387,7 @@ class _Plan:
             if isinstance(o, DTensor) and id(o) in original:  # in place: the operand itself
                 result.append(original[id(o)])
             elif isinstance(o, DTensor) and new is not None and needs_guard(new):
-                result.append(_wrap(o._local_tensor, o.device_mesh, new, o.shape))
+                result.append(_wrap(dtensor_local(o), o.device_mesh, new, o.shape))
             else:
                 result.append(o)
         if isinstance(out, (list, tuple)):
@@ -395,8 +397,8 @@ class _Plan:
 
 def _cut_at_rows(t: DTensor, d: int, rows: RowShard) -> "RowShardedTensor":
     index = t.device_mesh.get_local_rank(d)
-    local = t._local_tensor.narrow(0, rows.starts[index], rows.rows[index])
-    placements = list(t._spec.placements)
+    local = dtensor_local(t).narrow(0, rows.starts[index], rows.rows[index])
+    placements = list(t.placements)
     placements[d] = rows
     return _wrap(local, t.device_mesh, placements, t.shape)
 
@@ -421,28 +423,29 @@ def _guarded_spec(mesh, placements, meta: TensorMeta) -> DTensorSpec:
 
 def _gather_rows(t: DTensor) -> DTensor:
     """Rows -> Replicate on every axis with rows, by the placement's own collective."""
-    local, placements = t._local_tensor, list(t._spec.placements)
+    local, placements = dtensor_local(t), list(t.placements)
     for d in reversed(range(len(placements))):
         if _is_rows(placements[d]):
             local = placements[d]._to_replicate_tensor(local, t.device_mesh, d, None)
             placements[d] = Replicate()
-    return DTensor(local, DTensorSpec(t.device_mesh, tuple(placements), tensor_meta=t._spec.tensor_meta),
+    return DTensor(local, DTensorSpec(t.device_mesh, tuple(placements), tensor_meta=dtensor_spec(t).tensor_meta),
                    requires_grad=False)
 
 
 def _cut_rows(t: DTensor, target: tuple) -> "RowShardedTensor":
     """Replicate -> this rank's rows on every axis where ``target`` has rows."""
-    local = t._local_tensor
+    local = dtensor_local(t)
     for d, p in enumerate(target):
         if _is_rows(p):
             local = p._replicate_to_shard(local, t.device_mesh, d, t.device_mesh.get_local_rank(d))
-    return RowShardedTensor(local, _guarded_spec(t.device_mesh, target, t._spec.tensor_meta), requires_grad=False)
+    return RowShardedTensor(local, _guarded_spec(t.device_mesh, target, dtensor_spec(t).tensor_meta),
+                            requires_grad=False)
 
 
 class _FromRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: DTensor):
-        ctx.placements = t._spec.placements
+        ctx.placements = t.placements
         return _gather_rows(t)
 
     @staticmethod
@@ -465,7 +468,7 @@ class _AsRowSharded(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t: DTensor):
-        return RowShardedTensor(t._local_tensor, t._spec, requires_grad=False)
+        return RowShardedTensor(dtensor_local(t), dtensor_spec(t), requires_grad=False)
 
     @staticmethod
     def backward(ctx, grad):
@@ -492,10 +495,10 @@ class RowShardedTensor(DTensor):
         """Rows are gathered and cut here, by the placement's own collectives (torch's
         planner cannot describe them, see ``_guarded_spec``); torch does the rest."""
         mesh = self.device_mesh if device_mesh is None else device_mesh
-        target = tuple(self._spec.placements if placements is None else placements)
+        target = tuple(self.placements if placements is None else placements)
         if mesh != self.device_mesh or len(target) != mesh.ndim:
             raise ValueError("redistribute an MFSDP v2 row-sharded DTensor on its own mesh, one placement per axis.")
-        if target == self._spec.placements:
+        if target == self.placements:
             return self
         if any(isinstance(p, NestedRowShard) for p in target):
             _refuse_nested("redistribute")

@@ -18,6 +18,8 @@ from typing import List
 
 import torch
 
+from megatron.core.torch_private import version_of
+
 from . import work as comm
 from .flat_buffer import single_axis_steps
 
@@ -36,7 +38,7 @@ class WeightSync:
     refreshes (``load_checkpoint`` does)."""
 
     def _weights_version(self) -> int:
-        return sum(p.sharded_param._version for p in self.fsdp_parameters)
+        return sum(version_of(p.sharded_param) for p in self.fsdp_parameters)
 
     def _note_weights_in_sync(self) -> None:
         self._synced_version = self._weights_version()

@@ -74,6 +74,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megatron.core.torch_private import in_backward
+
 from ..layers import normal_weight_zero_bias_
 from .config import aux_loss_coeffs
 
@@ -252,7 +254,7 @@ def recomputing() -> bool:
     """Whether this forward runs inside a backward pass: an activation recompute (full
     recompute, or --recompute-modules moe). torch has no public query; its graph-task id
     is -1 outside a backward (torch's own checkpoint reads it the same way)."""
-    return torch._C._current_graph_task_id() != -1
+    return in_backward()
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):

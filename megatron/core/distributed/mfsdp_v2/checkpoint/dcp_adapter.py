@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from megatron.core.torch_private import StorageInfo, set_nested_element
+
 from .manifest import dtype_from_name, dtype_name
 
 # --------------------------------------------------------------------------------------
@@ -140,8 +142,6 @@ def metadata_to_json(metadata: Metadata) -> Dict[str, Any]:
 
 
 def metadata_from_json(data: Dict[str, Any]) -> Metadata:
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
     state_dict_metadata = {}
     for key, md in data["tensors"].items():
         if md.get("bytes"):
@@ -155,7 +155,7 @@ def metadata_from_json(data: Dict[str, Any]) -> Metadata:
     storage_data = {}
     for entry in data["storage"]:
         index = MetadataIndex(entry["key"], entry["offsets"])
-        storage_data[index] = _StorageInfo(
+        storage_data[index] = StorageInfo(
             relative_path=entry["file"], offset=entry["file_offset"], length=entry["length"],
             transform_descriptors=entry.get("transforms"),
         )
@@ -190,9 +190,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            set_nested_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 

@@ -47,8 +47,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from megatron.core.torch_private import TorchDispatchMode, dtensor_local, tree_leaves
 
 from ..device import handles_from
 from .simulated_streams import SimulatedStream, SimulatedStreamsHandle
@@ -192,7 +192,7 @@ class StreamChecker(TorchDispatchMode):
     def _tensors(value):
         for leaf in tree_leaves(value):
             if isinstance(leaf, DTensor):
-                leaf = leaf._local_tensor
+                leaf = dtensor_local(leaf)
             if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
                 yield leaf
 
