@@ -33,7 +33,8 @@ def test_dtensor_internals():
     rebuilt = DTensor(tp.dtensor_local(t), tp.DTensorSpec(t.device_mesh, (Shard(0),), tensor_meta=meta),
                       requires_grad=False)
     assert torch.equal(rebuilt.full_tensor(), full)
-    assert issubclass(tp.StridedShard, Shard)
+    strided = tp.StridedShard(0, split_factor=2)  # a dim-0 split the engine treats as sharded
+    assert (strided.dim, strided.split_factor) == (0, 2)
 
 
 def test_sharding_propagator_is_asked_read_only():
