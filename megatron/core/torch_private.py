@@ -13,8 +13,6 @@ from typing import Sequence, Tuple
 
 import torch
 import torch.distributed._functional_collectives as functional_collectives
-from torch.distributed.checkpoint._nested_dict import set_element as _set_element
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -22,9 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 __all__ = [
-    "DTensorSpec", "StorageInfo", "StridedShard", "TensorMeta", "TorchDispatchMode", "contiguous_strides",
+    "DTensorSpec", "StridedShard", "TensorMeta", "TorchDispatchMode", "contiguous_strides",
     "current_graph_task_id", "dtensor_local", "dtensor_spec", "flatten_mesh", "functional_collectives",
-    "in_backward", "profiler_enabled", "set_nested_element", "set_version_counters", "sharding_propagator",
+    "in_backward", "profiler_enabled", "set_nested_element", "storage_info", "set_version_counters", "sharding_propagator",
     "tree_flatten", "tree_leaves", "tree_unflatten", "unwrap_to_op_info", "version_of",
 ]
 
@@ -36,8 +34,6 @@ __all__ = [
 # The metadata of one DTensor (mesh, placements, global shape/stride/dtype) and its tensor
 # part: RowShardedTensor builds DTensors whose placements torch cannot describe from them.
 StridedShard = _StridedShard  # a Shard placement torch's strategies may produce (FSDP2 + TP)
-# DCP's index entry for one stored chunk: the checkpoint index read back from our JSON.
-StorageInfo = _StorageInfo
 
 
 def dtensor_spec(t: DTensor) -> DTensorSpec:
@@ -95,6 +91,17 @@ def flatten_mesh(mesh, name: str):
     return mesh._flatten(name)
 
 
+def storage_info(**fields):
+    """DCP's index entry for one stored chunk (the checkpoint index read back from our JSON)."""
+    # Import cost: torch.distributed.checkpoint adds most of a second; only checkpoints need it.
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(**fields)
+
+
 def set_nested_element(root: dict, path, value) -> None:
     """DCP's setter of a value at a flattened state-dict path (its planner's own mapping)."""
-    _set_element(root, path, value)
+    # Import cost, as above.
+    from torch.distributed.checkpoint._nested_dict import set_element
+
+    set_element(root, path, value)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from megatron.core import parallel_state
 from megatron.core.transformer.context_parallel import SUPPORTED_CP_COMM_TYPES
 
 
@@ -91,7 +92,6 @@ def validate_context_parallel_args(args: argparse.Namespace) -> None:
 
 def context_parallel_config_kwargs(args) -> dict:
     """TransformerConfig's CP fields, with the groups from ``megatron.core.parallel_state``."""
-    from megatron.core import parallel_state
 
     cp = getattr(args, "context_parallel_size", 1)
     types = list(getattr(args, "cp_comm_type", None) or ["p2p"])

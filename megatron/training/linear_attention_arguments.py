@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import types
 
 from megatron.core.transformer.moe.config import _evaluate
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 VARIANTS = ("gdn", "gdn2", "dsa", "gated_delta_net")  # upstream's choices
 
@@ -77,10 +79,7 @@ def validate_linear_attention_args(args: argparse.Namespace) -> None:
     if getattr(args, "experimental_attention_variant", None) is None and \
             getattr(args, "linear_attention_freq", None) is None:
         return
-    import types
-
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
+    # Import cost: the model builder loads the engine; only a gated delta-net config needs it here.
     from megatron.training.model_builder import activation_from_args
 
     fields = linear_attention_config_kwargs(args)

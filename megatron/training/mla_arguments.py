@@ -10,6 +10,9 @@ process group exists, with the same message.
 from __future__ import annotations
 
 import argparse
+import types
+
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def add_mla_args(group) -> None:
@@ -39,9 +42,7 @@ def validate_mla_args(args: argparse.Namespace) -> None:
     """The MLA checks of ``TransformerConfig`` (ValueError with the fix), at parse time."""
     if not getattr(args, "multi_latent_attention", False):
         return
-    import types
 
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     if getattr(args, "position_embedding_type", None) == "yarn":  # MLA's rotary part is plain RoPE here
         raise ValueError("--multi-latent-attention with --position-embedding-type yarn is not supported yet (MLA's "

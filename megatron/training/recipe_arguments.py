@@ -14,6 +14,8 @@ import argparse
 import logging
 import os
 
+from megatron.core.transformer.recompute import check_recompute_modules
+from megatron.core.transformer.rope import YarnScaling
 from megatron.training.megatron_compat import announced_flags_given
 
 _YARN_DEFAULTS = dict(rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
@@ -53,8 +55,6 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
 
 def validate_recipe_args(args: argparse.Namespace, note) -> None:
     """Parse-time checks (ValueError with the fix); ``note`` prints one line from rank 0."""
-    from megatron.core.transformer.recompute import check_recompute_modules
-    from megatron.core.transformer.rope import YarnScaling
 
     if args.position_embedding_type == "yarn":
         if args.rotary_interleaved:

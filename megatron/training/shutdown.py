@@ -26,12 +26,15 @@ import sys
 
 import torch.distributed as dist
 
+from megatron.core import parallel_state
+from megatron.training.initialize import get_distributed_env
+
 
 def shutdown_distributed(barrier: bool) -> None:
     """Wait for the asynchronous save and its thread, then (``barrier``: only when every
     rank got here, i.e. not while an error unwinds) pass a barrier on every rank, release
     the trainer's groups and destroy the process groups."""
-    from megatron.core import parallel_state
+    # Import cost: checkpointing loads torch.distributed.checkpoint; only a run that got this far needs it.
     from megatron.training.checkpointing import finalize_async_save, release_async_save_group
 
     try:
@@ -52,7 +55,6 @@ def shutdown_distributed(barrier: bool) -> None:
 
 def launched_ranks() -> int:
     """The number of ranks of this launch (torchrun's or SLURM's environment), 1 if unreadable."""
-    from megatron.training.initialize import get_distributed_env
 
     try:
         return get_distributed_env().world_size

@@ -13,13 +13,14 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from megatron.core.tokenizer import NullTokenizer
+
 
 def characters_and_tokens(dataset, num_samples: int, tokenizer) -> Optional[Tuple[int, int]]:
     """(characters, tokens) of the loss-masked labels in the first ``num_samples`` samples
     of ``dataset``: the tokens an evaluation over those samples scores. The EOD token
     counts as one character (the document break). None for a tokenizer without text
     (NullTokenizer: its "text" is the ids themselves)."""
-    from megatron.core.tokenizer import NullTokenizer
 
     if isinstance(tokenizer, NullTokenizer):
         return None

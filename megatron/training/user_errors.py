@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import signal
 import sys
 import time
+import traceback
 
 import torch.distributed as dist
 
+from megatron.training.initialize import get_distributed_env
 from megatron.training.shutdown import leave
 
 
@@ -52,7 +55,6 @@ def report_user_error(message: str, exit_code: int, error: BaseException) -> Non
     """Rank 0 prints ``prog: error: message``; every rank exits with ``exit_code``
     (under torchrun the others only after rank 0 printed: see the module docstring).
     MEGATRON_DEBUG_TRACEBACK=1 adds the traceback on every rank."""
-    import traceback
 
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "pretrain_gpt.py"
     launch = _launch_env()
@@ -120,7 +122,6 @@ def _wait_for_rank_0(launch) -> bool:
 
 def _launch_env():
     """torchrun's or SLURM's rank and world size, or None when they are unreadable."""
-    from megatron.training.initialize import get_distributed_env
 
     try:
         return get_distributed_env()
@@ -133,7 +134,6 @@ def _write_torchelastic_error_file(message: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    import json
 
     try:
         with open(path, "w") as f:

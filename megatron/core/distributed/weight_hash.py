@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from megatron.core.global_slices import global_slices_by_name
+
 Piece = Tuple[str, str, str, Tuple]  # (parameter name, which copy, its TP/EP slice, its DTensor shard index)
 
 
@@ -73,7 +75,6 @@ def replicated_compute_copies(context) -> Dict[int, torch.Tensor]:
 def local_weight_hashes(model: nn.Module, context=None) -> Dict[Piece, str]:
     """This rank's pieces of ``model``'s parameters (and of MFSDP's replicated compute
     copies, given its ``context``), each with the hash of its bytes."""
-    from megatron.core.global_slices import global_slices_by_name
 
     slices = global_slices_by_name(model)
     compute = replicated_compute_copies(context)

@@ -16,6 +16,8 @@ import torch
 
 from .clip_grads import clip_grad_norm, count_zeros, get_grad_norm, get_params_norm
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
+from .muon import Muon, muon_and_adamw_groups
+from .muon_matrices import muon_matrices, takes_muon
 from .optimizer_param_scheduler import OptimizerParamScheduler
 from .param_groups import get_param_groups, is_embedding_or_output_parameter, no_weight_decay
 
@@ -96,8 +98,6 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> t
 
 
 def _muon_optimizer(config: OptimizerConfig, model: torch.nn.Module, groups: List[Dict]) -> torch.optim.Optimizer:
-    from .muon import Muon, muon_and_adamw_groups
-    from .muon_matrices import muon_matrices, takes_muon
 
     names = {id(p): n for n, p in model.named_parameters()}
     groups = muon_and_adamw_groups(groups, lambda p: takes_muon(names[id(p)], p))

@@ -27,6 +27,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.moe.experts import ExpertLinear
+
 # The package's rule (its __init__ imports this module only inside the factory).
 from .param_groups import is_embedding_or_output_parameter
 
@@ -55,8 +58,6 @@ def qkv_split_rows(config) -> Tuple[int, ...]:
 
 def muon_matrices(model: torch.nn.Module, split_qkv: bool = True) -> Dict[int, MuonMatrix]:
     """``{id(parameter): MuonMatrix}`` for every parameter of ``model`` that Muon takes."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.moe.experts import ExpertLinear
 
     config = getattr(model, "config", None)
     names = {id(p): n for n, p in model.named_parameters()}

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.grad_accumulation_fusion import embedding as fused_embedding
 from megatron.core.tensor_parallel.grad_accumulation_fusion import linear as fused_linear
 
@@ -103,7 +104,6 @@ def build_parallel_linear(config: TransformerConfig, in_features: int, out_featu
     own) or row-parallel (``"row"``) linear."""
     if config.tensor_model_parallel_size == 1:
         return build_linear(config, in_features, out_features, bias=bias, init_std=init_std)
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     kwargs = dict(bias=bias, init_std=init_std, tp_group=config.tp_group,
                   sequence_parallel=config.sequence_parallel, dtype=config.params_dtype,

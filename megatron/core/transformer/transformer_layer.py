@@ -24,8 +24,9 @@ from .attention import SelfAttention
 from .gated_delta_net import GatedDeltaNet, linear_attention_pattern
 from .layers import reset_parameters_of
 from .mlp import MLP
-from .multi_latent_attention import MLASelfAttention
 from .moe.config import is_moe_layer
+from .moe.moe_layer import MoELayer
+from .multi_latent_attention import MLASelfAttention
 from .norms import build_norm
 from .recompute import recompute_saved, recomputes
 from .transformer_config import TransformerConfig
@@ -55,7 +56,6 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
         # A MoE layer (moe/moe_layer.py) replaces the MLP where --moe-layer-freq says so.
         if moe:
-            from .moe.moe_layer import MoELayer
 
             self.mlp = MoELayer(config, layer_number, expert_parallel)
         else:

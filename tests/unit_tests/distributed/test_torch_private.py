@@ -93,7 +93,7 @@ def test_pytree_dispatch_mode_profiler_and_dcp_helpers():
     assert not tp.profiler_enabled()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         assert tp.profiler_enabled()
-    info = tp.StorageInfo(relative_path="f.distcp", offset=3, length=5, transform_descriptors=None)
+    info = tp.storage_info(relative_path="f.distcp", offset=3, length=5, transform_descriptors=None)
     assert (info.relative_path, info.offset, info.length) == ("f.distcp", 3, 5)
     root = {"a": {"b": 1}}
     tp.set_nested_element(root, ("a", "b"), 2)

@@ -4,9 +4,11 @@
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.transformer.layers import Embedding, reset_parameters_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -47,7 +49,6 @@ def _word_embeddings(config: TransformerConfig, vocab_size: int) -> torch.nn.Mod
     if config.tensor_model_parallel_size == 1:
         return Embedding(vocab_size, config.hidden_size, init_std=config.init_method_std, dtype=config.params_dtype,
                          gradient_accumulation_fusion=config.gradient_accumulation_fusion)
-    from megatron.core.tensor_parallel import VocabParallelEmbedding
 
     return VocabParallelEmbedding(vocab_size, config.hidden_size, init_std=config.init_method_std,
                                   tp_group=config.tp_group, sequence_parallel=config.sequence_parallel,
@@ -56,6 +57,5 @@ def _word_embeddings(config: TransformerConfig, vocab_size: int) -> torch.nn.Mod
 
 
 def _sequence_chunk(position_ids: torch.Tensor, tp_group) -> torch.Tensor:
-    import torch.distributed as dist
 
     return position_ids.chunk(dist.get_world_size(tp_group), dim=1)[dist.get_rank(tp_group)]

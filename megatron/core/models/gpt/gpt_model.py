@@ -21,9 +21,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megatron.core.tensor_parallel.grad_accumulation_fusion import linear
 from megatron.core.models.common.language_model_embedding import LanguageModelEmbedding
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    gather_from_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+from megatron.core.tensor_parallel.grad_accumulation_fusion import linear
 from megatron.core.transformer.layers import reset_parameters_of
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import _POSITION_EMBEDDING_TYPES, ROTARY_TYPES, TransformerConfig
@@ -166,7 +172,6 @@ class GPTModel(nn.Module):
             if not (self.pre_process and self.post_process):
                 raise ValueError("multi-token prediction needs the embedding and the output layer in one model "
                                  "chunk; it is not built for pipeline parallelism yet (use PP size 1).")
-            from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
             self.mtp = MultiTokenPredictionBlock(config, expert_parallel)
 
@@ -260,7 +265,6 @@ class GPTModel(nn.Module):
     def _vocab_parallel_output(self, logits: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         """Logits [b, s, V/tp] of this rank's vocabulary ids -> the per-token loss (no rank
         gathers the logits), or without labels the gathered logits [b, s, V]."""
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
 
         group = self.config.tp_group
         projection = self.embedding.word_embeddings if self._tied_copy else self.output_layer
@@ -286,7 +290,6 @@ def _output_projection(config: TransformerConfig, vocab_size: int, tied: bool) -
 def _vocab_parallel_output_layer(config: TransformerConfig, vocab_size: int, tied: bool) -> nn.Module:
     """The output projection with the vocabulary split over TP (rows of the tied word
     embedding, or its own weight): logits [b, s, V/tp]."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear
 
     return ColumnParallelLinear(config.hidden_size, vocab_size, bias=False, init_std=config.init_method_std,
                                 tp_group=config.tp_group, sequence_parallel=config.sequence_parallel,

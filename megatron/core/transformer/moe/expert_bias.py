@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .router import TopKRouter
+
 
 def expert_bias_update(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, rate: float) -> torch.Tensor:
     """DeepSeek-V3's aux-loss-free rule: ``bias + rate * sign(mean_e tokens - tokens_e)`` (the
@@ -28,7 +30,6 @@ def update_expert_biases(model: nn.Module) -> None:
     data-parallel ranks (and the sequence-parallel TP group), then zero the counts. A
     collective over those ranks: every rank calls it, once per optimizer step taken (a
     skipped step leaves its counts to the next)."""
-    from .router import TopKRouter
 
     _update_biases([m for m in model.modules() if isinstance(m, TopKRouter)])
 

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from megatron.core.torch_private import StorageInfo, set_nested_element
+from megatron.core.torch_private import set_nested_element, storage_info
 
 from .manifest import dtype_from_name, dtype_name
 
@@ -155,7 +155,7 @@ def metadata_from_json(data: Dict[str, Any]) -> Metadata:
     storage_data = {}
     for entry in data["storage"]:
         index = MetadataIndex(entry["key"], entry["offsets"])
-        storage_data[index] = StorageInfo(
+        storage_data[index] = storage_info(
             relative_path=entry["file"], offset=entry["file_offset"], length=entry["length"],
             transform_descriptors=entry.get("transforms"),
         )
