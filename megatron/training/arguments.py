@@ -21,6 +21,8 @@ from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.context_parallel_arguments import (
     add_context_parallel_args, validate_context_parallel_args, validate_context_parallel_size)
+from megatron.training.launch_script_arguments import (
+    add_launch_script_args, apply_launch_script_synonyms, validate_launch_script_args)
 from megatron.training.linear_attention_arguments import add_linear_attention_args, validate_linear_attention_args
 from megatron.training.mla_arguments import add_mla_args, validate_mla_args
 from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist_muon, validate_muon_args
@@ -212,6 +214,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     add_context_parallel_args(parser)
     add_recipe_args(parser)
     add_resilience_args(parser)
+    add_launch_script_args(parser)
     add_megatron_compat_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
@@ -320,6 +323,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     validate_context_parallel_args(args)
     _validate_activation(args)
     _validate_memory_args(args)
+    validate_launch_script_args(args, _note)
     _validate_logging_and_checkpointing(args)
     _validate_fidelity(args)
     validate_resilience_args(args)
@@ -781,6 +785,7 @@ def _apply_fidelity_synonyms(args: argparse.Namespace) -> None:
     """Flags that are another name for one of our settings; resolved before validation."""
     apply_megatron_compat(args)
     map_dist_muon(args, _note)
+    apply_launch_script_synonyms(args, _note)
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if args.squared_relu and args.swiglu:

@@ -1,0 +1,81 @@
+"""Flags that upstream Megatron-LM's ``examples/`` launch scripts pass (Llama-3 8B FP8,
+Megatron-FSDP's Llama-3 and DeepSeek-V3 scripts, Mixtral, the SC21 paper's scripts), with
+upstream's names and meanings. scripts/replay_upstream_examples.py replays those scripts.
+
+* ``--grad-reduce-in-bf16``: with ``--bf16``, gradients are reduced in bf16 and accumulated
+  into fp32 ``main_grad`` (the engine's ``MixedPrecisionPolicy.grad_comm_dtype``).
+* Megatron-FSDP's buffer flags name CUDA allocator / NCCL mechanisms: accepted with one note.
+* ``--tiktoken-*``: the TikTokenizer's options; without ``--tokenizer-type TikTokenizer``
+  upstream ignores them (its Llama-3 scripts pass ``--tiktoken-pattern v2`` with NullTokenizer).
+* The SC21 scripts' 2021 flags: ``--DDP-impl`` and ``--activations-checkpoint-method``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+TIKTOKEN_PATTERNS = ("v1", "v2")
+
+
+def add_launch_script_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("upstream launch scripts")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: reduce gradients in bf16 (accumulated into fp32 main_grad)")
+    g.add_argument("--fsdp-double-buffer", action="store_true",
+                   help="Megatron-FSDP's two alternating all-gather buffers; here each unit's gather is "
+                        "allocated at unshard and freed at reshard with one unit prefetched (see the note)")
+    g.add_argument("--fsdp-manual-registration", action="store_true",
+                   help="Megatron-FSDP's manual NCCL user-buffer registration: no effect on CPU (gloo)")
+    g.add_argument("--fsdp-db-use-persist-buf-on-alloc-fail", action="store_true",
+                   help="with --fsdp-double-buffer: no effect (there is no fixed buffer to run out of)")
+    g.add_argument("--tiktoken-pattern", choices=TIKTOKEN_PATTERNS, default=None,
+                   help="TikTokenizer's pre-tokenization regex: v1 or v2 (upstream's)")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids reserved below the BPE ranks for special tokens")
+    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
+                   help="TikTokenizer: the special tokens' strings (the first ids); default <unk> <s> </s>")
+    g.add_argument("--DDP-impl", dest="ddp_impl", choices=("local", "torch"), default=None,
+                   help="2021 Megatron's DDP choice: both run as this trainer's data parallelism")
+    g.add_argument("--activations-checkpoint-method", choices=("uniform", "block"), default=None,
+                   help="2021 Megatron's name of --recompute-method (full-layer recomputation)")
+
+
+def apply_launch_script_synonyms(args: argparse.Namespace, note) -> None:
+    """Old names for current flags; resolved before the recompute flags are validated."""
+    if args.activations_checkpoint_method is not None:
+        if args.recompute_method not in (None, args.activations_checkpoint_method):
+            raise ValueError("--activations-checkpoint-method is the old name of --recompute-method; pass one of them.")
+        args.recompute_method = args.activations_checkpoint_method
+        if args.recompute_granularity is None:
+            args.recompute_granularity = "full"  # the 2021 flag recomputed whole layers
+    if args.ddp_impl is not None:
+        note(f"--DDP-impl {args.ddp_impl}: 2021 Megatron's choice of DDP wrapper; gradients are averaged "
+             "over data-parallel ranks by this trainer's DDP (or MFSDP with --use-mfsdp) either way.")
+
+
+def validate_launch_script_args(args: argparse.Namespace, note) -> None:
+    """After the data-parallel dtypes are set (``args.grad_comm_dtype``)."""
+    if args.grad_reduce_in_bf16:
+        if not args.bf16:
+            # Upstream reads the flag only under --bf16.
+            note("--grad-reduce-in-bf16 has no effect without --bf16: gradients are reduced in fp32.")
+        elif not args.use_mfsdp:
+            note("--grad-reduce-in-bf16 under DDP: gradients are reduced in fp32 (autocast keeps fp32 weights); "
+                 "add --use-mfsdp (or --use-distributed-optimizer) to reduce them in bf16.")
+        elif args.megatron_fsdp_grad_comm_dtype not in (None, "auto", "bf16"):
+            raise ValueError(f"--grad-reduce-in-bf16 with --megatron-fsdp-grad-comm-dtype "
+                             f"{args.megatron_fsdp_grad_comm_dtype}: pass one of them.")
+        else:
+            args.grad_comm_dtype = torch.bfloat16
+    if args.fsdp_double_buffer:
+        note("--fsdp-double-buffer: MFSDP allocates each unit's gathered parameters at unshard and frees them at "
+             "reshard, one unit prefetched, so at most two units' gathers are alive and the allocator reuses "
+             "their blocks; there are no separate fixed buffers.")
+    if args.fsdp_manual_registration:
+        note("--fsdp-manual-registration: NCCL user-buffer registration is CUDA-only; no effect with gloo.")
+    if args.tiktoken_num_special_tokens < 0:
+        raise ValueError(f"--tiktoken-num-special-tokens must be >= 0, got {args.tiktoken_num_special_tokens}.")
+    if args.tokenizer_type != "TikTokenizer" and args.tiktoken_special_tokens is not None:
+        note(f"--tiktoken-special-tokens has no effect with --tokenizer-type {args.tokenizer_type}.")
