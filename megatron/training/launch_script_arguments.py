@@ -36,6 +36,15 @@ def add_launch_script_args(parser: argparse.ArgumentParser) -> None:
                    help="TikTokenizer: ids reserved below the BPE ranks for special tokens")
     g.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
                    help="TikTokenizer: the special tokens' strings (the first ids); default <unk> <s> </s>")
+    g.add_argument("--profile", action="store_true",
+                   help="profile steps [--profile-step-start, --profile-step-end) on --profile-ranks "
+                        "(megatron/training/profiling.py)")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="with --profile: a PyTorch profiler trace in --tensorboard-dir (else, on CUDA, an nsys "
+                        "capture range)")
+    g.add_argument("--profile-step-start", type=int, default=10, help="the first profiled step (0-based)")
+    g.add_argument("--profile-step-end", type=int, default=12, help="the step after the last profiled one")
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="global ranks that profile")
     g.add_argument("--DDP-impl", dest="ddp_impl", choices=("local", "torch"), default=None,
                    help="2021 Megatron's DDP choice: both run as this trainer's data parallelism")
     g.add_argument("--activations-checkpoint-method", choices=("uniform", "block"), default=None,
@@ -75,7 +84,29 @@ def validate_launch_script_args(args: argparse.Namespace, note) -> None:
              "their blocks; there are no separate fixed buffers.")
     if args.fsdp_manual_registration:
         note("--fsdp-manual-registration: NCCL user-buffer registration is CUDA-only; no effect with gloo.")
+    _validate_profile(args, note)
     if args.tiktoken_num_special_tokens < 0:
         raise ValueError(f"--tiktoken-num-special-tokens must be >= 0, got {args.tiktoken_num_special_tokens}.")
     if args.tokenizer_type != "TikTokenizer" and args.tiktoken_special_tokens is not None:
         note(f"--tiktoken-special-tokens has no effect with --tokenizer-type {args.tokenizer_type}.")
+
+
+def _validate_profile(args: argparse.Namespace, note) -> None:
+    if not args.profile:
+        if args.use_pytorch_profiler:
+            note("--use-pytorch-profiler has no effect without --profile.")
+        return
+    if not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ValueError(f"--profile-step-start ({args.profile_step_start}) must be >= 0 and below "
+                         f"--profile-step-end ({args.profile_step_end}).")
+    bad = [r for r in args.profile_ranks if not 0 <= r < args.world_size]
+    if bad:
+        raise ValueError(f"--profile-ranks {bad} are outside the world of {args.world_size} ranks; pass ranks "
+                         f"0..{args.world_size - 1}.")
+    if args.use_pytorch_profiler and args.tensorboard_dir is None:
+        raise ValueError("--use-pytorch-profiler writes its trace into --tensorboard-dir; add --tensorboard-dir DIR.")
+    if not args.use_pytorch_profiler and args.device_type != "cuda":
+        where = (f"a PyTorch profiler trace into {args.tensorboard_dir}" if args.tensorboard_dir
+                 else "nothing (add --tensorboard-dir DIR for a PyTorch profiler trace)")
+        note("--profile without --use-pytorch-profiler is an nsys capture range (CUDA profiler start/stop); "
+             f"without CUDA, steps {args.profile_step_start}..{args.profile_step_end - 1} record {where}.")

@@ -46,6 +46,7 @@ from megatron.training.initialize import initialize_distributed, set_determinist
 from megatron.training.evaluation import Evaluator
 from megatron.training.log_utils import MetricsWriter, jsonable_config, print_rank_0
 from megatron.training.loss_reports import mean_loss, reduce_reports, world_size
+from megatron.training.profiling import StepProfiler
 from megatron.training.shutdown import shutdown_distributed
 from megatron.training.step_counters import restore_step_counters, save_step_counters
 from megatron.training.timers import Timers
@@ -297,6 +298,7 @@ class _Trainer:
                  start_time: float):
         self.args = args
         self.start_time = start_time  # the earliest rank's: --exit-duration-in-mins counts from it
+        self.profiler = StepProfiler(args, dist.get_rank() if dist.is_initialized() else 0)
         self.built = built
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -450,7 +452,9 @@ class _Trainer:
             gc.collect()
         try:
             while self.iteration < args.train_iters:
-                self._train_one_iteration(train_iter)
+                with self.profiler.step(self.iteration):
+                    self._train_one_iteration(train_iter)
+                self.profiler.after_step(self.iteration)
                 reason = self._exit_reason()
                 if reason:
                     if args.save and self.last_saved_iteration != self.iteration:
@@ -460,6 +464,7 @@ class _Trainer:
                     sys.exit(0)
             return self.iteration
         finally:
+            self.profiler.stop()
             if args.manual_gc:
                 gc.enable()
 
