@@ -822,8 +822,6 @@ def _validate_fidelity(args: argparse.Namespace) -> None:
             )
     if args.rotary_interleaved and args.position_embedding_type == "learned_absolute":
         raise ValueError("--rotary-interleaved applies to RoPE; add --position-embedding-type rope or drop it.")
-    if args.apply_layernorm_1p and args.normalization != "LayerNorm":
-        raise ValueError("--apply-layernorm-1p applies to LayerNorm; drop it or use --normalization LayerNorm.")
     # CPU substitutions, like transformer_engine -> local: the math kernel computes the same attention.
     if args.device_type == "cpu" and args.attention_backend == "fused":
         _note("--attention-backend fused has no CPU kernel; the unfused (math) kernel runs instead (same results).")

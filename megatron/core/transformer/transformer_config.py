@@ -299,8 +299,6 @@ class TransformerConfig:
                 f"rotary_percent {self.rotary_percent} rotates {self.rotary_dim} of {self.kv_channels} head "
                 "dimensions; pick a fraction that gives an even number >= 2."
             )
-        if self.apply_layernorm_1p and self.normalization != "LayerNorm":
-            raise ValueError("apply_layernorm_1p applies to LayerNorm only; use normalization='LayerNorm' or drop it.")
         if self.attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
         if self.moe_shared_expert_gate and (self.num_moe_experts is None
