@@ -45,6 +45,12 @@ def add_launch_script_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-step-start", type=int, default=10, help="the first profiled step (0-based)")
     g.add_argument("--profile-step-end", type=int, default=12, help="the step after the last profiled one")
     g.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="global ranks that profile")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="route tokens by random logits (upstream's benchmark mode for balanced expert load)")
+    g.add_argument("--enable-experimental", action="store_true",
+                   help="upstream's switch for its experimental features; nothing here is gated behind it")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
+                   help="deprecated upstream: only with --position-embedding-type rope, where it changes nothing")
     g.add_argument("--DDP-impl", dest="ddp_impl", choices=("local", "torch"), default=None,
                    help="2021 Megatron's DDP choice: both run as this trainer's data parallelism")
     g.add_argument("--activations-checkpoint-method", choices=("uniform", "block"), default=None,
@@ -85,6 +91,9 @@ def validate_launch_script_args(args: argparse.Namespace, note) -> None:
     if args.fsdp_manual_registration:
         note("--fsdp-manual-registration: NCCL user-buffer registration is CUDA-only; no effect with gloo.")
     _validate_profile(args, note)
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        # Upstream refuses it the same way (there is no 'no position embedding' type).
+        raise ValueError("--no-position-embedding is deprecated; use --position-embedding-type rope (or drop it).")
     if args.tiktoken_num_special_tokens < 0:
         raise ValueError(f"--tiktoken-num-special-tokens must be >= 0, got {args.tiktoken_num_special_tokens}.")
     if args.tokenizer_type != "TikTokenizer" and args.tiktoken_special_tokens is not None:

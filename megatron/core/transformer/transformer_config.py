@@ -175,6 +175,7 @@ class TransformerConfig:
     moe_router_score_function: str = "softmax"
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_router_dtype: Optional[str] = None
+    moe_router_force_load_balancing: bool = False  # route by random logits (upstream's benchmark mode)
     moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"  # a list: one coefficient each
     moe_aux_loss_coeff: Union[float, List[float]] = 0.0
     moe_router_num_groups: Optional[int] = None  # group-limited routing (DeepSeek-V2/V3)
