@@ -22,7 +22,7 @@ from megatron.training.megatron_compat import add_megatron_compat_args, apply_me
 from megatron.training.context_parallel_arguments import (
     add_context_parallel_args, validate_context_parallel_args, validate_context_parallel_size)
 from megatron.training.launch_script_arguments import (
-    add_launch_script_args, apply_launch_script_synonyms, validate_launch_script_args)
+    add_launch_script_args, apply_launch_script_synonyms, validate_launch_script_args, validate_tiktoken_args)
 from megatron.training.linear_attention_arguments import add_linear_attention_args, validate_linear_attention_args
 from megatron.training.mla_arguments import add_mla_args, validate_mla_args
 from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist_muon, validate_muon_args
@@ -30,10 +30,10 @@ from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_wi
 from megatron.training.resilience_arguments import add_resilience_args, validate_resilience_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 from megatron.training.recipe_arguments import add_recipe_args, validate_recipe_args
+from megatron.core.tokenizer.factory import TOKENIZER_TYPES
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer", "GPTSentencePieceTokenizer")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Upstream's --dist-ckpt-strictness values; checkpointing.STRICTNESS says what each does.
@@ -669,10 +669,12 @@ def _validate_tokenizer(args):
         if importlib.util.find_spec("sentencepiece") is None:
             raise ValueError("--tokenizer-type GPTSentencePieceTokenizer needs the sentencepiece package: "
                              "pip install sentencepiece.")
+    elif kind == "TikTokenizer":
+        validate_tiktoken_args(args)
     elif kind == "NullTokenizer":
         if args.vocab_size is None or args.vocab_size < 2:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2, EOD included).")
-    if args.vocab_size is not None and kind != "NullTokenizer":
+    if args.vocab_size is not None and kind not in ("NullTokenizer", "TikTokenizer"):
         raise ValueError(f"--vocab-size only applies to NullTokenizer; {kind} has its own vocabulary. Remove it.")
 
 

@@ -5,7 +5,7 @@ upstream's names and meanings. scripts/replay_upstream_examples.py replays those
 * ``--grad-reduce-in-bf16``: with ``--bf16``, gradients are reduced in bf16 and accumulated
   into fp32 ``main_grad`` (the engine's ``MixedPrecisionPolicy.grad_comm_dtype``).
 * Megatron-FSDP's buffer flags name CUDA allocator / NCCL mechanisms: accepted with one note.
-* ``--tiktoken-*``: the TikTokenizer's options; without ``--tokenizer-type TikTokenizer``
+* ``--tiktoken-*``, ``--tokenizer-special-tokens``: the TikTokenizer's options; without ``--tokenizer-type TikTokenizer``
   upstream ignores them (its Llama-3 scripts pass ``--tiktoken-pattern v2`` with NullTokenizer).
 * The SC21 scripts' 2021 flags: ``--DDP-impl`` and ``--activations-checkpoint-method``.
 """
@@ -13,6 +13,7 @@ upstream's names and meanings. scripts/replay_upstream_examples.py replays those
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -34,8 +35,9 @@ def add_launch_script_args(parser: argparse.ArgumentParser) -> None:
                    help="TikTokenizer's pre-tokenization regex: v1 or v2 (upstream's)")
     g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
                    help="TikTokenizer: ids reserved below the BPE ranks for special tokens")
-    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
-                   help="TikTokenizer: the special tokens' strings (the first ids); default <unk> <s> </s>")
+    g.add_argument("--tokenizer-special-tokens", dest="special_tokens", nargs="+", default=None,
+                   help="TikTokenizer: the special tokens (the first ids; must include <unk> <s> </s> <mask> "
+                        "<pad> <cls> <sep>, upstream's default list)")
     g.add_argument("--profile", action="store_true",
                    help="profile steps [--profile-step-start, --profile-step-end) on --profile-ranks "
                         "(megatron/training/profiling.py)")
@@ -94,10 +96,8 @@ def validate_launch_script_args(args: argparse.Namespace, note) -> None:
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         # Upstream refuses it the same way (there is no 'no position embedding' type).
         raise ValueError("--no-position-embedding is deprecated; use --position-embedding-type rope (or drop it).")
-    if args.tiktoken_num_special_tokens < 0:
-        raise ValueError(f"--tiktoken-num-special-tokens must be >= 0, got {args.tiktoken_num_special_tokens}.")
-    if args.tokenizer_type != "TikTokenizer" and args.tiktoken_special_tokens is not None:
-        note(f"--tiktoken-special-tokens has no effect with --tokenizer-type {args.tokenizer_type}.")
+    if args.tokenizer_type != "TikTokenizer" and args.special_tokens is not None:
+        note(f"--tokenizer-special-tokens has no effect with --tokenizer-type {args.tokenizer_type}.")
 
 
 def _validate_profile(args: argparse.Namespace, note) -> None:
@@ -119,3 +119,27 @@ def _validate_profile(args: argparse.Namespace, note) -> None:
                  else "nothing (add --tensorboard-dir DIR for a PyTorch profiler trace)")
         note("--profile without --use-pytorch-profiler is an nsys capture range (CUDA profiler start/stop); "
              f"without CUDA, steps {args.profile_step_start}..{args.profile_step_end - 1} record {where}.")
+
+
+def validate_tiktoken_args(args: argparse.Namespace) -> None:
+    """--tokenizer-type TikTokenizer: the file and the id layout (the tokenizer itself is built
+    after parsing; these are the checks that need no file contents)."""
+    import importlib.util  # only for this check
+
+    from megatron.core.tokenizer.tiktoken_tokenizer import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
+
+    path = args.tokenizer_model
+    if not path or not path.endswith(".json") or not os.path.isfile(path):
+        raise ValueError(f"--tokenizer-type TikTokenizer needs --tokenizer-model FILE.json (upstream's tiktoken "
+                         f"tokenizer file); got {path!r}.")
+    if importlib.util.find_spec("tiktoken") is None:
+        raise ValueError("--tokenizer-type TikTokenizer needs the tiktoken package: pip install tiktoken.")
+    special = args.special_tokens or SPECIAL_TOKENS
+    vocab_size = args.vocab_size or DEFAULT_VOCAB_SIZE
+    if not len(special) <= args.tiktoken_num_special_tokens < vocab_size:
+        raise ValueError(f"--tiktoken-num-special-tokens ({args.tiktoken_num_special_tokens}) must be at least the "
+                         f"{len(special)} special tokens and below the vocabulary size ({vocab_size}, --vocab-size).")
+    missing = [t for t in SPECIAL_TOKENS if t not in special]
+    if missing:
+        raise ValueError(f"--tokenizer-special-tokens must include {' '.join(SPECIAL_TOKENS)}; missing "
+                         f"{' '.join(missing)}.")

@@ -71,6 +71,9 @@ def build_tokenizer_from_args(args):
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,
+        tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
+        tiktoken_num_special_tokens=getattr(args, "tiktoken_num_special_tokens", 1000),
+        special_tokens=getattr(args, "special_tokens", None),
     )
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
     # The model gives the padding rows -inf logits (out of the loss and of sampling).
