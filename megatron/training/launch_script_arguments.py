@@ -29,6 +29,8 @@ def add_launch_script_args(parser: argparse.ArgumentParser) -> None:
                         "allocated at unshard and freed at reshard with one unit prefetched (see the note)")
     g.add_argument("--fsdp-manual-registration", action="store_true",
                    help="Megatron-FSDP's manual NCCL user-buffer registration: no effect on CPU (gloo)")
+    g.add_argument("--use-nccl-ub", action="store_true",
+                   help="NCCL user-buffer registration of the data-parallel buffers: no effect on CPU (gloo)")
     g.add_argument("--fsdp-db-use-persist-buf-on-alloc-fail", action="store_true",
                    help="with --fsdp-double-buffer: no effect (there is no fixed buffer to run out of)")
     g.add_argument("--tiktoken-pattern", choices=TIKTOKEN_PATTERNS, default=None,
@@ -90,8 +92,11 @@ def validate_launch_script_args(args: argparse.Namespace, note) -> None:
         note("--fsdp-double-buffer: MFSDP allocates each unit's gathered parameters at unshard and frees them at "
              "reshard, one unit prefetched, so at most two units' gathers are alive and the allocator reuses "
              "their blocks; there are no separate fixed buffers.")
-    if args.fsdp_manual_registration:
-        note("--fsdp-manual-registration: NCCL user-buffer registration is CUDA-only; no effect with gloo.")
+    registration = [flag for flag, on in (("--use-nccl-ub", args.use_nccl_ub),
+                                          ("--fsdp-manual-registration", args.fsdp_manual_registration)) if on]
+    if registration:
+        note(f"{' and '.join(registration)}: NCCL user-buffer registration is CUDA-only; the buffers are "
+             "ordinary allocations here (same results).")
     _validate_profile(args, note)
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         # Upstream refuses it the same way (there is no 'no position embedding' type).

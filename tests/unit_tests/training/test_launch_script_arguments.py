@@ -35,9 +35,10 @@ def test_grad_reduce_in_bf16_notes_where_it_does_nothing(capsys):
 
 
 def test_megatron_fsdp_buffer_flags_are_one_note_each(capsys):
-    parse("--use-mfsdp --fsdp-double-buffer --fsdp-manual-registration")
+    parse("--use-mfsdp --fsdp-double-buffer --fsdp-manual-registration --use-nccl-ub")
     lines = [line for line in capsys.readouterr().out.splitlines() if "--fsdp-" in line]
     assert len(lines) == 2 and "at most two units' gathers" in lines[0] and "CUDA-only" in lines[1]
+    assert "--use-nccl-ub and --fsdp-manual-registration" in lines[1]
 
 
 def test_sc21_flags_are_todays_recompute_flags(capsys):
