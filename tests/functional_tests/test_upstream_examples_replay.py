@@ -4,6 +4,7 @@ own TP/PP/CP/EP layout (raise ACCEPTED when one more does)."""
 
 import os
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, os.pardir, "scripts"))
@@ -28,3 +29,11 @@ def test_example_scripts_parse_at_their_layouts():
     for name, words in UPSTREAM_REFUSES.items():
         error = results[name][2]
         assert error is None or all(w in error for w in words.split(" and ")), error
+
+
+def test_modelopt_script_is_refused_in_one_line():
+    """examples/post_training/modelopt/train.sh: its first own flag stops the parse."""
+    with tempfile.TemporaryDirectory() as tmp:
+        argv, world = examples.parse_line(examples.to_pairs(["--num-layers", "2", "--modelopt-enabled"]), tmp)
+        error = examples.lines.try_parse(argv, world)
+    assert error.startswith("--modelopt-enabled is not supported: ModelOpt") and "\n" not in error
