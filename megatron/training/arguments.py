@@ -832,6 +832,12 @@ def _validate_fidelity(args: argparse.Namespace) -> None:
         _note("--attention-backend flash takes no attention dropout on CPU; the unfused (math) kernel runs "
               "instead (same results).")
         args.attention_backend = "unfused"
+    if (args.device_type == "cpu" and args.attention_backend == "flash" and args.multi_latent_attention
+            and args.qk_head_dim + args.qk_pos_emb_head_dim != args.v_head_dim):
+        # DeepSeek-V3's launch script: --use-flash-attn with MLA's 192-dim q/k and 128-dim v.
+        _note("--attention-backend flash on CPU needs equal q/k and v head dimensions (multi-latent attention's "
+              "differ); the unfused (math) kernel runs instead (same results).")
+        args.attention_backend = "unfused"
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         raise ValueError("--decoupled-min-lr needs --decoupled-lr (the embedding/output peak LR); add it or drop "
                          "--decoupled-min-lr.")

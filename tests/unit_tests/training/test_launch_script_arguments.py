@@ -59,3 +59,13 @@ def test_profile_flags(capsys, tmp_path):
                            ("--profile --profile-ranks 0 2", "outside the world of 2 ranks")):
         with pytest.raises(ValueError, match=message):
             parse(extra)
+
+
+def test_flash_attention_with_mla_head_dims_runs_the_math_kernel_on_cpu(capsys):
+    """DeepSeek-V3's script: --use-flash-attn and MLA (q/k 24, v 16 here): CPU's flash kernel
+    cannot take them, the unfused kernel runs (the same attention)."""
+    mla = ("--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 32 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+           "--v-head-dim 16 --position-embedding-type rope --use-flash-attn --attention-dropout 0")
+    assert parse(mla).attention_backend == "unfused"
+    assert "equal q/k and v head dimensions" in capsys.readouterr().out
+    assert parse("--use-flash-attn --attention-dropout 0").attention_backend == "flash"
