@@ -36,6 +36,12 @@ GPU-only flags, YaRN, `--recompute-modules`, MTP and EP without `--use-mfsdp`; 3
 Muon); of the six Muon lines two still carry the rejected
 `--check-weight-hash-across-dp-replicas-interval`.
 
+Upstream launch scripts: `python scripts/replay_upstream_examples.py` runs each
+`pretrain_gpt.py` script of upstream's `examples/` under bash with stub launchers, records
+its argv (snapshot `tests/functional_tests/upstream_example_scripts.json`) and parses it with
+the same substitutions at the script's own TP/PP/CP/EP; `--train` also trains each accepted
+line 3 iterations on 8 CPU ranks (docs/design.md, "Upstream's launch scripts").
+
 Deviations worth knowing:
 
 - `--sequence-parallel` with `--tensor-model-parallel-size 1` is turned off with one

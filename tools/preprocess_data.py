@@ -52,9 +52,17 @@ def get_parser() -> argparse.ArgumentParser:
     group.add_argument("--merge-file", type=str, default=None, help="GPT-2 vocab.bpe merges file")
     group.add_argument(
         "--tokenizer-model", type=str, default=None,
-        help="local directory of a saved HuggingFace tokenizer (HuggingFaceTokenizer)",
+        help="local directory of a saved HuggingFace tokenizer (HuggingFaceTokenizer), or upstream's tiktoken "
+             ".json file (TikTokenizer)",
     )
-    group.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (NullTokenizer)")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="vocabulary size (NullTokenizer; TikTokenizer: special tokens + ranks, default 2**17)")
+    group.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default=None,
+                       help="TikTokenizer's pre-tokenization regex (default v2)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                       help="TikTokenizer: ids reserved for special tokens below the BPE ranks")
+    group.add_argument("--tokenizer-special-tokens", dest="special_tokens", nargs="+", default=None,
+                       help="TikTokenizer: the special tokens (must include <unk> <s> </s> <mask> <pad> <cls> <sep>)")
     group.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
     group = parser.add_argument_group("output data")
     group.add_argument(
@@ -87,6 +95,9 @@ def _tokenizer_kwargs(args) -> Dict:
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        special_tokens=args.special_tokens,
     )
 
 

@@ -21,6 +21,8 @@ from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.context_parallel_arguments import (
     add_context_parallel_args, validate_context_parallel_args, validate_context_parallel_size)
+from megatron.training.launch_script_arguments import (
+    add_launch_script_args, apply_launch_script_synonyms, validate_launch_script_args, validate_tiktoken_args)
 from megatron.training.linear_attention_arguments import add_linear_attention_args, validate_linear_attention_args
 from megatron.training.mla_arguments import add_mla_args, validate_mla_args
 from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist_muon, validate_muon_args
@@ -28,10 +30,10 @@ from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_wi
 from megatron.training.resilience_arguments import add_resilience_args, validate_resilience_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 from megatron.training.recipe_arguments import add_recipe_args, validate_recipe_args
+from megatron.core.tokenizer.factory import TOKENIZER_TYPES
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer", "GPTSentencePieceTokenizer")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Upstream's --dist-ckpt-strictness values; checkpointing.STRICTNESS says what each does.
@@ -212,6 +214,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     add_context_parallel_args(parser)
     add_recipe_args(parser)
     add_resilience_args(parser)
+    add_launch_script_args(parser)
     add_megatron_compat_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
@@ -320,6 +323,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     validate_context_parallel_args(args)
     _validate_activation(args)
     _validate_memory_args(args)
+    validate_launch_script_args(args, _note)
     _validate_logging_and_checkpointing(args)
     _validate_fidelity(args)
     validate_resilience_args(args)
@@ -665,10 +669,12 @@ def _validate_tokenizer(args):
         if importlib.util.find_spec("sentencepiece") is None:
             raise ValueError("--tokenizer-type GPTSentencePieceTokenizer needs the sentencepiece package: "
                              "pip install sentencepiece.")
+    elif kind == "TikTokenizer":
+        validate_tiktoken_args(args)
     elif kind == "NullTokenizer":
         if args.vocab_size is None or args.vocab_size < 2:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2, EOD included).")
-    if args.vocab_size is not None and kind != "NullTokenizer":
+    if args.vocab_size is not None and kind not in ("NullTokenizer", "TikTokenizer"):
         raise ValueError(f"--vocab-size only applies to NullTokenizer; {kind} has its own vocabulary. Remove it.")
 
 
@@ -781,6 +787,7 @@ def _apply_fidelity_synonyms(args: argparse.Namespace) -> None:
     """Flags that are another name for one of our settings; resolved before validation."""
     apply_megatron_compat(args)
     map_dist_muon(args, _note)
+    apply_launch_script_synonyms(args, _note)
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if args.squared_relu and args.swiglu:
@@ -817,8 +824,6 @@ def _validate_fidelity(args: argparse.Namespace) -> None:
             )
     if args.rotary_interleaved and args.position_embedding_type == "learned_absolute":
         raise ValueError("--rotary-interleaved applies to RoPE; add --position-embedding-type rope or drop it.")
-    if args.apply_layernorm_1p and args.normalization != "LayerNorm":
-        raise ValueError("--apply-layernorm-1p applies to LayerNorm; drop it or use --normalization LayerNorm.")
     # CPU substitutions, like transformer_engine -> local: the math kernel computes the same attention.
     if args.device_type == "cpu" and args.attention_backend == "fused":
         _note("--attention-backend fused has no CPU kernel; the unfused (math) kernel runs instead (same results).")
@@ -826,6 +831,12 @@ def _validate_fidelity(args: argparse.Namespace) -> None:
     if (args.device_type == "cpu" and args.attention_backend == "flash" and args.attention_dropout > 0):
         _note("--attention-backend flash takes no attention dropout on CPU; the unfused (math) kernel runs "
               "instead (same results).")
+        args.attention_backend = "unfused"
+    if (args.device_type == "cpu" and args.attention_backend == "flash" and args.multi_latent_attention
+            and args.qk_head_dim + args.qk_pos_emb_head_dim != args.v_head_dim):
+        # DeepSeek-V3's launch script: --use-flash-attn with MLA's 192-dim q/k and 128-dim v.
+        _note("--attention-backend flash on CPU needs equal q/k and v head dimensions (multi-latent attention's "
+              "differ); the unfused (math) kernel runs instead (same results).")
         args.attention_backend = "unfused"
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         raise ValueError("--decoupled-min-lr needs --decoupled-lr (the embedding/output peak LR); add it or drop "

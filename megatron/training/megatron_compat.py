@@ -161,6 +161,16 @@ REJECTED: Dict[str, str] = {
     "--log-progress": "not implemented; the iteration log line has the progress",
     "--fim-data": "fill-in-the-middle data is not implemented; drop it",
 }
+# Upstream's GPT-OSS example (examples/gptoss/02_train.sh) and ModelOpt's train.sh.
+_GPT_OSS = ("GPT-OSS's blocks (learnable-softmax attention sinks, sliding-window layers, clamped quick-GEGLU) "
+            "are not built here; drop it")
+_MODELOPT = "ModelOpt (quantization, distillation, export) is not built here; drop it"
+REJECTED.update({flag: _GPT_OSS for flag in (
+    "--enable-gpt-oss", "--softmax-type", "--window-size", "--window-attn-skip-freq", "--quick-geglu",
+    "--glu-linear-offset", "--activation-func-clamp-value",
+    "--export-force-local-attention")})  # upstream's GPT-OSS line asks for local attention (the sinks)
+REJECTED.update({flag: _MODELOPT for flag in (
+    "--modelopt-enabled", "--export-te-mcore-model")})
 
 
 class _Rejected(argparse.Action):

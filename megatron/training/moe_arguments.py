@@ -74,6 +74,7 @@ def moe_config_kwargs(args) -> dict:
         moe_router_score_function=get("moe_router_score_function", "softmax"),
         moe_router_topk_scaling_factor=get("moe_router_topk_scaling_factor"),
         moe_router_dtype=get("moe_router_dtype"),
+        moe_router_force_load_balancing=get("moe_router_force_load_balancing", False),
         moe_router_load_balancing_type=_one_or_list(get("moe_router_load_balancing_type", "aux_loss")),
         moe_aux_loss_coeff=_one_or_list(get("moe_aux_loss_coeff", 0.0)),
         moe_router_num_groups=get("moe_router_num_groups"),

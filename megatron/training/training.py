@@ -47,6 +47,7 @@ from megatron.training.initialize import initialize_distributed, set_determinist
 from megatron.training.evaluation import Evaluator
 from megatron.training.log_utils import MetricsWriter, jsonable_config, print_rank_0
 from megatron.training.loss_reports import mean_loss, reduce_reports
+from megatron.training.profiling import StepProfiler
 from megatron.training.shutdown import shutdown_distributed
 from megatron.training.step_counters import restore_step_counters, save_step_counters
 from megatron.training.timers import Timers
@@ -71,6 +72,9 @@ def build_tokenizer_from_args(args):
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,
+        tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
+        tiktoken_num_special_tokens=getattr(args, "tiktoken_num_special_tokens", 1000),
+        special_tokens=getattr(args, "special_tokens", None),
     )
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
     # The model gives the padding rows -inf logits (out of the loss and of sampling).
@@ -295,6 +299,7 @@ class _Trainer:
                  start_time: float):
         self.args = args
         self.start_time = start_time  # the earliest rank's: --exit-duration-in-mins counts from it
+        self.profiler = StepProfiler(args, dist.get_rank() if dist.is_initialized() else 0)
         self.built = built
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -448,7 +453,9 @@ class _Trainer:
             gc.collect()
         try:
             while self.iteration < args.train_iters:
-                self._train_one_iteration(train_iter)
+                with self.profiler.step(self.iteration):
+                    self._train_one_iteration(train_iter)
+                self.profiler.after_step(self.iteration)
                 reason = self._exit_reason()
                 if reason:
                     if args.save and self.last_saved_iteration != self.iteration:
@@ -458,6 +465,7 @@ class _Trainer:
                     sys.exit(0)
             return self.iteration
         finally:
+            self.profiler.stop()
             if args.manual_gc:
                 gc.enable()
 

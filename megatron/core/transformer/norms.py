@@ -48,27 +48,31 @@ class RMSNorm(nn.Module):
 
     The statistics are computed in fp32 even for bf16 inputs (a bf16 mean of squares loses
     too much precision); the normalized value is cast back before the weight multiply, the
-    same order as Llama's reference implementation.
+    same order as Llama's reference implementation. ``zero_centered_gamma``: as LayerNorm's
+    (upstream's Llama-3 scripts pass --apply-layernorm-1p with RMSNorm; TE's RMSNorm has it).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32,
+                 zero_centered_gamma: bool = False):
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
+        self.zero_centered_gamma = zero_centered_gamma
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            nn.init.ones_(self.weight)
+            (nn.init.zeros_ if self.zero_centered_gamma else nn.init.ones_)(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        return normed.to(x.dtype) * weight
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
+        return f"{self.hidden_size}, eps={self.eps}" + (", zero-centered gamma" if self.zero_centered_gamma else "")
 
 
 def build_norm(config: TransformerConfig, hidden_size: int) -> nn.Module:
@@ -81,7 +85,9 @@ def build_norm(config: TransformerConfig, hidden_size: int) -> nn.Module:
         return te_class(hidden_size, eps=config.layernorm_epsilon, params_dtype=config.params_dtype,
                         device=te_device(), **extra)
     if config.apply_layernorm_1p:  # apex's fused norms have no zero-centered gamma
-        return LayerNorm(hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype, zero_centered_gamma=True)
+        local_class = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
+        return local_class(hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype,
+                           zero_centered_gamma=True)
     if config.use_apex_fused:
         apex_class = apex_norm_class(config.normalization)
         if apex_class is not None:

@@ -175,6 +175,7 @@ class TransformerConfig:
     moe_router_score_function: str = "softmax"
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_router_dtype: Optional[str] = None
+    moe_router_force_load_balancing: bool = False  # route by random logits (upstream's benchmark mode)
     moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"  # a list: one coefficient each
     moe_aux_loss_coeff: Union[float, List[float]] = 0.0
     moe_router_num_groups: Optional[int] = None  # group-limited routing (DeepSeek-V2/V3)
@@ -299,8 +300,6 @@ class TransformerConfig:
                 f"rotary_percent {self.rotary_percent} rotates {self.rotary_dim} of {self.kv_channels} head "
                 "dimensions; pick a fraction that gives an even number >= 2."
             )
-        if self.apply_layernorm_1p and self.normalization != "LayerNorm":
-            raise ValueError("apply_layernorm_1p applies to LayerNorm only; use normalization='LayerNorm' or drop it.")
         if self.attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
         if self.moe_shared_expert_gate and (self.num_moe_experts is None

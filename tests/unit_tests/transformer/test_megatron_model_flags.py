@@ -57,8 +57,12 @@ def test_layernorm_1p_stores_gamma_minus_one():
     # Weight decay on the stored weight pulls gamma towards 1, not 0.
     plain = build_norm(config(), 32)
     assert torch.equal(plain.weight, torch.ones(32))
-    with pytest.raises(ValueError, match="LayerNorm only"):
-        config(apply_layernorm_1p=True, normalization="RMSNorm")
+    # RMSNorm too (upstream's Llama-3 scripts: TE's RMSNorm with zero_centered_gamma).
+    rms = build_norm(config(apply_layernorm_1p=True, normalization="RMSNorm"), 32)
+    assert torch.equal(rms.weight, torch.zeros(32))
+    with torch.no_grad():
+        rms.weight.fill_(0.5)
+    assert torch.allclose(rms(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + rms.eps) * 1.5)
 
 
 def test_attention_softmax_in_fp32_computes_attention_in_fp32():

@@ -396,3 +396,18 @@ def test_groups_of_all_sizes_agree_with_the_reference():
         for t in range(10):
             best = sorted(allowed[t], key=lambda e: -float(scores[t, e]))[:k]
             assert set(indices[t].tolist()) == set(best), (groups, group_topk, k, t)
+
+
+def test_force_load_balancing_routes_by_random_logits_and_trains_the_gate():
+    """--moe-router-force-load-balancing (upstream's benchmark mode): the choice ignores the
+    gate (random normal logits drawn from the generator), the gate still gets a gradient."""
+    router, x = router_and_tokens(moe_router_force_load_balancing=True, tokens=64)
+    gate = router.weight.detach().clone()
+    torch.manual_seed(5)
+    probs, routing_map = router(x)
+    torch.manual_seed(5)
+    expected = torch.randn(64, E).topk(2, dim=1).indices.sort(dim=1).values
+    assert torch.equal(routing_map.nonzero()[:, 1].view(64, 2), expected)
+    (probs * torch.randn_like(probs)).sum().backward()
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    assert torch.equal(router.weight, gate)

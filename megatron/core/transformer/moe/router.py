@@ -384,6 +384,10 @@ class TopKRouter(nn.Module):
         if x.shape[0] % num_sequences:
             raise ValueError(f"{x.shape[0]} tokens are not {num_sequences} sequences of equal length.")
         logits = self.gating(x)
+        if config.moe_router_force_load_balancing:
+            # Upstream's benchmark mode: route by random normal logits (balanced on average);
+            # the gradient still reaches the gating weights (straight-through).
+            logits = logits + (torch.randn_like(logits) - logits).detach()
         with_losses = self.training and torch.is_grad_enabled()
         self.last_stats = {}
         chunks = math.prod(dist.get_world_size(g) for g in self.split_groups)
