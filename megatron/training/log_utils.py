@@ -17,6 +17,8 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.extras import MissingExtra
+
 
 def print_rank_0(*message) -> None:
     """Print on rank 0 only (everywhere before the process group exists)."""
@@ -226,9 +228,9 @@ class MetricsWriter:
 def _init_wandb(project: str, name: Optional[str], save_dir: Optional[str], config: Dict[str, Any],
                 entity: Optional[str] = None):
     try:
-        import wandb
+        import wandb  # imported here: the optional 'logging' extra
     except ImportError:
-        raise RuntimeError("--wandb-project needs the wandb package: pip install wandb.") from None
+        raise MissingExtra("wandb", "--wandb-project") from None
     # Offline (files only, synced later with `wandb sync`) unless the user can log in.
     mode = os.environ.get("WANDB_MODE")
     if mode is None:
