@@ -208,7 +208,7 @@ def try_parse(argv, world, missing=None):
     """The parse's error message, or None. A flag whose optional package is not installed
     here (``MissingExtra``: TensorBoard, W&B) says nothing about the trainer's flags: the
     line is parsed again without it, and the extra is added to ``missing`` (a set)."""
-    from megatron.core.extras import MissingExtra
+    from megatron.core.extras import MissingExtra  # imported here, as parse_args: after sys.path is set
     from megatron.training.arguments import parse_args
 
     sink = io.StringIO()
@@ -264,7 +264,7 @@ def replay(configs, verbose=False, missing=None):
 
 def missing_note(missing) -> str:
     """One line: which optional packages were missing, and the extra that installs them."""
-    from megatron.core.extras import install_command
+    from megatron.core.extras import install_command  # imported here, as parse_args: after sys.path is set
 
     extras = ",".join(sorted({extra for extra, _ in missing}))
     packages = ", ".join(sorted(package for _, package in missing))

@@ -53,7 +53,7 @@ def _model_args(saved: dict, opts, path: str = "", record=None) -> argparse.Name
     else the one the checkpoint carries (``record``, its files in ``path``), else the saved
     arguments' (a checkpoint from before the record: paths of the machine that trained it)."""
     from megatron.training.arguments import build_parser
-    from megatron.training.tokenizer_record import tokenizer_args
+    from megatron.training.tokenizer_record import tokenizer_args  # imported here, with the trainer's modules
 
     args = build_parser().parse_args([])
     for key, value in saved.items():

@@ -131,7 +131,8 @@ def format_first_iteration_line(*, iteration: int, train_iters: int, seconds: fl
     next_line = min(train_iters, (iteration // log_interval + 1) * log_interval)
     return (f" [{now.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{train_iters:8d} |"
             f" first iteration of this run (s): {seconds:.1f} | lm loss: {loss:.6E} |"
-            f" time left: {format_duration(time_left_s)} | next line at iteration {next_line} (--log-interval {log_interval})")
+            f" time left: {format_duration(time_left_s)} |"
+            f" next line at iteration {next_line} (--log-interval {log_interval})")
 
 
 def perplexity(loss: float) -> float:

@@ -65,7 +65,8 @@ def record_tokenizer(args: Mapping[str, Any], checkpoint_dir: str) -> Optional[D
             names = [n for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(source, n))]
             if not names:
                 raise FileNotFoundError(f"--{flag.replace('_', '-')} {source} holds no tokenizer files "
-                                        f"({', '.join(HF_TOKENIZER_FILES[:3])}, ...); pass a saved tokenizer's directory.")
+                                        f"({', '.join(HF_TOKENIZER_FILES[:3])}, ...); "
+                                        "pass a saved tokenizer's directory.")
             for name in names:
                 _copy(os.path.join(source, name), directory, name, files)
             recorded_args[flag] = WHOLE_DIRECTORY

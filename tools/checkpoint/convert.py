@@ -104,7 +104,7 @@ def _recorded_tokenizer(source):
     """The trainer's tokenizer arguments of an MFSDP checkpoint: from the files it carries
     (tokenizer_record.py), else from its saved arguments (a checkpoint from before the
     record: paths of the machine that trained it); None when it names none."""
-    from megatron.training.tokenizer_record import tokenizer_args
+    from megatron.training.tokenizer_record import tokenizer_args  # imported here: only --to hf reads it
 
     common = getattr(source, "common", None) or {}
     if common.get("tokenizer"):
@@ -126,7 +126,7 @@ def convert(opts) -> str:
         prepare_output,
     )
 
-    from tools.checkpoint.hf_tokenizer import export_tokenizer
+    from tools.checkpoint.hf_tokenizer import export_tokenizer  # imported here, as the modules above: startup cost
 
     source = open_checkpoint(opts.input, opts.iteration)
     tmp = prepare_output(opts.output, opts.force)
@@ -258,6 +258,7 @@ def _import_tokenizer(source_dir, hf_config, iteration_dir, final_iteration_dir)
     recorded in common.json: tokenizer_record.py); a GPT-2 without them has GPT-2's BPE
     (known by its 50257 entries); otherwise none is known ({}, None).
     ``final_iteration_dir`` is where the copies will be once the output is in place."""
+    # Imported here: only --to mfsdp from Hugging Face needs it.
     from megatron.training.tokenizer_record import HF_TOKENIZER_FILES, record_tokenizer, recorded_paths
 
     files = [n for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(source_dir, n))]

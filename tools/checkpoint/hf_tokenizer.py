@@ -115,7 +115,7 @@ HF_WRITERS: Dict[str, Callable[..., Dict[str, Any]]] = {
 def export_tokenizer(tokenizer_args: Optional[Dict[str, Any]], out_dir: str) -> Tuple[Optional[int], str]:
     """Write the tokenizer that ``tokenizer_args`` (the trainer's tokenizer arguments) builds
     into ``out_dir``. Returns (its EOD id or None, one line saying what was written)."""
-    from megatron.core.tokenizer import build_tokenizer
+    from megatron.core.tokenizer import build_tokenizer  # imported here: as the other tools, on use
 
     kind = (tokenizer_args or {}).get("tokenizer_type")
     if not kind:

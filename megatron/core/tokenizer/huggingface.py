@@ -78,7 +78,8 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         try:
             from transformers import AutoTokenizer
         except ImportError:
-            raise MissingExtra("transformers", f"--tokenizer-model {path} (a tokenizer without tokenizer.json)") from None
+            raise MissingExtra("transformers",
+                               f"--tokenizer-model {path} (a tokenizer without tokenizer.json)") from None
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:

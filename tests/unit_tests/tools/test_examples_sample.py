@@ -3,7 +3,6 @@ temperature, a seed): greedy decoding on a tiny model prints one token over and 
 
 import glob
 import os
-import re
 import shlex
 
 from tools import generate
