@@ -13,7 +13,8 @@ The files live in ``<iteration dir>/tokenizer/``, so a checkpoint is sampled
 was trained with. Every type is recorded the same way: its files are the flags it already
 takes (``--vocab-file``, ``--merge-file``, ``--tokenizer-model``), a directory (a saved
 Hugging Face tokenizer) contributing its tokenizer files only, never a model's weights
-saved next to them. A new tokenizer type needs nothing here.
+saved next to them. A new tokenizer type needs nothing here (``FLAGS_READ`` only keeps a
+known type from copying a file flag it ignores).
 """
 
 import os
@@ -31,11 +32,16 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
                       "chat_template.json")
 # A directory flag's entry in "args": the tokenizer/ directory itself.
 WHOLE_DIRECTORY = "."
+# The file flags each known type reads (a flag it ignores may name anything, or nothing
+# that exists); a type not listed here is recorded with every file flag given.
+FLAGS_READ = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "HuggingFaceTokenizer": ("tokenizer_model",),
+              "GPTSentencePieceTokenizer": ("tokenizer_model",), "NullTokenizer": ()}
 
 
 def _sources(args: Mapping[str, Any]) -> Dict[str, str]:
     """{flag: path} of the tokenizer's files, GPT-2's defaults resolved."""
-    sources = {flag: args[flag] for flag in FILE_FLAGS if args.get(flag)}
+    read = FLAGS_READ.get(args.get("tokenizer_type"), FILE_FLAGS)
+    sources = {flag: args[flag] for flag in read if args.get(flag)}
     if args.get("tokenizer_type") == "GPT2BPETokenizer" and not sources:
         from megatron.core.tokenizer import default_gpt2_vocab_files  # imported here: finds a package's data
 
