@@ -21,7 +21,7 @@ import torch
 from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import checkpoint_dir, load_common, save_checkpoint
 from tools import generate as generate_tool
-from tools.checkpoint import convert
+from tools.checkpoint import convert, inspect as inspect_tool
 
 PROMPT = "ROMEO: to be"
 NEW_TOKENS = 8
@@ -167,8 +167,12 @@ def test_flags_override_and_a_corrupt_copy_is_refused(tmp_path, capsys):
     # rows, not the checkpoint's 384, and generate.py says so.
     assert generate_tool.main(["--load", load, "--max-new-tokens", "1", "--tokenizer-type", "NullTokenizer"]) == 2
     assert "NullTokenizer needs --vocab-size" in capsys.readouterr().err
+    assert inspect_tool.main([load, "--verify"]) == 0
+    assert "all 4 files match their size and sha256" in capsys.readouterr().out  # 2 of the engine's, 2 copies
     with open(os.path.join(checkpoint_dir(load, 1), "tokenizer", "tokenizer.json"), "a") as f:
         f.write(" ")
-    assert generate_tool.main(["--load", load, "--max-new-tokens", "1"]) == 2
-    err = capsys.readouterr().err
-    assert "the checkpoint's tokenizer: checkpoint file" in err and "tokenizer.json has" in err
+    for main in (generate_tool.main, inspect_tool.main):
+        assert main(["--load", load, "--max-new-tokens", "1"] if main is generate_tool.main
+                    else [load, "--verify"]) == 2
+        err = capsys.readouterr().err
+        assert "the checkpoint's tokenizer: checkpoint file" in err and "tokenizer.json has" in err
