@@ -27,6 +27,7 @@ PROMPT = "ROMEO: to be"
 NEW_TOKENS = 8
 CORPUS = ("ROMEO: to be or not to be, that is the question.\nJULIET: the quick brown fox jumps over the lazy dog.\n"
           * 20)
+TEXTS = ["  JULIET:\n\tthe  quick   fox ", "\ufb01ne \uff21 caf\u00e9 {x} 42", "", " "]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
 
@@ -136,6 +137,10 @@ def test_tokenizer_travels_from_training_to_hugging_face_and_back(kind, tmp_path
     assert json.load(open(os.path.join(export, "config.json")))["eos_token_id"] == ours.eod
     hf_tokenizer, prompt_ids, hf_ids = _hf_generate(export)
     assert prompt_ids == ours.tokenize(PROMPT)
+    for sample in TEXTS:  # the same ids and text beyond the prompt (whitespace runs, unknown and NFKC characters)
+        ids = ours.tokenize(sample)
+        assert hf_tokenizer(sample)["input_ids"] == ids, sample
+        assert hf_tokenizer.decode(ids, skip_special_tokens=SKIP_SPECIAL.get(kind, False)) == ours.detokenize(ids)
     assert hf_tokenizer.eos_token_id == ours.eod
     assert hf_tokenizer.decode(hf_ids, skip_special_tokens=SKIP_SPECIAL.get(kind, False)) == text
     if kind == "HuggingFaceTokenizer":
