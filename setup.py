@@ -8,10 +8,12 @@ _TORCH = os.environ.get("MEGATRON_TORCH", "torch==2.13.0")
 
 # What the training command needs, and nothing else: the Quickstart's first run installs
 # only these. Extras come on demand (scripts/setup_env.sh: MEGATRON_EXTRAS=test,...).
-_HF = ["safetensors", "transformers"]  # checkpoint conversion, slow (non tokenizer.json) tokenizers
+# checkpoint conversion, slow (non tokenizer.json) tokenizers, SentencePiece tokenizers (training with one,
+# and its tokenizer.json on export, read through protobuf)
+_HF = ["safetensors", "transformers", "sentencepiece", "protobuf"]
 _LOGGING = ["tensorboard", "wandb"]  # --tensorboard-dir, --wandb-project
 _TIKTOKEN = ["tiktoken"]  # --tokenizer-type TikTokenizer
-_TEST = ["pytest", "pytest-timeout", "psutil", "sentencepiece"] + _TIKTOKEN + _HF + _LOGGING
+_TEST = ["pytest", "pytest-timeout", "psutil"] + _TIKTOKEN + _HF + _LOGGING
 _BENCH = ["matplotlib", "psutil"]
 
 setup(

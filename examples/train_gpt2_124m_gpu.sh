@@ -39,4 +39,4 @@ python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_
     --save "$OUT/checkpoints" --load "$OUT/checkpoints" --save-interval 1000 \
     "$@"
 
-python tools/generate.py --load "$OUT/checkpoints" --prompt "ROMEO:" --max-new-tokens 100 --top-k 40 --temperature 0.8
+python tools/generate.py --load "$OUT/checkpoints" --prompt "ROMEO:" --max-new-tokens 100 --top-k 40 --temperature 0.8 --seed 1234

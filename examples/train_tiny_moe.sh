@@ -47,4 +47,4 @@ python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_
     --num-distributed-optimizer-instances "$INSTANCES" \
     --log-dir "$OUT/logs" --save "$OUT/checkpoints"
 
-python tools/generate.py --load "$OUT/checkpoints" --prompt "ROMEO:" --max-new-tokens 80 --top-k 20 --temperature 0.8
+python tools/generate.py --load "$OUT/checkpoints" --prompt "ROMEO:" --max-new-tokens 80 --top-k 20 --temperature 0.8 --seed 1234

@@ -45,7 +45,7 @@ python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_
     --log-throughput --log-dir "$OUT/logs" --save "$OUT/checkpoints"
 train_end=$(date +%s)
 
-python tools/generate.py --load "$OUT/checkpoints" --prompt "ROMEO:" --max-new-tokens 120 --top-k 20 --temperature 0.8
+python tools/generate.py --load "$OUT/checkpoints" --prompt "ROMEO:" --max-new-tokens 120 --top-k 20 --temperature 0.8 --seed 1234
 end=$(date +%s)
 bpc=$(python -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print('%.3f' % [x for x in r if x['kind']=='validation'][-1]['bits_per_character'])" "$OUT/logs/metrics.jsonl")
 echo "> validation loss ${bpc} bits per character; corpus and tokenizer $((prepared - start)) s, training $((train_end - prepared)) s, whole example $((end - start)) s; metrics in $OUT/logs/metrics.jsonl"

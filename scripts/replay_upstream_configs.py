@@ -191,13 +191,35 @@ def command_line(pairs, tmp, model_parallel_at_one=False):
     return argv, world
 
 
-def try_parse(argv, world):
+def _without(argv, flags):
+    """``argv`` less ``flags`` and their values."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        else:
+            out.append(arg)
+    return out
+
+
+def try_parse(argv, world, missing=None):
+    """The parse's error message, or None. A flag whose optional package is not installed
+    here (``MissingExtra``: TensorBoard, W&B) says nothing about the trainer's flags: the
+    line is parsed again without it, and the extra is added to ``missing`` (a set)."""
+    from megatron.core.extras import MissingExtra  # imported here, as parse_args: after sys.path is set
     from megatron.training.arguments import parse_args
 
     sink = io.StringIO()
     try:
         with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
             parse_args(argv, world_size=world, cuda_available=False)
+    except MissingExtra as e:
+        if missing is None or not e.flags or not set(e.flags) & set(argv):
+            return str(e)
+        missing.add((e.extra, e.package))
+        return try_parse(_without(argv, e.flags), world, missing)
     except (ValueError, SystemExit) as e:
         return str(e) or repr(e)
     return None
@@ -208,8 +230,10 @@ def rejection_key(message: str) -> str:
     return match.group(0) if match else message[:60]
 
 
-def replay(configs, verbose=False):
-    """(counts, {flag: [config names]}) over the training configurations."""
+def replay(configs, verbose=False, missing=None):
+    """(counts, {flag: [config names]}) over the training configurations. ``missing``
+    (a set), when given, collects the (extra, package) pairs not installed here whose flags
+    were left out of the lines (the counts are then what an install with them gives)."""
     counts = collections.Counter()
     rejections = collections.defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
@@ -219,14 +243,14 @@ def replay(configs, verbose=False):
                 continue
             counts["training lines"] += 1
             argv, world = command_line(pairs, tmp)
-            error = try_parse(argv, world)
+            error = try_parse(argv, world, missing)
             if error is None:
                 counts["accepted"] += 1
                 continue
             pp_or_cp = _int(pairs, "--pipeline-model-parallel-size") > 1 or _int(pairs, "--context-parallel-size") > 1
             if pp_or_cp:
                 argv1, world1 = command_line(pairs, tmp, model_parallel_at_one=True)
-                error1 = try_parse(argv1, world1)
+                error1 = try_parse(argv1, world1, missing)
                 if error1 is None:
                     counts["blocked by PP/CP"] += 1
                     continue
@@ -236,6 +260,16 @@ def replay(configs, verbose=False):
             if verbose:
                 print(f"{name}: {error}")
     return counts, rejections
+
+
+def missing_note(missing) -> str:
+    """One line: which optional packages were missing, and the extra that installs them."""
+    from megatron.core.extras import install_command  # imported here, as parse_args: after sys.path is set
+
+    extras = ",".join(sorted({extra for extra, _ in missing}))
+    packages = ", ".join(sorted(package for _, package in missing))
+    return (f"note: {packages} not installed: the flags that need it were left out of the lines (the counts are "
+            f"those of an install with it); install with `{install_command(extras)}`")
 
 
 def main(argv=None):
@@ -256,8 +290,11 @@ def main(argv=None):
     else:
         commit, configs = load_snapshot(snapshot)
         source = f"snapshot {os.path.relpath(snapshot, REPO)} ({commit[:12]})"
-    counts, rejections = replay(configs, opts.verbose)
+    missing = set()
+    counts, rejections = replay(configs, opts.verbose, missing)
     print(f"source: {source}; {len(configs)} {opts.suite.upper()} configurations")
+    if missing:
+        print(missing_note(missing))
     for key in ("skipped (MODE inference/rl)", "training lines", "accepted", "blocked by PP/CP", "rejected"):
         print(f"{key}: {counts[key]}")
     print("\nremaining rejections (flag -> lines):")

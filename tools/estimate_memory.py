@@ -3,10 +3,11 @@
 
     python tools/estimate_memory.py --world-size 4 --num-layers 24 --hidden-size 2048 \
         --num-attention-heads 16 --seq-length 1024 --micro-batch-size 1 --global-batch-size 8 \
-        --tokenizer-type NullTokenizer --vocab-size 50257 --lr 1e-4 --train-iters 1
+        --tokenizer-type NullTokenizer --vocab-size 50257
 
 Takes pretrain_gpt.py's own flags (parsed and validated by the trainer's parser) and the
-world size; builds the model on the meta device (no memory) and prints, per strategy
+world size; the flags only training needs (``--lr``, ``--train-iters``) may be left out
+(they change no byte of the plan), so a training command's flags paste in as they are; builds the model on the meta device (no memory) and prints, per strategy
 (DDP, ZeRO-1/2/3, HSDP, HFSDP) and per rank, the persistent bytes, the transient peak
 and the bytes sent per step by collective kind (tools/memory_planner/estimate.py).
 
@@ -204,6 +205,21 @@ def estimate(args, world_size: int, outer_size: int, stage: int = 0):
     return units, plans
 
 
+# The trainer requires a learning rate and a run length; neither changes a byte of the plan.
+# A run length far past any warmup, so that --lr-warmup-iters alone stays valid.
+_PLANNING_DEFAULTS = {"lr": 1e-4, "train_iters": 10**9}
+
+
+def _planning_defaults(argv) -> dict:
+    """The defaults of the training-only flags ``argv`` leaves out (a run given in samples
+    keeps --train-samples alone: the trainer refuses both lengths at once)."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    defaults = dict(_PLANNING_DEFAULTS)
+    if given & {"--train-iters", "--train-samples"}:
+        del defaults["train_iters"]
+    return defaults
+
+
 def main(argv=None):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--world-size", type=int, required=True, help="number of ranks (TP x data-parallel)")
@@ -216,7 +232,8 @@ def main(argv=None):
     from megatron.training.arguments import parse_args
 
     try:
-        args = parse_args(rest, world_size=known.world_size, cuda_available=False)
+        args = parse_args(rest, args_defaults=_planning_defaults(rest), world_size=known.world_size,
+                          cuda_available=False)
     except ValueError as error:
         raise SystemExit(f"estimate_memory.py: error: {error}")
     import torch.distributed as dist

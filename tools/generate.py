@@ -5,9 +5,10 @@
     python tools/generate.py --load ... --prompt "..." --top-k 40 --temperature 0.8 --seed 7
     python tools/generate.py --load checkpoints/imported/iter_0000000   # one iteration directory
 
-The model shape and tokenizer come from the checkpoint's saved arguments (a checkpoint
-written by tools/checkpoint/convert.py --to mfsdp records them too; the --tokenizer-*
-flags name a tokenizer where a checkpoint records none). The model is
+The model shape comes from the checkpoint's saved arguments and the tokenizer from the
+files the checkpoint carries (megatron/training/tokenizer_record.py: pretrain_gpt.py and
+tools/checkpoint/convert.py --to mfsdp record them), so no tokenizer flag is needed; the
+--tokenizer-* flags override it, or name one for a checkpoint older than the record. The model is
 rebuilt as a plain module in this single process and the checkpoint is read through the
 trainer's load_checkpoint, which reshards: a checkpoint written by any number of ranks,
 with MFSDP or DDP, can be sampled here. Greedy decoding unless --top-k > 1.
@@ -46,10 +47,13 @@ def get_parser() -> argparse.ArgumentParser:
 _TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 
 
-def _model_args(saved: dict, opts) -> argparse.Namespace:
-    """The trainer's defaults overlaid with the saved arguments: a checkpoint written by
-    convert.py records only the model's own facts."""
+def _model_args(saved: dict, opts, path: str = "", record=None) -> argparse.Namespace:
+    """The trainer's defaults overlaid with the saved arguments (a checkpoint written by
+    convert.py records only the model's own facts), then the tokenizer: the flags given,
+    else the one the checkpoint carries (``record``, its files in ``path``), else the saved
+    arguments' (a checkpoint from before the record: paths of the machine that trained it)."""
     from megatron.training.arguments import build_parser
+    from megatron.training.tokenizer_record import tokenizer_args  # imported here, with the trainer's modules
 
     args = build_parser().parse_args([])
     for key, value in saved.items():
@@ -58,6 +62,9 @@ def _model_args(saved: dict, opts) -> argparse.Namespace:
     if given:
         for key in _TOKENIZER_FLAGS:
             setattr(args, key, given.get(key))
+    elif record:
+        for key, value in tokenizer_args(path, record).items():
+            setattr(args, key, value)
     elif not saved.get("tokenizer_type"):
         raise ValueError("the checkpoint does not record its tokenizer; pass --tokenizer-type and "
                          "--tokenizer-model (or --vocab-file/--merge-file).")
@@ -100,7 +107,7 @@ def main(argv=None) -> int:
     path, common = load_common(opts.load, opts.iteration)
     saved = common["args"]
     try:
-        args = _for_one_process(_model_args(saved, opts))
+        args = _for_one_process(_model_args(saved, opts, path, common.get("tokenizer")))
         tokenizer = build_tokenizer_from_args(args)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)

@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron.core.extras import MissingExtra, require
 from megatron.training.batch_size_schedule import validate_batch_size_schedule, validate_step_schedule_batch
 from megatron.training.checkpoint_retention import check_retain_interval
 from megatron.training.initialize import get_distributed_env
@@ -658,17 +659,15 @@ def _validate_tokenizer(args):
                 f"--tokenizer-model {args.tokenizer_model!r} is not a directory; pass a local directory "
                 "holding a saved HuggingFace tokenizer (there is no hub access)."
             )
+        if not os.path.isfile(os.path.join(args.tokenizer_model, "tokenizer.json")):
+            require("transformers", f"--tokenizer-model {args.tokenizer_model} (a tokenizer without tokenizer.json)")
     elif kind == "GPTSentencePieceTokenizer":
-        import importlib.util
-
         if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):
             raise ValueError(
                 f"--tokenizer-type GPTSentencePieceTokenizer needs --tokenizer-model FILE (a SentencePiece "
                 f".model file); got {args.tokenizer_model!r}."
             )
-        if importlib.util.find_spec("sentencepiece") is None:
-            raise ValueError("--tokenizer-type GPTSentencePieceTokenizer needs the sentencepiece package: "
-                             "pip install sentencepiece.")
+        require("sentencepiece", "--tokenizer-type GPTSentencePieceTokenizer")
     elif kind == "TikTokenizer":
         validate_tiktoken_args(args)
     elif kind == "NullTokenizer":
@@ -906,8 +905,6 @@ def _check_writable_dir(flag: str, path: Optional[str]) -> None:
 
 def _validate_paths(args: argparse.Namespace) -> None:
     """User errors that would otherwise surface mid-run on every rank: checked here."""
-    import importlib.util
-
     if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
         raise ValueError(
             f"--load {args.load!r} is a file; pass the checkpoint directory (the --save directory, "
@@ -919,9 +916,10 @@ def _validate_paths(args: argparse.Namespace) -> None:
         _check_writable_dir(flag, path)
     if args.tensorboard_dir:
         try:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-        except ImportError as e:
-            raise ValueError(f"--tensorboard-dir needs the tensorboard package ({e}): pip install tensorboard "
-                             "(or drop --tensorboard-dir; --log-dir writes metrics.jsonl without it).") from None
-    if args.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ValueError("--wandb-project needs the wandb package: pip install wandb (or drop --wandb-project).")
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (imported here: an optional extra)
+        except ImportError:  # not installed, or not a version torch can use
+            raise MissingExtra("tensorboard", "--tensorboard-dir (or drop it; --log-dir writes metrics.jsonl "
+                               "without it)", flags=("--tensorboard-dir",)) from None
+    if args.wandb_project:
+        require("wandb", "--wandb-project (or drop it)",
+                flags=("--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity"))

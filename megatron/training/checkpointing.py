@@ -48,6 +48,7 @@ from megatron.core.distributed.mfsdp_v2.checkpoint import manifest
 from megatron.core.distributed.mfsdp_v2.checkpoint.agreement import Comm
 from megatron.training.checkpoint_retention import prune_after_commit
 from megatron.training.log_utils import print_rank_0
+from megatron.training.tokenizer_record import record_tokenizer
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.json"
@@ -346,6 +347,7 @@ def save_checkpoint(
     module = _unwrap(model)
 
     error = None
+    tokenizer = None
     if _rank() == 0:
         try:
             os.makedirs(root, exist_ok=True)
@@ -355,6 +357,11 @@ def save_checkpoint(
             os.makedirs(os.path.join(tmp, RNG_DIRNAME))
         except OSError as e:
             error = f"cannot create the checkpoint directory {tmp!r}: {e}"
+        if error is None:
+            try:  # the tokenizer travels with the model (tokenizer_record.py)
+                tokenizer = record_tokenizer(vars(args), tmp)
+            except OSError as e:
+                error = f"cannot copy the tokenizer's files into the checkpoint {tmp!r}: {e}"
     _comm().agree(error, OSError)
 
     # Per-rank RNG state, at the time of the call.
@@ -382,6 +389,7 @@ def save_checkpoint(
         "world_size": _world(),
         "has_optimizer": optimizer is not None,
         "model_only": False,
+        "tokenizer": tokenizer,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     group = _async_group() if use_async else None

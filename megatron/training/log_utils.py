@@ -18,6 +18,8 @@ import torch
 
 from megatron.core.distributed.ranks import rank
 
+from megatron.core.extras import MissingExtra
+
 
 def print_rank_0(*message) -> None:
     """Print on rank 0 only (everywhere before the process group exists)."""
@@ -75,6 +77,7 @@ def format_iteration_line(
     tokens_per_second: Optional[float] = None,
     peak_memory_mb: Optional[float] = None,
     memory_label: str = "mem (max RSS MB)",
+    time_left_s: Optional[float] = None,
     now: Optional[datetime.datetime] = None,
 ) -> str:
     now = now or datetime.datetime.now()
@@ -105,7 +108,32 @@ def format_iteration_line(
     s += " number of nan iterations: {:3d} |".format(nan_iterations)
     if peak_memory_mb is not None:
         s += f" {memory_label}: {peak_memory_mb:.0f} |"
+    if time_left_s is not None:  # ours, not Megatron's: last, so Megatron's parsers read the rest as before
+        s += f" time left: {format_duration(time_left_s)} |"
     return s
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` as a person reads a wait: 42s, 7m40s, 2h05m."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def format_first_iteration_line(*, iteration: int, train_iters: int, seconds: float, loss: float,
+                                time_left_s: float, log_interval: int,
+                                now: Optional[datetime.datetime] = None) -> str:
+    """The console line after a run's first iteration when --log-interval is not due yet:
+    that something works, how fast, and how long the run will take."""
+    now = now or datetime.datetime.now()
+    next_line = min(train_iters, (iteration // log_interval + 1) * log_interval)
+    return (f" [{now.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{train_iters:8d} |"
+            f" first iteration of this run (s): {seconds:.1f} | lm loss: {loss:.6E} |"
+            f" time left: {format_duration(time_left_s)} |"
+            f" next line at iteration {next_line} (--log-interval {log_interval})")
 
 
 def perplexity(loss: float) -> float:
@@ -202,9 +230,9 @@ class MetricsWriter:
 def _init_wandb(project: str, name: Optional[str], save_dir: Optional[str], config: Dict[str, Any],
                 entity: Optional[str] = None):
     try:
-        import wandb
+        import wandb  # imported here: the optional 'logging' extra
     except ImportError:
-        raise RuntimeError("--wandb-project needs the wandb package: pip install wandb.") from None
+        raise MissingExtra("wandb", "--wandb-project") from None
     # Offline (files only, synced later with `wandb sync`) unless the user can log in.
     mode = os.environ.get("WANDB_MODE")
     if mode is None:

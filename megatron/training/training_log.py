@@ -1,7 +1,12 @@
 """What the trainer reports about training: Megatron's iteration line (and metrics.jsonl
 record) every ``--log-interval`` iterations with the interval's mean loss, and the
 dashboards' per-iteration scalars every ``--tensorboard-log-interval`` (Megatron's
-``training_log``). Every rank calls it: the numbers behind the line are collectives."""
+``training_log``). Every rank calls it: the numbers behind the line are collectives.
+
+A run's first iteration always prints a console line (a long --log-interval would otherwise
+leave minutes of silence), and every line says the time left: the iterations to go at the
+pace since the end of the run's first iteration (evaluation and checkpoints included; the
+first iteration's warm-up excluded), or, after the first, at that iteration's own pace."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
 from megatron.core.transformer.moe.metrics import collect_moe_metrics, format_moe_metrics
 from megatron.core.transformer.multi_token_prediction import collect_mtp_metrics
 from megatron.training.log_utils import (
+    format_first_iteration_line,
     format_iteration_line,
     memory_label,
     memory_scalars,
@@ -54,6 +60,7 @@ class TrainingLog:
         self.num_zeros: Optional[int] = None  # the last step's (--log-num-zeros-in-grad), set by the step
         self.last_metrics: Dict[str, float] = {}
         self._params_norm = (None, None)  # (iteration, value): computed once per iteration
+        self._first_done = None  # (time, iteration, seconds) at the end of this run's first iteration
         self.restart_interval()
 
     def restart_interval(self) -> None:
@@ -79,13 +86,31 @@ class TrainingLog:
             self.nan_iterations += 1
         if self.dashboards and iteration % args.tensorboard_log_interval == 0:
             self._write_iteration_scalars(iteration, loss, grad_norm)
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+        due = iteration % args.log_interval == 0 or iteration == args.train_iters
+        first = self._first_done is None
+        if due or first:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            seconds_per_iteration = (time.time() - self.start) / self.iterations
+            now = time.time()
+            if first:
+                first_seconds = now - self.start
+                self._first_done = (now, iteration, first_seconds)
+        if due:
+            seconds_per_iteration = (now - self.start) / self.iterations
             mean = self.loss_sum / self.loss_count if self.loss_count else float("nan")
-            self._write_interval(iteration, seconds_per_iteration, mean, grad_norm, consumed)
+            self._write_interval(iteration, seconds_per_iteration, mean, grad_norm, consumed,
+                                 self._time_left(iteration, now))
             self.restart_interval()
+        elif first:
+            print_rank_0(format_first_iteration_line(
+                iteration=iteration, train_iters=args.train_iters, seconds=first_seconds, loss=loss,
+                time_left_s=self._time_left(iteration, now), log_interval=args.log_interval))
+
+    def _time_left(self, iteration: int, now: float) -> float:
+        """Seconds to --train-iters at this run's pace (see the module's docstring)."""
+        done_at, first_iteration, first_seconds = self._first_done
+        pace = ((now - done_at) / (iteration - first_iteration) if iteration > first_iteration else first_seconds)
+        return max(0, self.args.train_iters - iteration) * pace
 
     def params_norm_at(self, iteration: int) -> float:
         """The L2 norm of the parameters after ``iteration`` (a collective; once per iteration)."""
@@ -94,7 +119,7 @@ class TrainingLog:
         return self._params_norm[1]
 
     def _write_interval(self, iteration: int, seconds_per_iteration: float, loss: float, grad_norm: float,
-                        consumed: int) -> None:
+                        consumed: int, time_left_s: Optional[float] = None) -> None:
         args = self.args
         world = world_size()
         tokens_per_iteration = args.global_batch_size * args.seq_length
@@ -134,6 +159,7 @@ class TrainingLog:
             tokens_per_second=tokens_per_second if args.log_throughput else None,
             peak_memory_mb=mem,
             memory_label=memory_label(self.device),
+            time_left_s=time_left_s,
         ))
         if timer_text:
             print_rank_0(timer_text)

@@ -72,7 +72,8 @@ def test_missing_tensorboard_is_a_parse_time_error(tmp_path):
     proc = run(BASE + NULL + ["--mock-data", "--tensorboard-dir", str(tmp_path / "tb")],
                {"PYTHONPATH": f"{tmp_path / 'shadow'}{os.pathsep}{REPO}"})
     assert proc.returncode == 2
-    assert "pip install tensorboard" in single_error_line(proc)
+    assert "install the 'logging' extra with `MEGATRON_EXTRAS=logging source scripts/setup_env.sh`" in \
+        single_error_line(proc)
     assert not (tmp_path / "tb").exists()
 
 

@@ -57,7 +57,7 @@ def imported(tmp_path_factory):
 def test_printed_command_runs_as_printed(imported):
     tmp, printed = imported
     assert "--openai-gelu" in printed and "--hidden-dropout 0.05" in printed and "--attention-dropout 0" in printed
-    assert f"--tokenizer-model {tmp / 'imported' / 'tokenizer'}" in printed
+    assert f"--tokenizer-model {tmp / 'imported' / 'iter_0000000' / 'tokenizer'}" in printed
     body = [line for line in printed.splitlines() if not line.startswith("#")]
     overrides = (f" --data-path {tmp / 'docs_text_document'} --train-iters 3 --lr-warmup-iters 1 --log-interval 1"
                  f" --eval-interval 3 --eval-iters 1 --split 90,10,0 --num-workers 0 --log-dir {tmp / 'logs'}")

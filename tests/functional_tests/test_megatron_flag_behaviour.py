@@ -196,3 +196,19 @@ def test_tensorboard_log_interval_writes_each_iterations_own_values(tmp_path):
         interval_mean = _jsonl_losses(out / "metrics.jsonl")
         assert sorted(interval_mean) == [4, 8]
         assert interval_mean[8] == pytest.approx(sum(per_iteration[i] for i in range(5, 9)) / 4, rel=1e-6)
+
+
+def test_first_line_by_iteration_one_and_time_left_whatever_the_log_interval(capsys):
+    run("--train-iters 3 --log-interval 100")
+    lines = [line for line in capsys.readouterr().out.splitlines() if "/       3 |" in line]
+    assert len(lines) == 2, lines
+    first, last = lines
+    assert "iteration        1/       3 | first iteration of this run (s): " in first
+    assert "| lm loss: " in first and "| time left: " in first
+    assert first.endswith("| next line at iteration 3 (--log-interval 100)")
+    assert "iteration        3/       3 | consumed samples:" in last and last.endswith("| time left: 0s |")
+    # At --log-interval 1 the first line is Megatron's own line, with the time left.
+    run("--train-iters 2")
+    lines = [line for line in capsys.readouterr().out.splitlines() if "/       2 |" in line]
+    assert len(lines) == 2 and "first iteration of this run" not in lines[0]
+    assert "iteration        1/       2 | consumed samples:" in lines[0] and "| time left: " in lines[0]

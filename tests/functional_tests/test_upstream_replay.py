@@ -39,3 +39,34 @@ def test_moe_replay_counts_do_not_drop():
     assert counts["accepted"] >= ACCEPTED_MOE, dict(rejections)
     # Sinkhorn under CP (2 lines), MTP under PP (2) and the layout's MTP stage 'm' (1).
     assert counts["blocked by PP/CP"] <= 5, dict(rejections)
+
+
+def test_replay_without_tensorboard_counts_the_same_and_names_the_extra(tmp_path):
+    """Without TensorBoard every upstream line's --tensorboard-dir fails to parse: the replay
+    leaves that flag out, counts as with it installed, and names the extra in one line. The
+    package is made unimportable the way test_clean_errors.py does it (a shadowing package)."""
+    import json
+    import subprocess
+
+    shadow = tmp_path / "tensorboard"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('No module named tensorboard')\n")
+    _, configs = replay.load_snapshot()
+    subset = dict(sorted((name, config) for name, config in configs.items()
+                         if config[0] not in replay.SKIPPED_MODES)[:6])
+    assert all(any(flag == "--tensorboard-dir" for flag, _ in pairs) for _, pairs in subset.values())
+    (tmp_path / "subset.json").write_text(json.dumps(subset))
+    code = ("import json, sys; sys.path.insert(0, 'scripts'); import replay_upstream_configs as r; "
+            f"configs = {{k: tuple(v) for k, v in json.load(open({str(tmp_path / 'subset.json')!r})).items()}}; "
+            "missing = set(); counts, _ = r.replay(configs, missing=missing); "
+            "print(json.dumps(dict(counts))); print(r.missing_note(missing))")
+    repo = os.path.abspath(os.path.join(HERE, os.pardir, os.pardir))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{repo}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts_line, note = proc.stdout.strip().splitlines()[-2:]
+    expected, _ = replay.replay({k: tuple(v) for k, v in subset.items()})  # tensorboard installed here
+    assert json.loads(counts_line) == dict(expected) and expected["accepted"] > 0
+    assert note == ("note: tensorboard not installed: the flags that need it were left out of the lines (the counts "
+                    "are those of an install with it); install with `MEGATRON_EXTRAS=logging source "
+                    "scripts/setup_env.sh`")

@@ -77,9 +77,19 @@ class MfsdpCheckpoint(Checkpoint):
         return self._tensors[self._key(key)]
 
     def verify(self) -> None:
+        """The size and sha256 of every file the manifest lists, and of the tokenizer's copies."""
+        from megatron.training.tokenizer_record import tokenizer_args  # imported here, as checkpointing above
+
         errors = manifest.verify_files(self.path, self.manifest)
         if errors:
             raise engine.CheckpointError(errors[0])
+        record = (self.common or {}).get("tokenizer")
+        if record:
+            tokenizer_args(self.path, record)  # a ValueError naming a changed copy
+
+    def file_count(self) -> int:
+        """How many files :meth:`verify` checks."""
+        return len(self.manifest["files"]) + len(((self.common or {}).get("tokenizer") or {}).get("files", {}))
 
     def load(self, keys: Iterable[str]) -> Dict[str, torch.Tensor]:
         keys = list(keys)

@@ -13,7 +13,9 @@
 
 ``--to mfsdp`` prints (on stdout) the complete pretrain_gpt.py command that fine-tunes the
 result, with every model flag, dropout as in the source model, and the tokenizer: the
-input's tokenizer files are copied into ``<output>/tokenizer``.
+input's tokenizer files are copied into the checkpoint (``<output>/iter_0000000/tokenizer``,
+recorded in its common.json), so tools/generate.py needs no tokenizer flag. ``--to hf``
+writes the checkpoint's tokenizer files next to the model (tools/checkpoint/hf_tokenizer.py).
 
 ``--input`` is a --save directory (latest iteration unless --iteration), one iteration
 directory, a Hugging Face directory or a safetensors file. An existing output is never
@@ -98,13 +100,17 @@ def _save_safetensors(tensors, path, metadata):
         os.fsync(f.fileno())
 
 
-def _eod_for(args):
-    kind = args.get("tokenizer_type")
-    if kind == "GPT2BPETokenizer":
-        return 50256
-    if kind == "NullTokenizer" and args.get("vocab_size"):
-        return int(args["vocab_size"]) - 1
-    return None
+def _recorded_tokenizer(source):
+    """The trainer's tokenizer arguments of an MFSDP checkpoint: from the files it carries
+    (tokenizer_record.py), else from its saved arguments (a checkpoint from before the
+    record: paths of the machine that trained it); None when it names none."""
+    from megatron.training.tokenizer_record import tokenizer_args  # imported here: only --to hf reads it
+
+    common = getattr(source, "common", None) or {}
+    if common.get("tokenizer"):
+        return tokenizer_args(source.path, common["tokenizer"])
+    args = getattr(source, "args", None) or {}
+    return {k: args.get(k) for k in _TOKENIZER_ARGS} if args.get("tokenizer_type") else None
 
 
 def convert(opts) -> str:
@@ -120,8 +126,11 @@ def convert(opts) -> str:
         prepare_output,
     )
 
+    from tools.checkpoint.hf_tokenizer import export_tokenizer  # imported here, as the modules above: startup cost
+
     source = open_checkpoint(opts.input, opts.iteration)
     tmp = prepare_output(opts.output, opts.force)
+    tokenizer_note = None
     start = time.time()
     overrides = {"num_attention_heads": opts.num_attention_heads, "num_query_groups": opts.num_query_groups,
                  "norm_epsilon": opts.norm_epsilon, "rotary_base": opts.rotary_base,
@@ -163,8 +172,9 @@ def convert(opts) -> str:
                 dtype = next(iter(tensors.values())).dtype
                 out = hf.to_hf(tensors, config, vocab)
                 os.makedirs(tmp)
+                eod, tokenizer_note = export_tokenizer(_recorded_tokenizer(source), tmp)
                 with open(os.path.join(tmp, "config.json"), "w") as f:
-                    json.dump(hf.hf_config(config, vocab, base, dtype, _eod_for(args)), f, indent=2, sort_keys=True)
+                    json.dump(hf.hf_config(config, vocab, base, dtype, eod), f, indent=2, sort_keys=True)
                     f.write("\n")
                 ordered = dict(sorted(out.items()))
                 _save_safetensors(ordered, os.path.join(tmp, "model.safetensors"), {"format": "pt"})
@@ -204,18 +214,20 @@ def convert(opts) -> str:
         iteration_dir = checkpointing.checkpoint_dir(tmp, 0)
         os.makedirs(iteration_dir)
         try:
-            if hf_config is not None:
-                tokenizer = _import_tokenizer(source.path, hf_config, tmp, opts.output)
-            model_args = dict(config.to_megatron_args(), make_vocab_size_divisible_by=multiple, **tokenizer)
             extra = {"hf_config": hf_config} if hf_config is not None else {}
             engine.save_tensors({engine.MODEL_PREFIX + k: v for k, v in ours.items()}, iteration_dir,
                                 extra_metadata=extra)
+            record = None
+            if hf_config is not None:
+                tokenizer, record = _import_tokenizer(source.path, hf_config, iteration_dir,
+                                                      checkpointing.checkpoint_dir(os.path.abspath(opts.output), 0))
+            model_args = dict(config.to_megatron_args(), make_vocab_size_divisible_by=multiple, **tokenizer)
             common = {
                 "checkpoint_version": checkpointing.CHECKPOINT_VERSION, "iteration": 0,
                 "consumed_train_samples": 0, "data": {"consumed_train_samples": 0},
                 "num_floating_point_operations_so_far": 0.0, "opt_param_scheduler": None,
                 "args": checkpointing.encode_args(model_args), "use_mfsdp": True, "world_size": 1,
-                "has_optimizer": False, "model_only": True, "rng_files": {},
+                "has_optimizer": False, "model_only": True, "rng_files": {}, "tokenizer": record,
                 "converted_from": os.path.abspath(opts.input),
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
@@ -227,6 +239,8 @@ def convert(opts) -> str:
         summary = f"{config.style} model, {len(ours)} tensors"
         command = finetune_command(config, opts.output, tokenizer, multiple, hf_config)
     commit_output(tmp, opts.output)
+    if tokenizer_note:
+        print(f"> {tokenizer_note}", file=sys.stderr)
     print(f"> wrote {opts.output} ({summary}) in {time.time() - start:.1f} s", file=sys.stderr)
     if opts.to == "mfsdp":
         print(command)
@@ -235,28 +249,28 @@ def convert(opts) -> str:
 
 # Arguments that rebuild the tokenizer a model was trained with.
 _TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
-# What a saved Hugging Face tokenizer consists of (whichever of them exist).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                    "vocab.json", "merges.txt", "tokenizer.model")
 GPT2_VOCAB_SIZE = 50257
 
 
-def _import_tokenizer(source_dir, hf_config, tmp, output):
-    """The tokenizer arguments of an imported model. A Hugging Face directory's tokenizer
-    files are copied into ``<output>/tokenizer``; a GPT-2 without them has GPT-2's BPE
-    (known by its 50257 entries); otherwise none is known ({})."""
-    import shutil
+def _import_tokenizer(source_dir, hf_config, iteration_dir, final_iteration_dir):
+    """(tokenizer arguments, tokenizer record) of an imported model. A Hugging Face
+    directory's tokenizer files are copied into the checkpoint (``iteration_dir/tokenizer``,
+    recorded in common.json: tokenizer_record.py); a GPT-2 without them has GPT-2's BPE
+    (known by its 50257 entries); otherwise none is known ({}, None).
+    ``final_iteration_dir`` is where the copies will be once the output is in place."""
+    # Imported here: only --to mfsdp from Hugging Face needs it.
+    from megatron.training.tokenizer_record import HF_TOKENIZER_FILES, record_tokenizer, recorded_paths
 
-    files = [n for n in _TOKENIZER_FILES if os.path.isfile(os.path.join(source_dir, n))]
+    files = [n for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(source_dir, n))]
     if "tokenizer.json" in files or "tokenizer_config.json" in files:
-        os.makedirs(os.path.join(tmp, "tokenizer"))
-        for name in files:
-            shutil.copy2(os.path.join(source_dir, name), os.path.join(tmp, "tokenizer", name))
+        record = record_tokenizer({"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": source_dir},
+                                  iteration_dir)
         return {"tokenizer_type": "HuggingFaceTokenizer",
-                "tokenizer_model": os.path.join(os.path.abspath(output), "tokenizer")}
+                "tokenizer_model": recorded_paths(final_iteration_dir, record)["tokenizer_model"]}, record
     if hf_config.get("model_type") == "gpt2" and hf_config.get("vocab_size") == GPT2_VOCAB_SIZE:
-        return {"tokenizer_type": "GPT2BPETokenizer"}
-    return {}
+        tokenizer = {"tokenizer_type": "GPT2BPETokenizer"}
+        return tokenizer, record_tokenizer(tokenizer, iteration_dir)
+    return {}, None
 
 
 def finetune_command(config, checkpoint, tokenizer, multiple, hf_config=None) -> str:

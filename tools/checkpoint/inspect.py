@@ -222,7 +222,7 @@ def main(argv=None) -> int:
                       file=sys.stderr)
                 return 2
             ckpt.verify()
-            print(f"{ckpt.path}: all {len(ckpt.manifest['files'])} files match their size and sha256")
+            print(f"{ckpt.path}: all {ckpt.file_count()} files match their size and sha256")
             return 0
         if opts.tensor is not None:
             return print_tensor(ckpt, opts.tensor, opts.full)

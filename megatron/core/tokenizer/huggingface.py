@@ -12,6 +12,7 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence
 
+from megatron.core.extras import MissingExtra
 from megatron.core.tokenizer.base import MegatronTokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -77,10 +78,8 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         try:
             from transformers import AutoTokenizer
         except ImportError:
-            raise ImportError(
-                f"--tokenizer-model {path} has no tokenizer.json; loading it needs the 'transformers' "
-                "package: run `pip install transformers`."
-            ) from None
+            raise MissingExtra("transformers",
+                               f"--tokenizer-model {path} (a tokenizer without tokenizer.json)") from None
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:

@@ -7,15 +7,16 @@ tokenizer is built.
 
 from typing import Dict, List, Sequence
 
+from megatron.core.extras import MissingExtra
 from megatron.core.tokenizer.base import MegatronTokenizer
 
 
 class GPTSentencePieceTokenizer(MegatronTokenizer):
     def __init__(self, model_file: str):
         try:
-            import sentencepiece
+            import sentencepiece  # imported here: the optional 'hf' extra
         except ImportError:
-            raise ImportError("GPTSentencePieceTokenizer needs the sentencepiece package: pip install sentencepiece.") from None
+            raise MissingExtra("sentencepiece", "GPTSentencePieceTokenizer") from None
         self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
         if self._sp.eos_id() < 0:
             raise ValueError(f"the SentencePiece model {model_file!r} has no end-of-sentence piece to use as EOD; "

@@ -184,8 +184,9 @@ def test_imported_tokenizer_files_travel_with_the_checkpoint(tmp_path, capsys):
     assert convert.main(["--input", str(tmp_path / "hf"), "--to", "mfsdp", "--output", str(tmp_path / "m"),
                          "--quiet"]) == 0
     flags = " ".join(_command_argv(capsys.readouterr().out))
-    assert f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tmp_path / 'm' / 'tokenizer'}" in flags
-    assert sorted(os.listdir(tmp_path / "m" / "tokenizer")) == ["tokenizer.json", "tokenizer_config.json"]
+    copies = tmp_path / "m" / "iter_0000000" / "tokenizer"  # inside the checkpoint, recorded in common.json
+    assert f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {copies}" in flags
+    assert sorted(os.listdir(copies)) == ["tokenizer.json", "tokenizer_config.json"]
     # The padded size of a 3-entry tokenizer is not the checkpoint's 50304 rows: refused, with the reason.
     assert generate_tool.main(["--load", str(tmp_path / "m"), "--max-new-tokens", "2"]) == 2
     assert "the checkpoint's vocabulary has 50304 rows" in capsys.readouterr().err

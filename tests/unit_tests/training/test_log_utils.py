@@ -5,7 +5,13 @@ import glob
 import json
 import re
 
-from megatron.training.log_utils import MetricsWriter, format_iteration_line, format_validation_box
+from megatron.training.log_utils import (
+    MetricsWriter,
+    format_duration,
+    format_first_iteration_line,
+    format_iteration_line,
+    format_validation_box,
+)
 
 NOW = datetime.datetime(2026, 11, 29, 20, 0, 0)
 
@@ -69,3 +75,15 @@ def test_metrics_writer_jsonl_and_tensorboard(tmp_path):
     tags = set(acc.Tags()["scalars"])
     assert {"lm-loss", "learning-rate", "lm-loss validation", "lm-loss-ppl validation"} <= tags
     assert acc.Scalars("lm-loss")[0].value == 5.0 and acc.Scalars("lm-loss")[0].step == 10
+
+
+def test_time_left_reads_as_a_wait():
+    assert [format_duration(s) for s in (0, 41.6, 60, 460, 3599, 7500)] == ["0s", "42s", "1m00s", "7m40s", "59m59s",
+                                                                         "2h05m"]
+    assert line(time_left_s=460).endswith("| time left: 7m40s |")
+    assert "time left" not in line()
+    now = datetime.datetime(2026, 1, 2, 3, 4, 5)
+    assert format_first_iteration_line(iteration=1, train_iters=200, seconds=2.31, loss=8.3, time_left_s=460,
+                                       log_interval=100, now=now) == (
+        " [2026-01-02 03:04:05] iteration        1/     200 | first iteration of this run (s): 2.3 |"
+        " lm loss: 8.300000E+00 | time left: 7m40s | next line at iteration 100 (--log-interval 100)")
