@@ -26,6 +26,7 @@ from megatron.training.mla_arguments import add_mla_args, validate_mla_args
 from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist_muon, validate_muon_args
 from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_without_mfsdp, validate_moe_args
 from megatron.training.resilience_arguments import add_resilience_args, validate_resilience_args
+from megatron.training.torch_fsdp2_arguments import add_torch_fsdp2_args, validate_torch_fsdp2_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 from megatron.training.recipe_arguments import add_recipe_args, validate_recipe_args
 
@@ -208,6 +209,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     _add_fidelity_args(parser)
     add_muon_args(parser)
     add_moe_args(parser)
+    add_torch_fsdp2_args(parser)
     add_pipeline_args(parser)
     add_context_parallel_args(parser)
     add_recipe_args(parser)
@@ -308,6 +310,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     args.data_parallel_size = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                                              * args.context_parallel_size)
     args.device_type = "cuda" if cuda_available else "cpu"
+    validate_torch_fsdp2_args(args)  # before the synonyms that turn MFSDP on
     _apply_fidelity_synonyms(args)
     _validate_model_shape(args, cuda_available)
     _validate_precision(args)
@@ -407,7 +410,8 @@ def _validate_precision(args: argparse.Namespace) -> None:
     # autocast. fp16 adds a loss scaler (training.py).
     half = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
     args.params_dtype = half if (half is not None and args.use_mfsdp) else torch.float32
-    args.autocast_dtype = half if (half is not None and not args.use_mfsdp) else None
+    # FSDP2: fp32 parameters, the compute dtype from its MixedPrecisionPolicy (model_builder.py).
+    args.autocast_dtype = half if (half is not None and not (args.use_mfsdp or args.use_torch_fsdp2)) else None
 
 
 def _validate_data_parallel(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
@@ -434,6 +438,8 @@ def _validate_data_parallel(args: argparse.Namespace, world_size: int, cuda_avai
             given.append("mfsdp_unify_communication_stream")
         if args.use_distributed_optimizer:
             given.append("use_distributed_optimizer")
+        if args.use_torch_fsdp2:  # its MixedPrecisionPolicy reads the dtype flags too
+            given = [g for g in given if not g.startswith("megatron_fsdp_")]
         if given:
             flags = ", ".join("--" + g.replace("_", "-") for g in given)
             raise ValueError(f"{flags} only appl{'ies' if len(given) == 1 else 'y'} to MFSDP; add --use-mfsdp or remove {'it' if len(given) == 1 else 'them'}.")

@@ -54,6 +54,8 @@ class Evaluator:
             if self.built.context is not None and hasattr(self.built.context, "reshard_all"):
                 # Forward-only passes must not leave any unit holding unsharded weights.
                 self.built.context.reshard_all()
+            if self.built.torch_fsdp2:
+                self.built.model.reshard()  # FSDP2's root keeps its weights gathered after a forward
             self.built.unwrapped.train()
         return mean_loss(total)
 

@@ -152,7 +152,6 @@ REJECTED: Dict[str, str] = {
     "--fp8-recipe": _FP8,
     "--fp8-param-gather": _FP8,
     "--first-last-layers-bf16": _FP8,
-    "--use-torch-fsdp2": "PyTorch FSDP2 is not wired into this trainer; use --use-mfsdp (Megatron FSDP v2)",
     "--use-legacy-models": "only the Megatron-Core GPT model exists; drop it",
     "--use-checkpoint-args": "pass the model flags explicitly (the checkpoint's common.json lists them)",
     "--use-mup": "muP is not implemented; drop it",
