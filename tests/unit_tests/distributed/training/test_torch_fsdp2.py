@@ -7,13 +7,15 @@ LR step) on the same global batches. The reference for the initial weights is a 
 single-process build. Checkpoints go through ``megatron/training/checkpointing.py``.
 """
 
-import argparse
+import contextlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from _trainer_models import batches, full_weights, gpt_provider, trainer_args
+from megatron.core import parallel_state
+from megatron.core.global_slices import global_slices_by_name
 from megatron.core.pipeline_parallel import forward_backward_no_pipelining
 from megatron.core.transformer.initialization import initialize_parameters_
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
@@ -24,10 +26,32 @@ CPU = torch.device("cpu")
 MFSDP, FSDP2 = "--use-mfsdp", "--use-torch-fsdp2"
 
 
-def _args(arch, backend, *extra):
-    # 2 microbatches of 2 per rank; a clip threshold the tiny model's gradients exceed.
-    world = dist.get_world_size()
-    return trainer_args(arch, backend, "--global-batch-size", str(4 * world), "--clip-grad", "0.05", *extra)
+WORLD = dist.get_world_size()
+# name -> (architecture, flags, TP size): tied embeddings with LayerNorm; untied with
+# RMSNorm, RoPE, SwiGLU and GQA; that one under TP 2 with sequence parallelism.
+CASES = {"gpt2": ("gpt2", (), 1), "llama": ("llama", (), 1),
+         "llama-tp2-sp": ("llama", ("--tensor-model-parallel-size", "2", "--sequence-parallel"), 2)}
+
+
+@contextlib.contextmanager
+def _parallel_state(case):
+    """The trainer's parallel state for the case's TP size (the model provider reads it)."""
+    tp = CASES[case][2]
+    if tp == 1:
+        yield
+        return
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, 1, "cpu")
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _args(case, backend, *extra):
+    # 2+ microbatches of 2 per data-parallel rank; a clip threshold the gradients exceed.
+    arch, flags, _ = CASES[case]
+    return trainer_args(arch, backend, "--global-batch-size", str(4 * WORLD), "--clip-grad", "0.05", *flags, *extra)
 
 
 def _forward_step(data_iterator, model):
@@ -38,7 +62,8 @@ def _forward_step(data_iterator, model):
 
 def _train(args, built, optimizer, scheduler, steps):
     """(loss, grad norm) of each of ``steps`` trainer steps, the same on every rank."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = parallel_state.get_parallel_state() if parallel_state.model_parallel_is_initialized() else None
+    world, rank = (dp.dp_size, dp.dp_rank) if dp is not None else (WORLD, dist.get_rank())
     per_rank = args.global_batch_size // world
     out = []
     for batch in batches(steps, args.micro_batch_size, args.global_batch_size, args.seq_length, 96):
@@ -58,11 +83,27 @@ def _train(args, built, optimizer, scheduler, steps):
     return out
 
 
-def _run(arch, backend, steps=3):
-    args = _args(arch, backend)
-    built = build_model(gpt_provider, args, CPU)
-    optimizer, scheduler = build_optimizer(args, built)
-    return built, _train(args, built, optimizer, scheduler, steps)
+# (arch, backend) -> the 3 straight steps' (loss, grad norm): plain floats, kept for the module.
+_STRAIGHT = {}
+
+
+def _run(case, backend, check_initial_weights=False):
+    if (case, backend) in _STRAIGHT:
+        return _STRAIGHT[case, backend]
+    with _parallel_state(case):
+        args = _args(case, backend)
+        built = build_model(gpt_provider, args, CPU)
+        assert (built.torch_fsdp2, built.use_mfsdp) == (backend == FSDP2, backend == MFSDP)
+        if check_initial_weights:  # against a plain single-process build (its TP pieces)
+            reference = gpt_provider(trainer_args(CASES[case][0], world_size=1))
+            initialize_parameters_(reference, args.seed)
+            got, pieces = full_weights(built.model), global_slices_by_name(built.unwrapped)
+            for name, expected in reference.named_parameters():
+                expected = pieces[name].take(expected.detach()) if name in pieces else expected.detach()
+                torch.testing.assert_close(got[name], expected, rtol=0, atol=0, msg=name)
+        optimizer, scheduler = build_optimizer(args, built)
+        _STRAIGHT[case, backend] = _train(args, built, optimizer, scheduler, 3)
+    return _STRAIGHT[case, backend]
 
 
 def _assert_close(got, expected, rel=1e-5):
@@ -71,23 +112,14 @@ def _assert_close(got, expected, rel=1e-5):
         assert abs(norm - norm_ref) <= rel * abs(norm_ref), (got, expected)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])  # tied embeddings + LayerNorm; untied + RMSNorm/RoPE/SwiGLU
-def test_fsdp2_losses_equal_mfsdp(arch):
-    built, fsdp2 = _run(arch, FSDP2)
-    assert built.torch_fsdp2 and not built.use_mfsdp
-    reference = gpt_provider(_args(arch, FSDP2))
-    initialize_parameters_(reference, 11)
-    # The weights after training differ from the initial ones; the initial ones were
-    # checked through the losses and, below, by a fresh build.
-    fresh = build_model(gpt_provider, _args(arch, FSDP2), CPU)
-    got = full_weights(fresh.model)
-    for name, expected in reference.named_parameters():
-        torch.testing.assert_close(got[name], expected.detach(), rtol=0, atol=0, msg=name)
-    _, mfsdp = _run(arch, MFSDP)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fsdp2_losses_equal_mfsdp(case):
+    fsdp2 = _run(case, FSDP2, check_initial_weights=True)
+    mfsdp = _run(case, MFSDP)
     if dist.get_rank() == 0:
         for i, ((a, na), (b, nb)) in enumerate(zip(mfsdp, fsdp2)):
-            print(f"\nparity world={dist.get_world_size()} {arch} iter {i + 1}: mfsdp loss {a:.8f} fsdp2 {b:.8f} "
-                  f"rel {abs(a - b) / abs(a):.2e}; grad norm mfsdp {na:.8f} fsdp2 {nb:.8f}")
+            print(f"\nparity world={WORLD} {case} iter {i + 1}: loss mfsdp {a:.8f} fsdp2 {b:.8f} "
+                  f"rel {abs(a - b) / abs(a):.1e}; grad norm mfsdp {na:.8f} fsdp2 {nb:.8f} rel {abs(na - nb) / na:.1e}")
     _assert_close(fsdp2, mfsdp)
     assert fsdp2[2][0] < fsdp2[0][0]  # it trains
 
@@ -98,23 +130,27 @@ def _shared_dir(tmp_path_factory, name):
     return holder[0]
 
 
-@pytest.mark.parametrize("first, then", [(MFSDP, FSDP2), (FSDP2, MFSDP)], ids=["mfsdp-to-fsdp2", "fsdp2-to-mfsdp"])
-def test_checkpoint_moves_between_backends(first, then, tmp_path_factory):
+MOVES = [(case, first, then) for case in ("gpt2", "llama-tp2-sp") for first, then in ((MFSDP, FSDP2), (FSDP2, MFSDP))]
+
+
+@pytest.mark.parametrize("case, first, then", MOVES,
+                         ids=[f"{c}-{a[6:]}-to-{b[6:]}" for c, a, b in MOVES])
+def test_checkpoint_moves_between_backends(case, first, then, tmp_path_factory):
     """2 steps under one backend, a checkpoint, 1 step under the other after loading it:
     the same losses as 3 steps straight through."""
+    straight = _run(case, first)
     path = _shared_dir(tmp_path_factory, "fsdp2_ckpt")
-    args = _args("gpt2", first, "--save", path)
-    built = build_model(gpt_provider, args, CPU)
-    optimizer, scheduler = build_optimizer(args, built)
-    before = _train(args, built, optimizer, scheduler, 2)
-    save_checkpoint(2, built.model, optimizer, scheduler, args, consumed_train_samples=2 * args.global_batch_size)
+    with _parallel_state(case):
+        args = _args(case, first, "--save", path)
+        built = build_model(gpt_provider, args, CPU)
+        optimizer, scheduler = build_optimizer(args, built)
+        before = _train(args, built, optimizer, scheduler, 2)
+        save_checkpoint(2, built.model, optimizer, scheduler, args, consumed_train_samples=2 * args.global_batch_size)
 
-    args = _args("gpt2", then, "--load", path)
-    built = build_model(gpt_provider, args, CPU)
-    optimizer, scheduler = build_optimizer(args, built)
-    iteration, consumed = load_checkpoint(built.model, optimizer, scheduler, args, load_rng=False)
-    assert (iteration, consumed) == (2, 2 * args.global_batch_size)
-    after = _train(args, built, optimizer, scheduler, 1)
-
-    _, straight = _run("gpt2", first)
+        args = _args(case, then, "--load", path)
+        built = build_model(gpt_provider, args, CPU)
+        optimizer, scheduler = build_optimizer(args, built)
+        iteration, consumed = load_checkpoint(built.model, optimizer, scheduler, args, load_rng=False)
+        assert (iteration, consumed) == (2, 2 * args.global_batch_size)
+        after = _train(args, built, optimizer, scheduler, 1)
     _assert_close(before + after, straight)
