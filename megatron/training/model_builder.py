@@ -1,10 +1,12 @@
-"""Build the model for training: MFSDP units inside one ``fully_shard_context``, or DDP.
+"""Build the model for training: MFSDP units inside one ``fully_shard_context``, PyTorch FSDP2, or DDP.
 
 With ``--use-mfsdp`` every TransformerLayer becomes an FSDP unit, then the root module
 (which owns what is left: the tied embedding/output weight, the final norm, position
 embeddings). All of them are built inside *one* ``fully_shard_context``, whose context is
-handed to the schedule (``microbatch``) and to ``fully_shard_optimizer``. Without it, the
-model runs under PyTorch DDP, or plainly on a single rank.
+handed to the schedule (``microbatch``) and to ``fully_shard_optimizer``. With
+``--use-torch-fsdp2`` the same units are sharded by PyTorch's ``fully_shard``
+(``build_torch_fsdp2``). Otherwise the model runs under PyTorch DDP, or plainly on a
+single rank.
 
 Under pipeline parallelism a rank builds only its stage: one model chunk, or one per
 virtual stage, each a root of the same context (independently sharded roots sharing the
@@ -231,10 +233,11 @@ def build_torch_fsdp2(model: torch.nn.Module, args, device: torch.device, meta: 
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # only this backend needs it
 
     mesh = build_device_mesh(args, device.type)
-    # Compute (and all-gather) in bf16 with --bf16; reduce and keep gradients in the main
-    # grads dtype (fp32 by default) unless --megatron-fsdp-grad-comm-dtype says otherwise.
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None,
-                                  reduce_dtype=args.grad_comm_dtype or args.main_grads_dtype)
+    # Compute (and all-gather) in bf16/fp16 with --bf16/--fp16 (fp16's loss scale is the
+    # trainer's); reduce and keep gradients in the main grads dtype (fp32 by default) unless
+    # --megatron-fsdp-grad-comm-dtype says otherwise.
+    compute = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=args.grad_comm_dtype or args.main_grads_dtype)
     gloo = dist.get_backend(mesh.get_group()) == "gloo"
     prefixes = {id(m): f"{name}." if name else "" for name, m in model.named_modules()}
     for unit in transformer_layers(model) + [model]:  # children first, the root last

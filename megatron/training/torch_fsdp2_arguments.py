@@ -2,8 +2,9 @@
 
 Upstream's rules (megatron/training/arguments.py): no pipeline or expert parallelism, not
 with the distributed optimizer (nor, here, with ``--use-mfsdp``: one engine per run), no
-fp16, no Muon. Where this trainer goes further than upstream: tied embeddings are allowed (the root
-unit holds the one shared weight) and every ``--ckpt-format`` writes the same DCP
+Muon. Where this trainer goes further than upstream: tied embeddings are allowed (the root
+unit holds the one shared weight), fp16 runs (its MixedPrecisionPolicy computes in fp16, the
+trainer's loss scaler scales) and every ``--ckpt-format`` writes the same DCP
 checkpoint. Context parallelism and HSDP instances are refused until they are built for
 FSDP2. Checked before the synonyms run (``--use-distributed-optimizer`` and EP would
 otherwise turn MFSDP on).
@@ -42,7 +43,6 @@ def validate_torch_fsdp2_args(args: argparse.Namespace) -> None:
          "--data-parallel-sharding-strategy / --outer-dp-sharding-strategy",
          "FSDP2 always shards parameters, gradients and optimizer state; drop them "
          "(--torch-fsdp2-no-reshard-after-forward keeps layers gathered between forward and backward)"),
-        (args.fp16, "--fp16", "not supported with FSDP2 (as upstream); use --bf16"),
         (args.optimizer in ("muon", "dist_muon"), f"--optimizer {args.optimizer}",
          "Muon needs whole matrices, FSDP2 holds row shards (upstream refuses it too); use --use-mfsdp"),
     ]
