@@ -13,6 +13,7 @@ from megatron.core import parallel_state
 from megatron.training.data import DeviceIterator, build_pretraining_data_loader
 from megatron.training.log_utils import format_validation_box, perplexity, print_rank_0
 from megatron.training.loss_reports import mean_loss, reduce_reports
+from megatron.training.model_builder import reshard_torch_fsdp2
 
 
 class Evaluator:
@@ -55,7 +56,7 @@ class Evaluator:
                 # Forward-only passes must not leave any unit holding unsharded weights.
                 self.built.context.reshard_all()
             if self.built.torch_fsdp2:
-                self.built.model.reshard()  # FSDP2's root keeps its weights gathered after a forward
+                reshard_torch_fsdp2(self.built.model)
             self.built.unwrapped.train()
         return mean_loss(total)
 

@@ -254,6 +254,16 @@ def build_torch_fsdp2(model: torch.nn.Module, args, device: torch.device, meta: 
     return BuiltModel(model, model, mesh=mesh, torch_fsdp2=True)
 
 
+def reshard_torch_fsdp2(model: torch.nn.Module) -> None:
+    """Free every FSDP2 unit's gathered weights: after a forward-only pass (evaluation) the
+    root, and with --torch-fsdp2-no-reshard-after-forward every layer, still hold them."""
+    from torch.distributed.fsdp import FSDPModule  # only this backend needs it
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _replace_own_parameters(unit: torch.nn.Module, nested_unit: type, make: Callable) -> None:
     """Replace every parameter ``unit`` itself holds (not those of units already sharded
     inside it) by a new parameter of the tensor ``make(old)``, where that differs in device

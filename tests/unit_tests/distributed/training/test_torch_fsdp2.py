@@ -12,6 +12,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from _trainer_models import batches, full_weights, gpt_provider, trainer_args
 from megatron.core import parallel_state
@@ -20,7 +21,7 @@ from megatron.core.pipeline_parallel import forward_backward_no_pipelining
 from megatron.core.transformer.initialization import initialize_parameters_
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.model_builder import (
-    build_model, build_optimizer, finalize_model_grads, get_grad_norm_and_clip)
+    build_model, build_optimizer, finalize_model_grads, get_grad_norm_and_clip, reshard_torch_fsdp2)
 
 CPU = torch.device("cpu")
 MFSDP, FSDP2 = "--use-mfsdp", "--use-torch-fsdp2"
@@ -31,6 +32,7 @@ WORLD = dist.get_world_size()
 # RMSNorm, RoPE, SwiGLU and GQA; that one under TP 2 with sequence parallelism.
 CASES = {"gpt2": ("gpt2", (), 1), "llama": ("llama", (), 1),
          "llama-tp2-sp": ("llama", ("--tensor-model-parallel-size", "2", "--sequence-parallel"), 2)}
+NO_RESHARD = "--torch-fsdp2-no-reshard-after-forward"
 
 
 @contextlib.contextmanager
@@ -122,6 +124,20 @@ def test_fsdp2_losses_equal_mfsdp(case):
                   f"rel {abs(a - b) / abs(a):.1e}; grad norm mfsdp {na:.8f} fsdp2 {nb:.8f} rel {abs(na - nb) / na:.1e}")
     _assert_close(fsdp2, mfsdp)
     assert fsdp2[2][0] < fsdp2[0][0]  # it trains
+
+
+def test_no_reshard_after_forward_trains_alike_and_evaluation_reshards():
+    """Layers kept gathered from forward to backward: the same losses; after a forward-only
+    pass (what evaluation runs) the trainer's reshard leaves every weight sharded."""
+    args = _args("gpt2", FSDP2, NO_RESHARD)
+    built = build_model(gpt_provider, args, CPU)
+    optimizer, scheduler = build_optimizer(args, built)
+    _assert_close(_train(args, built, optimizer, scheduler, 3), _run("gpt2", MFSDP))
+    tokens = batches(1, 2, 2, args.seq_length, 96)[0]
+    forward_backward_no_pipelining(_forward_step, iter([tokens]), built.model, 1, forward_only=True)
+    assert not all(isinstance(p, DTensor) for p in built.model.parameters())  # still gathered
+    reshard_torch_fsdp2(built.model)
+    assert all(isinstance(p, DTensor) for p in built.model.parameters())
 
 
 def _shared_dir(tmp_path_factory, name):
