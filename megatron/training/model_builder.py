@@ -248,8 +248,9 @@ def build_torch_fsdp2(model: torch.nn.Module, args, device: torch.device, meta: 
         _replace_own_parameters(unit, FSDPModule, lambda p: p.detach().to(args.main_params_dtype))
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
         if gloo:
-            # FSDP2 averages with AVG / PREMUL_SUM, which gloo lacks: sum, then divide by
-            # the data-parallel size after the reduction (the same mean).
+            # FSDP2 divides inside the collective (AVG, or PREMUL_SUM once a divide factor
+            # is set), and gloo has no PREMUL_SUM: sum, then divide by the data-parallel
+            # size after the reduction; the same mean (bitwise MFSDP's in the tests).
             unit.set_force_sum_reduction_for_comms(True)
     return BuiltModel(model, model, mesh=mesh, torch_fsdp2=True)
 
