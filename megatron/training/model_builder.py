@@ -250,7 +250,7 @@ def build_torch_fsdp2(model: torch.nn.Module, args, device: torch.device, meta: 
         if gloo:
             # FSDP2 divides inside the collective (AVG, or PREMUL_SUM once a divide factor
             # is set), and gloo has no PREMUL_SUM: sum, then divide by the data-parallel
-            # size after the reduction; the same mean (bitwise MFSDP's in the tests).
+            # size after the reduction: the same mean.
             unit.set_force_sum_reduction_for_comms(True)
     return BuiltModel(model, model, mesh=mesh, torch_fsdp2=True)
 
