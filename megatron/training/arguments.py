@@ -235,7 +235,7 @@ def _add_memory_args(parser: argparse.ArgumentParser) -> None:
     """Flags that trade compute for memory: meta-device build and activation recompute."""
     g = parser.add_argument_group("memory (meta-device build, activation recompute)")
     g.add_argument("--init-model-with-meta-device", dest="init_model_with_meta_device", action="store_true",
-                   default=True, help="with --use-mfsdp: build parameters on meta, materialize per unit "
+                   default=True, help="with --use-mfsdp or --use-torch-fsdp2: build parameters on meta, materialize per unit "
                    "into shards (default on)")
     g.add_argument("--no-init-model-with-meta-device", dest="init_model_with_meta_device", action="store_false",
                    help="build the whole model on every rank before sharding")

@@ -167,7 +167,7 @@ def pipeline_chunk_kwargs(args) -> List[dict]:
 def build_model(model_provider: Callable, args, device: torch.device) -> BuiltModel:
     """Build, initialize (seeded per parameter name, see ``initialization.py``) and wrap.
 
-    With ``--use-mfsdp`` and ``--init-model-with-meta-device`` (the default) the parameters
+    With ``--use-mfsdp`` (or ``--use-torch-fsdp2``) and ``--init-model-with-meta-device`` (the default) the parameters
     are created on ``meta``, wrapped, then materialized one unit at a time straight into
     this rank's shards: no rank holds more than its shards plus one unit gathered."""
     use_torch_fsdp2 = getattr(args, "use_torch_fsdp2", False)
