@@ -26,7 +26,7 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
                               "always on: MFSDP reduces each unit's gradients during backward, DDP per bucket"),
     "--overlap-param-gather": (dict(action="store_true"),
                                "always on: MFSDP prefetches the next unit's parameters"),
-    "--ckpt-format": (dict(choices=("torch", "torch_dist", "fsdp_dtensor"), default=None),
+    "--ckpt-format": (dict(choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"), default=None),
                       "this trainer's one format (DCP shards + common.json, docs/checkpointing.md)"),
     "--auto-detect-ckpt-format": (dict(action="store_true"), "there is one checkpoint format"),
     "--use-persistent-ckpt-worker": (dict(action="store_true"),

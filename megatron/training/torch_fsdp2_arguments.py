@@ -25,6 +25,10 @@ def add_torch_fsdp2_args(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_torch_fsdp2_args(args: argparse.Namespace) -> None:
+    if getattr(args, "ckpt_format", None) == "torch_dcp" and not args.use_torch_fsdp2:
+        # Upstream's FSDP2-only format; here every format is the same DCP checkpoint.
+        raise ValueError("--ckpt-format torch_dcp goes with --use-torch-fsdp2 (as upstream); add it, or use "
+                         "--ckpt-format torch_dist (the same checkpoint here).")
     if not args.use_torch_fsdp2:
         return
     refused = [

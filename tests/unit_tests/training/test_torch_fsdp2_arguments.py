@@ -21,6 +21,10 @@ def test_accepted_with_upstreams_companions():
     assert args.params_dtype == torch.float32 and args.autocast_dtype is None  # bf16 via its MixedPrecisionPolicy
     assert args.torch_fsdp2_reshard_after_forward is False
     assert parse().torch_fsdp2_reshard_after_forward is True
+    assert parse("--ckpt-format torch_dcp").ckpt_format == "torch_dcp"
+    with pytest.raises(ValueError, match=r"--ckpt-format torch_dcp goes with --use-torch-fsdp2 \(as upstream\); add it"):
+        parse_args((BASE.replace(" --use-torch-fsdp2", "") + " --ckpt-format torch_dcp").split(), world_size=2,
+                   cuda_available=False)
     fp16 = parse("--fp16")  # upstream's fsdp2 functional-test line runs fp16 (its parser refuses it)
     assert fp16.params_dtype == torch.float32 and fp16.autocast_dtype is None
 
