@@ -29,6 +29,7 @@ from megatron.training.mla_arguments import add_mla_args, validate_mla_args
 from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist_muon, validate_muon_args
 from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_without_mfsdp, validate_moe_args
 from megatron.training.resilience_arguments import add_resilience_args, validate_resilience_args
+from megatron.training.torch_fsdp2_arguments import add_torch_fsdp2_args, validate_torch_fsdp2_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 from megatron.training.recipe_arguments import add_recipe_args, validate_recipe_args
 from megatron.core.tokenizer.factory import TOKENIZER_TYPES
@@ -211,6 +212,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     _add_fidelity_args(parser)
     add_muon_args(parser)
     add_moe_args(parser)
+    add_torch_fsdp2_args(parser)
     add_pipeline_args(parser)
     add_context_parallel_args(parser)
     add_recipe_args(parser)
@@ -237,7 +239,7 @@ def _add_memory_args(parser: argparse.ArgumentParser) -> None:
     """Flags that trade compute for memory: meta-device build and activation recompute."""
     g = parser.add_argument_group("memory (meta-device build, activation recompute)")
     g.add_argument("--init-model-with-meta-device", dest="init_model_with_meta_device", action="store_true",
-                   default=True, help="with --use-mfsdp: build parameters on meta, materialize per unit "
+                   default=True, help="with --use-mfsdp or --use-torch-fsdp2: build parameters on meta, materialize per unit "
                    "into shards (default on)")
     g.add_argument("--no-init-model-with-meta-device", dest="init_model_with_meta_device", action="store_false",
                    help="build the whole model on every rank before sharding")
@@ -312,6 +314,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     args.data_parallel_size = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                                              * args.context_parallel_size)
     args.device_type = "cuda" if cuda_available else "cpu"
+    validate_torch_fsdp2_args(args)  # before the synonyms that turn MFSDP on
     _apply_fidelity_synonyms(args)
     _validate_model_shape(args, cuda_available)
     _validate_precision(args)
@@ -412,7 +415,8 @@ def _validate_precision(args: argparse.Namespace) -> None:
     # autocast. fp16 adds a loss scaler (training.py).
     half = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
     args.params_dtype = half if (half is not None and args.use_mfsdp) else torch.float32
-    args.autocast_dtype = half if (half is not None and not args.use_mfsdp) else None
+    # FSDP2: fp32 parameters, the compute dtype from its MixedPrecisionPolicy (model_builder.py).
+    args.autocast_dtype = half if (half is not None and not (args.use_mfsdp or args.use_torch_fsdp2)) else None
 
 
 def _validate_data_parallel(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
@@ -439,6 +443,8 @@ def _validate_data_parallel(args: argparse.Namespace, world_size: int, cuda_avai
             given.append("mfsdp_unify_communication_stream")
         if args.use_distributed_optimizer:
             given.append("use_distributed_optimizer")
+        if args.use_torch_fsdp2:  # its MixedPrecisionPolicy reads the dtype flags too
+            given = [g for g in given if not g.startswith("megatron_fsdp_")]
         if given:
             flags = ", ".join("--" + g.replace("_", "-") for g in given)
             raise ValueError(f"{flags} only appl{'ies' if len(given) == 1 else 'y'} to MFSDP; add --use-mfsdp or remove {'it' if len(given) == 1 else 'them'}.")

@@ -13,6 +13,7 @@ from megatron.core import parallel_state
 from megatron.training.data import DeviceIterator, build_pretraining_data_loader
 from megatron.training.log_utils import format_validation_box, perplexity, print_rank_0
 from megatron.training.loss_reports import mean_loss, reduce_reports
+from megatron.training.model_builder import reshard_torch_fsdp2
 
 
 class Evaluator:
@@ -54,6 +55,8 @@ class Evaluator:
             if self.built.context is not None and hasattr(self.built.context, "reshard_all"):
                 # Forward-only passes must not leave any unit holding unsharded weights.
                 self.built.context.reshard_all()
+            if self.built.torch_fsdp2:
+                reshard_torch_fsdp2(self.built.model)
             self.built.unwrapped.train()
         return mean_loss(total)
 

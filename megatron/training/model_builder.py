@@ -1,10 +1,12 @@
-"""Build the model for training: MFSDP units inside one ``fully_shard_context``, or DDP.
+"""Build the model for training: MFSDP units inside one ``fully_shard_context``, PyTorch FSDP2, or DDP.
 
 With ``--use-mfsdp`` every TransformerLayer becomes an FSDP unit, then the root module
 (which owns what is left: the tied embedding/output weight, the final norm, position
 embeddings). All of them are built inside *one* ``fully_shard_context``, whose context is
-handed to the schedule (``microbatch``) and to ``fully_shard_optimizer``. Without it, the
-model runs under PyTorch DDP, or plainly on a single rank.
+handed to the schedule (``microbatch``) and to ``fully_shard_optimizer``. With
+``--use-torch-fsdp2`` the same units are sharded by PyTorch's ``fully_shard``
+(``build_torch_fsdp2``). Otherwise the model runs under PyTorch DDP, or plainly on a
+single rank.
 
 Under pipeline parallelism a rank builds only its stage: one model chunk, or one per
 virtual stage, each a root of the same context (independently sharded roots sharing the
@@ -54,6 +56,7 @@ class BuiltModel:
     context: Any = None  # FsdpContext with MFSDP, else None
     mesh: Any = None
     placements: Any = None
+    torch_fsdp2: bool = False  # sharded by PyTorch's fully_shard (--use-torch-fsdp2)
 
     @property
     def use_mfsdp(self) -> bool:
@@ -164,10 +167,11 @@ def pipeline_chunk_kwargs(args) -> List[dict]:
 def build_model(model_provider: Callable, args, device: torch.device) -> BuiltModel:
     """Build, initialize (seeded per parameter name, see ``initialization.py``) and wrap.
 
-    With ``--use-mfsdp`` and ``--init-model-with-meta-device`` (the default) the parameters
+    With ``--use-mfsdp`` (or ``--use-torch-fsdp2``) and ``--init-model-with-meta-device`` (the default) the parameters
     are created on ``meta``, wrapped, then materialized one unit at a time straight into
     this rank's shards: no rank holds more than its shards plus one unit gathered."""
-    meta = bool(args.use_mfsdp and getattr(args, "init_model_with_meta_device", False))
+    use_torch_fsdp2 = getattr(args, "use_torch_fsdp2", False)
+    meta = bool((args.use_mfsdp or use_torch_fsdp2) and getattr(args, "init_model_with_meta_device", False))
     chunks = []
     for kwargs in pipeline_chunk_kwargs(args):
         chunk = _build_on_meta(model_provider, args, kwargs) if meta else model_provider(args, **kwargs)
@@ -177,6 +181,8 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
             initialize_parameters_(chunk, args.seed)
             chunk = chunk.to(device)
         chunks.append(chunk)
+    if use_torch_fsdp2:  # one chunk: FSDP2 runs without pipeline parallelism (torch_fsdp2_arguments.py)
+        return build_torch_fsdp2(chunks[0], args, device, meta)
     pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
     unwrapped = chunks[0] if len(chunks) == 1 else _model_chunks(chunks)
     schedule_model = chunks[0] if len(chunks) == 1 else chunks
@@ -216,6 +222,66 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
         )
         return BuiltModel(ddp, model)
     return BuiltModel(model, model)
+
+
+def build_torch_fsdp2(model: torch.nn.Module, args, device: torch.device, meta: bool) -> BuiltModel:
+    """PyTorch's FSDP2 (``--use-torch-fsdp2``): the same units as MFSDP, in the same order
+    (each transformer layer, then the root with the rest: the tied embedding and output
+    weight, the final norm), over the same data-parallel mesh. From ``meta`` each unit is
+    materialized unsharded with the world-size-invariant init just before it is sharded,
+    so no rank holds more than its shards plus one unit, and the weights equal MFSDP's."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # only this backend needs it
+
+    mesh = build_device_mesh(args, device.type)
+    # Compute (and all-gather) in bf16/fp16 with --bf16/--fp16 (fp16's loss scale is the
+    # trainer's); reduce and keep gradients in the main grads dtype (fp32 by default) unless
+    # --megatron-fsdp-grad-comm-dtype says otherwise.
+    compute = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=args.grad_comm_dtype or args.main_grads_dtype)
+    gloo = dist.get_backend(mesh.get_group()) == "gloo"
+    prefixes = {id(m): f"{name}." if name else "" for name, m in model.named_modules()}
+    for unit in transformer_layers(model) + [model]:  # children first, the root last
+        if meta:
+            _replace_own_parameters(unit, FSDPModule, lambda p: torch.empty_like(p, device=device))
+            initialize_parameters_(unit, args.seed, prefixes[id(unit)], stop_at=lambda m: isinstance(m, FSDPModule))
+        # The stored (main) weights' dtype: fp32 unless --megatron-fsdp-main-params-dtype.
+        _replace_own_parameters(unit, FSDPModule, lambda p: p.detach().to(args.main_params_dtype))
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
+        if gloo:
+            # FSDP2 divides inside the collective (AVG, or PREMUL_SUM once a divide factor
+            # is set), and gloo has no PREMUL_SUM: sum, then divide by the data-parallel
+            # size after the reduction: the same mean.
+            unit.set_force_sum_reduction_for_comms(True)
+    return BuiltModel(model, model, mesh=mesh, torch_fsdp2=True)
+
+
+def reshard_torch_fsdp2(model: torch.nn.Module) -> None:
+    """Free every FSDP2 unit's gathered weights: after a forward-only pass (evaluation) the
+    root, and with --torch-fsdp2-no-reshard-after-forward every layer, still hold them."""
+    from torch.distributed.fsdp import FSDPModule  # only this backend needs it
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _replace_own_parameters(unit: torch.nn.Module, nested_unit: type, make: Callable) -> None:
+    """Replace every parameter ``unit`` itself holds (not those of units already sharded
+    inside it) by a new parameter of the tensor ``make(old)``, where that differs in device
+    or dtype. A parameter shared by several modules (a tied weight) gets one replacement."""
+    new, stack = {}, [unit]
+    while stack:
+        module = stack.pop()
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in new:
+                tensor = make(p)
+                same = tensor.device == p.device and tensor.dtype == p.dtype
+                new[id(p)] = p if same else torch.nn.Parameter(tensor, requires_grad=p.requires_grad)
+            if new[id(p)] is not p:
+                setattr(module, name, new[id(p)])
+        stack += [child for child in module.children() if not isinstance(child, nested_unit)]
 
 
 def shard_experts(layer: torch.nn.Module, args, policy) -> list:

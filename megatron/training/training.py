@@ -1,4 +1,4 @@
-"""``pretrain``: Megatron's training driver, for GPT under MFSDP v2 or DDP.
+"""``pretrain``: Megatron's training driver, for GPT under MFSDP v2, PyTorch FSDP2 or DDP.
 
 parse + validate args -> distributed init -> tokenizer -> model (MFSDP units inside one
 fully_shard_context, or DDP) -> optimizer (+ fully_shard_optimizer) and LR schedule ->
@@ -128,6 +128,8 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
                    f"MFSDP {args.data_parallel_sharding_strategy}" + (
                        f", {args.dp_outer_size} instances ({'HFSDP' if args.outer_dp_sharding_strategy == 'optim' else 'HSDP'})"
                        if args.dp_outer_size > 1 else ""))
+        if built.torch_fsdp2:
+            strategy = "PyTorch FSDP2" + ("" if args.torch_fsdp2_reshard_after_forward else ", no reshard after forward")
         if args.tensor_model_parallel_size > 1:
             strategy += (f", tensor parallel {args.tensor_model_parallel_size} x data parallel "
                          f"{args.data_parallel_size}" + (", sequence parallel" if args.sequence_parallel else ""))

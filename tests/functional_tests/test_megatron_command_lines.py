@@ -33,7 +33,8 @@ TESTED = (
     "gpt3_mcore_te_tp4_pp1_dist_optimizer_overlap_grad_reduce_param_gather",
     "gpt3_mcore_tp1_pp1_dist_optimizer_overlap_grad_reduce_param_gather",
     "gpt3_mcore_te_tp2_pp1_multi_dist_optimizer_instances", "gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor",
-    "gpt3_mcore_te_tp1_pp4_sequence_parallel",
+    "gpt3_mcore_te_tp1_pp4_sequence_parallel", "gpt3_mcore_te_tp2_pp1_fsdp2_resume_torch_dist",
+    "gpt3_mcore_tp1_pp1_fsdp2_resume_torch_dist_te",
 )
 
 # Tiny CPU model and run length; everything else is the upstream value.
@@ -111,7 +112,8 @@ def _tensorboard_tags(tb_dir):
 
 
 @pytest.mark.parametrize("name", ["gpt3_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files", "gpt3_mcore_tp1_pp2_fp16",
-                                  "gpt3_mcore_te_tp1_pp4_untie_embeddings_and_outputs"])
+                                  "gpt3_mcore_te_tp1_pp4_untie_embeddings_and_outputs",
+                                  "gpt3_mcore_te_tp2_pp1_fsdp2_resume_torch_dist"])  # PyTorch FSDP2, bf16
 def test_upstream_command_line_trains_at_its_pipeline_size(name, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -123,6 +125,8 @@ def test_upstream_command_line_trains_at_its_pipeline_size(name, tmp_path):
     assert proc.returncode == 0, proc.stdout[-5000:]
     lines = [line for line in proc.stdout.splitlines() if " iteration " in line and "consumed samples" in line]
     assert len(lines) == 3
+    if "fsdp2" in name:
+        assert "PyTorch FSDP2" in proc.stdout
     assert all("num zeros: " in line and "params norm: " in line and "loss scale: " in line for line in lines)
     tags = _tensorboard_tags(str(tmp_path / "tb"))
     for tag in ("num-zeros", "params-norm", "iteration-time", "mem-rss-bytes", "mem-max-rss-bytes",

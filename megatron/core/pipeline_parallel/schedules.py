@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from megatron.core.distributed.comm_device import comm_device
 from megatron.core.distributed.ranks import world_size
@@ -79,6 +80,11 @@ def _microbatch_context(model, context, index: int, num_microbatches: int, forwa
         from megatron.core.distributed.mfsdp_v2 import microbatch
 
         return microbatch(context, is_last=is_last)
+    if isinstance(model, FSDPModule):
+        # PyTorch FSDP2: accumulate unsharded gradients locally; reduce-scatter once, in
+        # the last microbatch's backward (every unit of the model, recursively).
+        model.set_requires_gradient_sync(is_last)
+        return contextlib.nullcontext()
     if _is_ddp(model) and not is_last:
         # Accumulate locally; DDP all-reduces once, in the last microbatch's backward.
         return model.no_sync()

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from .dcp_adapter import ChunkedTensor, whole
 from .engine_view import ShardedRows, local_rows
@@ -124,6 +124,24 @@ def _in_global(entry: ChunkedTensor, piece) -> ChunkedTensor:
     return ChunkedTensor(piece.global_shape, entry.dtype, entry.device, chunks)
 
 
+def _torch_sharded(tensor: DTensor, what: str, piece=None):
+    """A DTensor sharded by torch (FSDP2's ``fully_shard``), not by the engine: as it is
+    (DCP reads torch's layout), or, when it is a rank's piece of a larger tensor (tensor
+    parallelism under FSDP2), its rows placed in the global tensor."""
+    if piece is None:
+        return tensor.detach()
+    if tensor.device_mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),):
+        raise NotImplementedError(
+            f"{what} is a piece of a tensor-parallel weight sharded as {tuple(tensor.placements)} over a "
+            f"{tensor.device_mesh.ndim}-D mesh; checkpoints take such pieces sharded on dim 0 over one mesh axis.")
+    rows = tensor.shape[0] if tensor.dim() else 1
+    chunk = -(-rows // tensor.device_mesh.size())  # torch's Shard(0): ceil-sized chunks, in rank order
+    start = min(tensor.device_mesh.get_local_rank() * chunk, rows)
+    local = tensor.to_local()
+    return _sharded(ShardedRows(tensor.shape, start, start + (local.shape[0] if local.dim() else 1)), tensor, what,
+                    piece)
+
+
 def saved_shape(fqn: str, shape, pieces) -> Tuple[int, ...]:
     """The shape under which a tensor of ``shape`` laid out like parameter ``fqn`` is saved."""
     piece = pieces.get(fqn)
@@ -141,7 +159,7 @@ def model_state(model: nn.Module, engine: Dict[int, ShardedRows], pieces=None) -
         if rows is not None:
             state[MODEL_PREFIX + fqn] = _sharded(rows, tensor, f"'{fqn}'", pieces.get(fqn))
         elif isinstance(tensor, DTensor):
-            state[MODEL_PREFIX + fqn] = tensor.detach()  # not ours: torch's even sharding is right
+            state[MODEL_PREFIX + fqn] = _torch_sharded(tensor, f"'{fqn}'", pieces.get(fqn))
         else:
             state[MODEL_PREFIX + fqn] = _in_global(whole(tensor), pieces.get(fqn))
     return state
@@ -166,7 +184,7 @@ def optimizer_state(optimizer, engine: Dict[int, ShardedRows], names: Dict[int, 
             if isinstance(value, DTensor) and rows is not None and like_param:
                 tensors[name] = _sharded(rows, value, f"optimizer state '{fqn}.{key}'", piece)
             elif isinstance(value, DTensor):
-                tensors[name] = value.detach()
+                tensors[name] = _torch_sharded(value, f"optimizer state '{fqn}.{key}'", piece)
             elif isinstance(value, torch.Tensor):
                 # A plain tensor is the same on every rank (e.g. Adam's `step`), or the whole
                 # state of a plain model's parameter.
