@@ -1,0 +1,70 @@
+"""Packed documents: causal attention that stays inside each document.
+
+With ``--reset-attention-mask`` a training sequence holds several documents, each ended
+by an EOD token; a token attends to the tokens of its own document up to itself, never
+to an earlier document (upstream Megatron-LM's ``_get_ltor_masks_and_position_ids``).
+Documents are contiguous, so one number per token says it all: ``document_start``, the
+global position (in the whole, unsplit sequence) of the first token of the token's
+document. Query q may attend key k exactly when
+
+    document_start[q] <= position[k] <= position[q]
+
+This needs nothing about the keys but their positions, which every attention path
+knows: so under context parallelism ``document_start`` is split with the tokens and each
+CP rank holds its queries' starts only (``context_parallel.py`` builds the mask of each
+block it computes), and under sequence parallelism attention sees the whole sequence
+anyway. ``GPTModel`` takes a ``DocumentMask`` where it takes an attention mask.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+
+def document_allowed(document_start: torch.Tensor, query_positions: torch.Tensor,
+                     key_positions: torch.Tensor) -> torch.Tensor:
+    """[b, sq, sk] bool, True where a query may attend a key: the key lies in the query's
+    document, at or before it. ``document_start`` [b, sq] and ``query_positions`` [sq]
+    are the queries', ``key_positions`` [sk] the keys' (global positions)."""
+    keys = key_positions.view(1, 1, -1)
+    return (keys <= query_positions.view(1, -1, 1)) & (keys >= document_start.unsqueeze(-1))
+
+
+class DocumentMask:
+    """Which keys each query attends to when documents are packed into one sequence.
+
+    ``document_start`` [b, s] int: for each token this rank holds (under context
+    parallelism, its CP split), the global position of its document's first token.
+    """
+
+    def __init__(self, document_start: torch.Tensor):
+        if document_start.dim() != 2 or document_start.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"document_start must be an integer tensor [batch, sequence], got shape "
+                             f"{tuple(document_start.shape)} and dtype {document_start.dtype}.")
+        self.document_start = document_start
+        self._sdpa_mask: Optional[torch.Tensor] = None
+
+    def sdpa_mask(self, seq_len: int) -> torch.Tensor:
+        """The whole-sequence mask for SDPA, [b, 1, s, s] bool (True: attend). Built once
+        per microbatch and shared by every layer."""
+        if self.document_start.shape[1] != seq_len:
+            raise ValueError(f"the document mask covers {self.document_start.shape[1]} tokens but attention sees "
+                             f"{seq_len}; under context parallelism pass the CP split's document starts to the "
+                             "context-parallel attention, elsewhere the whole sequence's.")
+        if self._sdpa_mask is None:
+            positions = torch.arange(seq_len, device=self.document_start.device)
+            self._sdpa_mask = document_allowed(self.document_start, positions, positions).unsqueeze(1)
+        return self._sdpa_mask
+
+
+def sdpa_mask_and_causal(attention_mask, seq_len: int, device) -> Tuple[Optional[torch.Tensor], bool]:
+    """(attn_mask, is_causal) for SDPA from a model's ``attention_mask``: None -> SDPA's
+    own causal mask (no dense mask); a ``DocumentMask`` -> its block-diagonal causal mask;
+    a tensor (Megatron's convention, True where attention is NOT allowed) -> combined with
+    the causal mask (SDPA cannot take both)."""
+    if attention_mask is None:
+        return None, True
+    if isinstance(attention_mask, DocumentMask):
+        return attention_mask.sdpa_mask(seq_len), False
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    return causal & ~attention_mask.to(torch.bool), False
