@@ -7,7 +7,8 @@ test_document_mask.py shows that equals every document on its own). Each layout 
 same tokens, position ids and document starts (CP: its split of each), and must give the
 reference's per-token losses and, summed over its ranks as the trainer does, gradients.
 Documents are laid out so that they cross the CP chunk boundaries. Run with ``-s`` to
-see the parity lines (layout, loss sum, the reference's, relative difference).
+see the parity lines (layout, loss sum, the reference's, their relative difference, the
+largest per-token difference).
 """
 
 import numpy as np
@@ -75,10 +76,11 @@ def reference(arch):
 
 
 def report(layout, loss, ref_loss, loss_mask, printer=None):
-    total, ref_total = (loss * loss_mask).sum().item(), (ref_loss * loss_mask).sum().item()
+    total, ref_total = (loss.double() * loss_mask).sum().item(), (ref_loss.double() * loss_mask).sum().item()
     rel = abs(total - ref_total) / abs(ref_total)
     if printer or (printer is None and dist.get_rank() == 0):
-        print(f"\npacked parity | {layout} | {total:.7f} | {ref_total:.7f} | {rel:.1e}")
+        worst = ((loss - ref_loss).abs() * loss_mask).max().item()
+        print(f"\npacked parity | {layout} | {total:.7f} | {ref_total:.7f} | {rel:.1e} | {worst:.1e}")
     return rel
 
 
