@@ -132,7 +132,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--num-workers", type=int, default=2)
-    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss where the input token is EOD")
     add_packed_document_args(g)
 
     g = parser.add_argument_group("tokenizer")
