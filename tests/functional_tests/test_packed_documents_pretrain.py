@@ -20,7 +20,7 @@ LINES = ["From fairest creatures we desire increase,", "That thereby beauty's ro
          "But as the riper should by time decease,", "His tender heir might bear his memory:",
          "But thou contracted to thine own bright eyes,", "Feed'st thy light's flame with self-substantial fuel,",
          "Making a famine where abundance lies,", "Thy self thy foe, to thy sweet self too cruel:"]
-PACKED = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+PACKED = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--use-mfsdp"]
 RUNS = {
     "ref": (1, PACKED),
     "cp2-p2p": (2, PACKED + ["--context-parallel-size", "2"]),
