@@ -59,7 +59,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from .context_parallel import context_parallel_attention
-from .document_mask import DocumentMask, sdpa_mask_and_causal
+from .document_mask import DocumentMask, per_document_attention, sdpa_mask_and_causal
 from .layers import build_parallel_linear, output_init_std
 from .norms import build_norm
 from .recompute import recomputes
@@ -184,8 +184,13 @@ class SelfAttention(nn.Module):
             attend = functools.partial(self.context_parallel_core_attention, document_start=document_start)
             attn_mask, is_causal = None, True
         else:
-            attend = self.core_attention
-            attn_mask, is_causal = sdpa_mask_and_causal(attention_mask, s, hidden_states.device)
+            segments = attention_mask.segments() if isinstance(attention_mask, DocumentMask) else None
+            if segments is not None:  # long documents: causal attention on each alone, no dense mask
+                attend = functools.partial(per_document_attention, self.core_attention, segments=segments)
+                attn_mask, is_causal = None, True
+            else:
+                attend = self.core_attention
+                attn_mask, is_causal = sdpa_mask_and_causal(attention_mask, s, hidden_states.device)
         if recomputes(self.config, "core_attn") and self.training and torch.is_grad_enabled():
             # Keep q, k, v only; the attention probabilities ([b, heads, s, s] on kernels
             # that materialize them) are recomputed in backward. Dropout masks are replayed

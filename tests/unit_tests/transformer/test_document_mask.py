@@ -80,8 +80,9 @@ def test_no_dense_mask_without_reset():
     assert sdpa_mask_and_causal(None, 8, "cpu") == (None, True)
 
 
+@pytest.mark.parametrize("per_document", (False, True), ids=("dense_mask", "per_document"))
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_packed_forward_equals_documents_on_their_own(arch):
+def test_packed_forward_equals_documents_on_their_own(arch, per_document):
     g = torch.Generator().manual_seed(2)
     samples = [packed_sample(lengths, g) for lengths in DOCUMENT_LENGTHS]
     tokens = torch.stack([t for t, _ in samples])
@@ -92,7 +93,11 @@ def test_packed_forward_equals_documents_on_their_own(arch):
                                     for key in ("position_ids", "document_start", "loss_mask"))
 
     packed = build(arch)
-    mask = DocumentMask(starts)
+    # 6 documents in 48 tokens: the threshold picks either way of attending (8 is the mean).
+    mask = DocumentMask(starts, min_mean_length=8 if per_document else 9)
+    assert (mask.segments() is not None) == per_document
+    if per_document:
+        assert mask.segments() == [[(0, 5), (5, 6), (6, 15), (15, 21), (21, 24)], [(0, 24)]]
     logits = packed(tokens, positions, mask)
     loss = packed(tokens, positions, mask, labels=labels)
     (loss * loss_mask).sum().backward()

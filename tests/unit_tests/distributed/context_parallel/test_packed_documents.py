@@ -162,18 +162,22 @@ def pair_group(kind):
 
 
 @pytest.mark.skipif(WORLD % 2, reason="TP=2 needs an even world")
+@pytest.mark.parametrize("per_document", (False, True), ids=("dense_mask", "per_document"))
 @pytest.mark.parametrize("sequence_parallel", (False, True))
-def test_tensor_parallel(sequence_parallel):
+def test_tensor_parallel(sequence_parallel, per_document):
     ref_model, ref_loss = reference("llama")
     tokens, labels, positions, starts, loss_mask = packed_batch()
     tp_group = pair_group("pair")
     model = build("llama", tensor_model_parallel_size=2, tp_group=tp_group, sequence_parallel=sequence_parallel)
-    loss = model(tokens, positions, DocumentMask(starts), labels=labels)
+    mask = DocumentMask(starts, min_mean_length=0 if per_document else 64)
+    check((mask.segments() is not None) == per_document, "the attention path")
+    loss = model(tokens, positions, mask, labels=labels)
     (loss * loss_mask).sum().backward()
     if sequence_parallel:
         all_reduce_sequence_parallel_grads(model, tp_group)
     check(torch.allclose(loss.detach(), ref_loss, rtol=1e-5, atol=1e-5), "losses differ")
-    report(f"TP=2{' +SP' if sequence_parallel else ''}", loss.detach(), ref_loss, loss_mask)
+    report(f"TP=2{' +SP' if sequence_parallel else ''}{' per document' if per_document else ''}", loss.detach(),
+           ref_loss, loss_mask)
     compare_grads(model, ref_model)
 
 
