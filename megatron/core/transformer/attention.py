@@ -184,7 +184,7 @@ class SelfAttention(nn.Module):
             attend = functools.partial(self.context_parallel_core_attention, document_start=document_start)
             attn_mask, is_causal = None, True
         else:
-            segments = attention_mask.segments() if isinstance(attention_mask, DocumentMask) else None
+            segments = attention_mask.segments(s) if isinstance(attention_mask, DocumentMask) else None
             if segments is not None:  # long documents: causal attention on each alone, no dense mask
                 attend = functools.partial(per_document_attention, self.core_attention, segments=segments)
                 attn_mask, is_causal = None, True

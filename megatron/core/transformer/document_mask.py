@@ -52,10 +52,11 @@ class DocumentMask:
         self._sdpa_mask: Optional[torch.Tensor] = None
         self._segments: Optional[List[List[Tuple[int, int]]]] = None
 
-    def segments(self) -> Optional[List[List[Tuple[int, int]]]]:
+    def segments(self, seq_len: int) -> Optional[List[List[Tuple[int, int]]]]:
         """Per batch row, the documents' [start, end) token ranges, when per-document
         attention is the cheaper way (see the class); None for the dense mask. Reads the
         starts on the host once per microbatch."""
+        self._check_length(seq_len)
         if self._segments is None:
             b, s = self.document_start.shape
             starts = self.document_start.cpu()
@@ -69,13 +70,16 @@ class DocumentMask:
             self._segments = [] if dense else [list(zip(row, row[1:] + [s])) for row in begins]
         return self._segments or None
 
-    def sdpa_mask(self, seq_len: int) -> torch.Tensor:
-        """The whole-sequence mask for SDPA, [b, 1, s, s] bool (True: attend). Built once
-        per microbatch and shared by every layer."""
+    def _check_length(self, seq_len: int) -> None:
         if self.document_start.shape[1] != seq_len:
             raise ValueError(f"the document mask covers {self.document_start.shape[1]} tokens but attention sees "
                              f"{seq_len}; under context parallelism pass the CP split's document starts to the "
                              "context-parallel attention, elsewhere the whole sequence's.")
+
+    def sdpa_mask(self, seq_len: int) -> torch.Tensor:
+        """The whole-sequence mask for SDPA, [b, 1, s, s] bool (True: attend). Built once
+        per microbatch and shared by every layer."""
+        self._check_length(seq_len)
         if self._sdpa_mask is None:
             positions = torch.arange(seq_len, device=self.document_start.device)
             self._sdpa_mask = document_allowed(self.document_start, positions, positions).unsqueeze(1)

@@ -80,6 +80,17 @@ def test_no_dense_mask_without_reset():
     assert sdpa_mask_and_causal(None, 8, "cpu") == (None, True)
 
 
+def test_bad_document_starts_are_refused():
+    starts = torch.tensor([[0, 0, 2, 2]])
+    for call in (lambda m: m.segments(6), lambda m: m.sdpa_mask(6)):
+        with pytest.raises(ValueError, match="the document mask covers 4 tokens but attention sees 6"):
+            call(DocumentMask(starts))
+    with pytest.raises(ValueError, match="the first token starts a document"):
+        DocumentMask(starts + 1).segments(4)  # e.g. a CP split's starts
+    with pytest.raises(ValueError, match="document_start must be an integer tensor"):
+        DocumentMask(starts.float())
+
+
 @pytest.mark.parametrize("per_document", (False, True), ids=("dense_mask", "per_document"))
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_packed_forward_equals_documents_on_their_own(arch, per_document):
@@ -95,9 +106,9 @@ def test_packed_forward_equals_documents_on_their_own(arch, per_document):
     packed = build(arch)
     # 6 documents in 48 tokens: the threshold picks either way of attending (8 is the mean).
     mask = DocumentMask(starts, min_mean_length=8 if per_document else 9)
-    assert (mask.segments() is not None) == per_document
+    assert (mask.segments(tokens.shape[1]) is not None) == per_document
     if per_document:
-        assert mask.segments() == [[(0, 5), (5, 6), (6, 15), (15, 21), (21, 24)], [(0, 24)]]
+        assert mask.segments(tokens.shape[1]) == [[(0, 5), (5, 6), (6, 15), (15, 21), (21, 24)], [(0, 24)]]
     logits = packed(tokens, positions, mask)
     loss = packed(tokens, positions, mask, labels=labels)
     (loss * loss_mask).sum().backward()

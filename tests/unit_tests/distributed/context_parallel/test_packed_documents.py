@@ -170,7 +170,7 @@ def test_tensor_parallel(sequence_parallel, per_document):
     tp_group = pair_group("pair")
     model = build("llama", tensor_model_parallel_size=2, tp_group=tp_group, sequence_parallel=sequence_parallel)
     mask = DocumentMask(starts, min_mean_length=0 if per_document else 64)
-    check((mask.segments() is not None) == per_document, "the attention path")
+    check((mask.segments(tokens.shape[1]) is not None) == per_document, "the attention path")
     loss = model(tokens, positions, mask, labels=labels)
     (loss * loss_mask).sum().backward()
     if sequence_parallel:
