@@ -346,12 +346,22 @@ class _Ring:
 _KV_TAG, _DKV_TAG = 1, 2  # the two exchanges may be in flight to the same peer at once
 
 
-def _chunk_pairs(q_chunks: Tuple[int, ...], k_chunks: Tuple[int, ...]):
+def _chunk_pairs(q_chunks: Tuple[int, ...], k_chunks: Tuple[int, ...], earliest: Optional[List[int]] = None,
+                 c: int = 0):
     """(query chunk i, key chunk j, causal?) of the local chunks (global chunk indices
     ``q_chunks``) and a K/V block's (``k_chunks``) that the causal mask does not hide
     entirely. Chunk pairs with a later key chunk are skipped; a chunk with itself needs
-    the triangular mask."""
-    return [(i, j, qc == kc) for i, qc in enumerate(q_chunks) for j, kc in enumerate(k_chunks) if qc >= kc]
+    the triangular mask. With packed documents (``earliest``: per local query chunk the
+    earliest document start of its queries; ``c`` tokens per chunk) so are key chunks
+    that end before every query's document begins."""
+    return [(i, j, qc == kc) for i, qc in enumerate(q_chunks) for j, kc in enumerate(k_chunks)
+            if qc >= kc and (earliest is None or earliest[i] < (kc + 1) * c)]
+
+
+def _earliest_starts(starts) -> Optional[List[int]]:
+    """Per local query chunk, the earliest document start of its queries (whole batch),
+    read on the host once per forward / backward: which key chunks no query can see."""
+    return None if starts is None else [int(chunk.min()) for chunk in starts]
 
 
 def _dropout_keep(seed: int, step: int, i: int, j: int, n: int, shape, p: float, device) -> Optional[torch.Tensor]:
@@ -421,6 +431,7 @@ class _RingAttention(torch.autograd.Function):
         q5 = q.to(acc).reshape(b, groups, heads // groups, s, d)
         qs = q5.split(c, dim=3)
         starts = None if document_start is None else document_start.split(c, dim=1)
+        earliest = _earliest_starts(starts)
         kv = torch.stack([k, v]).to(acc).contiguous()
         ring = _Ring(group)
         out: List[Optional[torch.Tensor]] = [None] * n
@@ -430,7 +441,7 @@ class _RingAttention(torch.autograd.Function):
             posted = ring.exchange(kv, _KV_TAG) if step + 1 < cp else None
             src = (rank - step) % cp
             ks, vs = kv[0].split(c, dim=2), kv[1].split(c, dim=2)
-            for i, j, causal in _chunk_pairs(ring_chunks[rank], ring_chunks[src]):
+            for i, j, causal in _chunk_pairs(ring_chunks[rank], ring_chunks[src], earliest, c):
                 hidden = _hidden(starts, i, ring_chunks[rank][i], ring_chunks[src][j], c, causal, q.device)
                 scores = _scores(qs[i], ks[j], scale, hidden)
                 block_lse = scores.logsumexp(dim=-1)
@@ -472,6 +483,7 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout * out).sum(dim=-1)
         qs, douts = q5.split(c, dim=3), dout.split(c, dim=3)
         starts = None if document_start is None else document_start.split(c, dim=1)
+        earliest = _earliest_starts(starts)
         lses, deltas = lse.split(c, dim=3), delta.split(c, dim=3)
         dq = torch.zeros_like(q5)
         dqs = dq.split(c, dim=3)  # views: accumulating into them fills dq
@@ -484,7 +496,7 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = kv[0].split(c, dim=2), kv[1].split(c, dim=2)
             dkv = torch.zeros_like(kv)  # this rank's share of the held block's dK, dV
             dks, dvs = dkv[0].split(c, dim=2), dkv[1].split(c, dim=2)
-            for i, j, causal in _chunk_pairs(ring_chunks[rank], ring_chunks[src]):
+            for i, j, causal in _chunk_pairs(ring_chunks[rank], ring_chunks[src], earliest, c):
                 hidden = _hidden(starts, i, ring_chunks[rank][i], ring_chunks[src][j], c, causal, q.device)
                 scores = _scores(qs[i], ks[j], scale, hidden)
                 probs = torch.exp(scores - lses[i].unsqueeze(-1))  # the final softmax (masked -> 0)

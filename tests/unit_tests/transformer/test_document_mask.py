@@ -146,3 +146,13 @@ def test_mock_dataset_honours_the_eod_options():
     assert set(plain) == {"tokens", "labels", "loss_mask", "position_ids"}
     with pytest.raises(ValueError, match="need eod_token"):
         MockGPTDataset(4, 32, 8, seed=3, eod_mask_loss=True)
+
+
+def test_ring_skips_key_chunks_before_every_document():
+    """The CP ring's block list: with packed documents a key chunk that ends before the
+    earliest document start of a query chunk is not computed (it would add nothing)."""
+    from megatron.core.transformer.context_parallel import _chunk_pairs  # the ring's private planner
+
+    assert _chunk_pairs((0, 3), (0, 3)) == [(0, 0, True), (1, 0, False), (1, 1, True)]
+    assert _chunk_pairs((0, 3), (0, 3), earliest=[0, 5], c=2) == [(0, 0, True), (1, 1, True)]
+    assert _chunk_pairs((0, 3), (0, 3), earliest=[0, 1], c=2) == [(0, 0, True), (1, 0, False), (1, 1, True)]
