@@ -156,3 +156,22 @@ def test_ring_skips_key_chunks_before_every_document():
     assert _chunk_pairs((0, 3), (0, 3)) == [(0, 0, True), (1, 0, False), (1, 1, True)]
     assert _chunk_pairs((0, 3), (0, 3), earliest=[0, 5], c=2) == [(0, 0, True), (1, 1, True)]
     assert _chunk_pairs((0, 3), (0, 3), earliest=[0, 1], c=2) == [(0, 0, True), (1, 0, False), (1, 1, True)]
+
+
+def test_pretrain_forward_step_passes_the_document_mask():
+    """pretrain_gpt.forward_step turns the batch's document_start into the DocumentMask."""
+    from pretrain_gpt import forward_step  # the entry point's module, at the repository root
+
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.stack([packed_sample(lengths, g)[0] for lengths in DOCUMENT_LENGTHS])
+    fields = [packed_document_fields(t.numpy(), EOD, reset_position_ids=True, reset_attention_mask=True)
+              for t in tokens]
+    batch = {"tokens": tokens, "labels": tokens.roll(-1, 1),
+             "loss_mask": torch.ones(tokens.shape), **{key: torch.from_numpy(np.stack([f[key] for f in fields]))
+                                                        for key in ("position_ids", "document_start")}}
+    model = build("rope_gqa")
+    loss, _ = forward_step(iter([batch]), model)
+    expected = model(tokens, batch["position_ids"], DocumentMask(batch["document_start"]), labels=batch["labels"])
+    assert torch.equal(loss, expected)
+    del batch["document_start"]
+    assert not torch.allclose(forward_step(iter([batch]), model)[0], expected)
