@@ -20,6 +20,7 @@ _REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
+from megatron.core.transformer.document_mask import DocumentMask  # noqa: E402
 from megatron.training import pretrain, print_rank_0  # noqa: E402
 from megatron.training.shutdown import leave  # noqa: E402
 
@@ -135,14 +136,19 @@ def train_valid_test_datasets_provider(args, tokenizer, train_val_test_num_sampl
     """Mock data, --data-path, or (neither) the default Shakespeare corpus."""
     from megatron.core.datasets import MockGPTDataset, build_gpt_datasets
 
+    # The EOD options (packed documents): loss mask, position ids, attention per document.
+    documents = dict(eod_token=tokenizer.eod, eod_mask_loss=args.eod_mask_loss,
+                     reset_position_ids=getattr(args, "reset_position_ids", False),
+                     reset_attention_mask=getattr(args, "reset_attention_mask", False))
     if args.mock_data:
         print_rank_0("> using mock data")
         n_train, n_valid, n_test = train_val_test_num_samples
         vocab = tokenizer.vocab_size
+        mock = partial(MockGPTDataset, seq_length=args.seq_length, vocab_size=vocab, **documents)
         return (
-            MockGPTDataset(n_train, args.seq_length, vocab, args.seed),
-            MockGPTDataset(n_valid, args.seq_length, vocab, args.seed + 1) if n_valid else None,
-            MockGPTDataset(n_test, args.seq_length, vocab, args.seed + 2) if n_test else None,
+            mock(n_train, seed=args.seed),
+            mock(n_valid, seed=args.seed + 1) if n_valid else None,
+            mock(n_test, seed=args.seed + 2) if n_test else None,
         )
     data_path = args.data_path
     if not data_path:
@@ -165,9 +171,8 @@ def train_valid_test_datasets_provider(args, tokenizer, train_val_test_num_sampl
         args.seq_length,
         args.seed,
         cache_dir,
-        eod_mask_loss=args.eod_mask_loss,
-        eod_token=tokenizer.eod,
         mmap_bin_files=args.mmap_bin_files,
+        **documents,
     )
 
 
@@ -183,7 +188,10 @@ def loss_func(loss_mask, output_tensor):
 
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
-    output_tensor = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+    # --reset-attention-mask: the batch carries each token's document start (every pipeline
+    # stage reads the same batch, so nothing travels between stages for it).
+    attention_mask = DocumentMask(batch["document_start"]) if "document_start" in batch else None
+    output_tensor = model(batch["tokens"], batch["position_ids"], attention_mask, labels=batch["labels"],
                           loss_mask=batch["loss_mask"])  # read by multi-token prediction only
     return output_tensor, partial(loss_func, batch["loss_mask"])
 

@@ -26,6 +26,7 @@ from megatron.training.launch_script_arguments import (
     add_launch_script_args, apply_launch_script_synonyms, validate_launch_script_args, validate_tiktoken_args)
 from megatron.training.linear_attention_arguments import add_linear_attention_args, validate_linear_attention_args
 from megatron.training.mla_arguments import add_mla_args, validate_mla_args
+from megatron.training.packed_document_arguments import add_packed_document_args, validate_packed_document_args
 from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist_muon, validate_muon_args
 from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_without_mfsdp, validate_moe_args
 from megatron.training.resilience_arguments import add_resilience_args, validate_resilience_args
@@ -135,7 +136,8 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--num-workers", type=int, default=2)
-    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss where the input token is EOD")
+    add_packed_document_args(g)
 
     g = parser.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")
@@ -335,6 +337,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     validate_moe_args(args)
     validate_mla_args(args)
     validate_linear_attention_args(args)
+    validate_packed_document_args(args)
     validate_recipe_args(args, _note)
     _validate_paths(args)
     return args

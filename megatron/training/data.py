@@ -62,8 +62,10 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
     )
 
 
-# The per-token entries of a batch ([batch, sequence]) that context parallelism splits.
-SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+# The per-token entries of a batch ([batch, sequence]) that context parallelism splits
+# (document_start: packed documents' DocumentMask, the global position each token's
+# document starts at, so that each CP rank holds its queries').
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "document_start")
 
 
 def split_batch_for_context_parallel(batch: Dict[str, torch.Tensor], cp_size: int, cp_rank: int):

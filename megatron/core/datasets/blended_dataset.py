@@ -7,6 +7,7 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
+from megatron.core.datasets.gpt_dataset import packed_document_fields
 from megatron.core.datasets.utils import (
     atomic_save_npy,
     atomic_write_text,
@@ -150,10 +151,14 @@ class BlendedDataset:
 class MockGPTDataset:
     """Random tokens in ``[0, vocab_size)`` in GPTDataset's sample format (``--mock-data``).
 
-    Sample ``i`` depends only on ``(seed, i)``, so any worker or rank reproduces it.
+    Sample ``i`` depends only on ``(seed, i)``, so any worker or rank reproduces it. The
+    tokens include ``eod_token`` (the tokenizer's, e.g. NullTokenizer's last id) at random
+    places, so the EOD options (``packed_document_fields``) have documents to work on.
     """
 
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, *,
+                 eod_token: Optional[int] = None, eod_mask_loss: bool = False, reset_position_ids: bool = False,
+                 reset_attention_mask: bool = False):
         for name, value in (("num_samples", num_samples), ("seq_length", seq_length), ("vocab_size", vocab_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"MockGPTDataset {name} must be a positive integer, got {value!r}.")
@@ -164,7 +169,11 @@ class MockGPTDataset:
         self.vocab_size = int(vocab_size)
         self.seed = int(seed)
         self.name = "mock"
-        self._position_ids = np.arange(self.seq_length, dtype=np.int64)
+        if (eod_mask_loss or reset_position_ids or reset_attention_mask) and eod_token is None:
+            raise ValueError("eod_mask_loss / reset_position_ids / reset_attention_mask need eod_token.")
+        self.eod_token = eod_token
+        self.document_options = dict(eod_mask_loss=eod_mask_loss, reset_position_ids=reset_position_ids,
+                                     reset_attention_mask=reset_attention_mask)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -178,9 +187,6 @@ class MockGPTDataset:
             raise IndexError(f"sample {idx} out of range for a mock dataset of {self.num_samples} samples")
         rng = np.random.default_rng((self.seed, int(idx)))
         window = rng.integers(0, self.vocab_size, size=self.seq_length + 1, dtype=np.int64)
-        return {
-            "tokens": window[:-1],
-            "labels": window[1:],
-            "loss_mask": np.ones(self.seq_length, dtype=np.float32),
-            "position_ids": self._position_ids.copy(),
-        }
+        sample = {"tokens": window[:-1], "labels": window[1:]}
+        sample.update(packed_document_fields(window[:-1], self.eod_token, **self.document_options))
+        return sample

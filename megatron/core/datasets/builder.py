@@ -86,6 +86,8 @@ def build_gpt_datasets(
     *,
     eod_token: Optional[int] = None,
     mmap_bin_files: bool = True,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
 ):
     """(train, valid, test) datasets; an entry is None when its split has no documents or
     zero samples are asked of it.
@@ -93,7 +95,8 @@ def build_gpt_datasets(
     ``split`` divides each prefix's documents into contiguous train/valid/test ranges
     (Megatron's rule). With several prefixes, each split is a :class:`BlendedDataset` of
     the prefixes' datasets for that split, weighted as in ``data_path``. A sample count of
-    None means one epoch (single prefix only). ``eod_token`` is needed with ``eod_mask_loss``.
+    None means one epoch (single prefix only). ``eod_token`` is needed with ``eod_mask_loss``,
+    ``reset_position_ids`` and ``reset_attention_mask`` (packed documents, as GPTDataset).
     ``mmap_bin_files=False`` reads the .bin files without memory maps.
     """
     prefixes, weights = parse_data_path(data_path)
@@ -123,6 +126,7 @@ def build_gpt_datasets(
             return GPTDataset(
                 ds, np.arange(lo, hi, dtype=np.int64), count, seq_length, seed, cache_dir,
                 split_name, eod_mask_loss=eod_mask_loss, eod_token=eod_token,
+                reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
             )
 
         if weights is None:

@@ -124,9 +124,12 @@ class GPTDataset:
             prediction of a new document's first token from the previous document
             (Megatron's rule). Needs ``eod_token``.
         eod_token: the tokenizer's EOD id.
+        reset_position_ids, reset_attention_mask: packed documents (``packed_document_fields``);
+            need ``eod_token``.
 
     ``dataset[i]`` is a dict of numpy arrays: ``tokens`` int64 [seq], ``labels`` int64 [seq]
-    (tokens shifted by one), ``loss_mask`` float32 [seq], ``position_ids`` int64 [seq].
+    (tokens shifted by one), ``loss_mask`` float32 [seq], ``position_ids`` int64 [seq], and
+    with ``reset_attention_mask`` ``document_start`` int64 [seq].
     """
 
     def __init__(
@@ -141,6 +144,8 @@ class GPTDataset:
         *,
         eod_mask_loss: bool = False,
         eod_token: Optional[int] = None,
+        reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
     ):
         self.indexed_dataset = indexed_dataset
         self.name = check_cache_name(name)
@@ -160,8 +165,13 @@ class GPTDataset:
             raise ValueError(
                 "eod_mask_loss needs eod_token (the tokenizer's EOD id) to know which tokens to mask."
             )
+        if (reset_position_ids or reset_attention_mask) and eod_token is None:
+            raise ValueError("reset_position_ids / reset_attention_mask need eod_token (the tokenizer's EOD id) "
+                             "to find where documents end.")
         self.eod_mask_loss = bool(eod_mask_loss)
         self.eod_token = None if eod_token is None else int(eod_token)
+        self.reset_position_ids = bool(reset_position_ids)
+        self.reset_attention_mask = bool(reset_attention_mask)
 
         document_ids = np.asarray(document_ids)
         if document_ids.ndim != 1 or document_ids.size == 0:
@@ -202,7 +212,6 @@ class GPTDataset:
                 f"fewer than one sample of seq_length+1 = {self.seq_length + 1}; use more documents "
                 "or a shorter --seq-length."
             )
-        self._position_ids = np.arange(self.seq_length, dtype=np.int64)
 
     # ----------------------------------------------------------------------------------
     # indices
@@ -345,16 +354,43 @@ class GPTDataset:
     def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
         window = self.get_window(idx)
         tokens = window[:-1]
-        labels = window[1:]
-        loss_mask = np.ones(self.seq_length, dtype=np.float32)
-        if self.eod_mask_loss:
-            loss_mask[tokens == self.eod_token] = 0.0
-        return {
-            "tokens": tokens,
-            "labels": labels,
-            "loss_mask": loss_mask,
-            "position_ids": self._position_ids.copy(),
-        }
+        sample = {"tokens": tokens, "labels": window[1:]}
+        sample.update(packed_document_fields(tokens, self.eod_token, eod_mask_loss=self.eod_mask_loss,
+                                             reset_position_ids=self.reset_position_ids,
+                                             reset_attention_mask=self.reset_attention_mask))
+        return sample
+
+
+def packed_document_fields(tokens: np.ndarray, eod_token: Optional[int], *, eod_mask_loss: bool = False,
+                           reset_position_ids: bool = False, reset_attention_mask: bool = False
+                           ) -> Dict[str, np.ndarray]:
+    """``loss_mask``, ``position_ids`` (and ``document_start``) of one sample's input
+    ``tokens`` [seq]: upstream's ``_get_ltor_masks_and_position_ids`` without its dense
+    [seq, seq] mask. A document ends with its EOD token, the next starts after it.
+
+    - ``eod_mask_loss``: loss mask 0 where the input token is EOD;
+    - ``reset_position_ids``: positions restart at 0 after each EOD;
+    - ``reset_attention_mask``: ``document_start``, per token the position of its
+      document's first token in the sample (``DocumentMask`` in
+      megatron/core/transformer/document_mask.py keeps attention inside documents).
+    """
+    seq = tokens.shape[0]
+    positions = np.arange(seq, dtype=np.int64)
+    loss_mask = np.ones(seq, dtype=np.float32)
+    fields = {"loss_mask": loss_mask, "position_ids": positions}
+    if eod_mask_loss:
+        loss_mask[tokens == eod_token] = 0.0
+    if reset_position_ids or reset_attention_mask:
+        # A token after an EOD at position i starts a document at i + 1; every token
+        # belongs to the latest start at or before it.
+        starts = np.zeros(seq, dtype=np.int64)
+        starts[1:] = np.where(tokens[:-1] == eod_token, positions[1:], 0)
+        starts = np.maximum.accumulate(starts)
+        if reset_position_ids:
+            fields["position_ids"] = positions - starts
+        if reset_attention_mask:
+            fields["document_start"] = starts
+    return fields
 
 
 def _positive_int(name: str, value) -> int:

@@ -48,6 +48,7 @@ Tensors are batch-first ([b, s, ...]) throughout this package; attention itself 
 """
 
 import contextlib
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -58,6 +59,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from .context_parallel import context_parallel_attention
+from .document_mask import DocumentMask, per_document_attention, sdpa_mask_and_causal
 from .layers import build_parallel_linear, output_init_std
 from .norms import build_norm
 from .recompute import recomputes
@@ -138,15 +140,16 @@ class SelfAttention(nn.Module):
             )
         return context.to(out_dtype)
 
-    def context_parallel_core_attention(self, q, k, v, attn_mask, is_causal) -> torch.Tensor:
+    def context_parallel_core_attention(self, q, k, v, attn_mask, is_causal, document_start=None) -> torch.Tensor:
         """core_attention when the sequence is split over CP ranks: q, k, v hold this rank's
         tokens, attention covers the whole sequence (context_parallel.py; causal by global
-        position, so attn_mask / is_causal are unused). core_attention is the local kernel of
-        'all_gather' and 'a2a'; 'p2p' and 'a2a+p2p' have their own."""
+        position, so attn_mask / is_causal are unused; ``document_start``, the local tokens'
+        from a DocumentMask, keeps it inside documents). core_attention is the local kernel
+        of 'all_gather' and 'a2a'; 'p2p' and 'a2a+p2p' have their own."""
         return context_parallel_attention(
             q, k, v, self.config.cp_group, self.config.layer_cp_comm_type(self.layer_number),
             dropout_p=self.config.attention_dropout if self.training else 0.0, local_attention=self.core_attention,
-            hierarchical_groups=self.config.hierarchical_cp_groups,
+            hierarchical_groups=self.config.hierarchical_cp_groups, document_start=document_start,
         )
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -155,7 +158,8 @@ class SelfAttention(nn.Module):
 
         attention_mask (optional, Megatron convention): bool, True where attention is NOT
         allowed, broadcastable to [b, heads, s, s]. It is applied in addition to the causal
-        mask. rotary_pos_emb: (cos, sin) from ``RotaryEmbedding``; None for no RoPE.
+        mask. Or a ``DocumentMask`` (packed documents, document_mask.py), also under CP.
+        rotary_pos_emb: (cos, sin) from ``RotaryEmbedding``; None for no RoPE.
         """
         mixed = self.linear_qkv(hidden_states)
         b, s, _ = mixed.shape  # the whole sequence (the input is a chunk of it under sequence parallelism)
@@ -170,17 +174,23 @@ class SelfAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
 
         context_parallel = self.config.context_parallel_size > 1
-        if context_parallel and attention_mask is not None:
-            raise ValueError("attention_mask is not supported with context parallelism (the causal mask comes from "
-                             "the tokens' global positions); pass None, or use context_parallel_size=1.")
-        if attention_mask is None:
+        if context_parallel:
+            if attention_mask is not None and not isinstance(attention_mask, DocumentMask):
+                raise ValueError("attention_mask is not supported with context parallelism (the causal mask comes "
+                                 "from the tokens' global positions); pass None or a DocumentMask, or use "
+                                 "context_parallel_size=1.")
+            # The CP kernels build each block's mask from global positions (and documents).
+            document_start = attention_mask.document_start if attention_mask is not None else None
+            attend = functools.partial(self.context_parallel_core_attention, document_start=document_start)
             attn_mask, is_causal = None, True
         else:
-            # SDPA cannot combine is_causal with an explicit mask, so fold causality in.
-            causal = torch.ones(s, s, dtype=torch.bool, device=hidden_states.device).tril()
-            attn_mask, is_causal = causal & ~attention_mask.to(torch.bool), False
-
-        attend = self.context_parallel_core_attention if context_parallel else self.core_attention
+            segments = attention_mask.segments(s) if isinstance(attention_mask, DocumentMask) else None
+            if segments is not None:  # long documents: causal attention on each alone, no dense mask
+                attend = functools.partial(per_document_attention, self.core_attention, segments=segments)
+                attn_mask, is_causal = None, True
+            else:
+                attend = self.core_attention
+                attn_mask, is_causal = sdpa_mask_and_causal(attention_mask, s, hidden_states.device)
         if recomputes(self.config, "core_attn") and self.training and torch.is_grad_enabled():
             # Keep q, k, v only; the attention probabilities ([b, heads, s, s] on kernels
             # that materialize them) are recomputed in backward. Dropout masks are replayed

@@ -12,6 +12,10 @@ where tokens meet; ``context_parallel_attention`` computes exact causal attentio
 local queries over the whole sequence, batch-first like attention.py: q [b, H, 2c, d],
 k and v [b, G, 2c, d] (G query groups, query head h uses kv head h // (H / G)).
 
+Packed documents (``document_mask.py``): given ``document_start``, the local queries'
+first positions of their documents, every type keeps attention inside documents by the
+same rule on global positions; blocks and the gathered sequence get their part of it.
+
 Communication types (Megatron's ``cp_comm_type`` spellings):
 
 * ``"p2p"``: a ring. K/V blocks travel around the CP group; each step attends the local
@@ -33,6 +37,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from .document_mask import document_allowed
 
 SUPPORTED_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
@@ -148,7 +154,8 @@ def _sdpa(q, k, v, attn_mask, is_causal, dropout_p=0.0):
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group,
                                comm_type: str = "p2p", *, dropout_p: float = 0.0,
                                local_attention: Optional[Callable] = None,
-                               hierarchical_groups: Optional[Tuple] = None) -> torch.Tensor:
+                               hierarchical_groups: Optional[Tuple] = None,
+                               document_start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence.
 
     q [b, H, 2c, d], k and v [b, G, 2c, d]: this rank's two chunks (the split above) in
@@ -160,6 +167,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dropout and kernel choice. Default: SDPA with ``dropout_p``. "p2p" and "a2a+p2p" run
     their own blockwise kernel in fp32 and apply ``dropout_p`` there. "a2a+p2p" needs
     ``hierarchical_groups`` = (a2a group, p2p group) (``check_hierarchical_groups``).
+    ``document_start`` [b, 2c] (optional, packed documents): the global position where each
+    local query's document starts; attention then stays inside documents.
     """
     check_cp_comm_type(comm_type)
     cp = dist.get_world_size(cp_group)
@@ -173,17 +182,20 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if local_attention is None:
         def local_attention(q_, k_, v_, attn_mask, is_causal):
             return _sdpa(q_, k_, v_, attn_mask, is_causal, dropout_p)
+    if document_start is not None and tuple(document_start.shape) != (q.shape[0], s_local):
+        raise ValueError(f"document_start must be [batch, local sequence] = {(q.shape[0], s_local)}, got "
+                         f"{tuple(document_start.shape)}; split it with the tokens (split_for_context_parallel).")
     if comm_type == "p2p":
         ring_chunks = tuple(context_parallel_chunks(cp, r) for r in range(cp))
-        return _RingAttention.apply(q, k, v, cp_group, ring_chunks, dropout_p)
+        return _RingAttention.apply(q, k, v, cp_group, ring_chunks, dropout_p, document_start)
     if comm_type == "all_gather":
-        return _all_gather_attention(q, k, v, cp_group, local_attention)
+        return _all_gather_attention(q, k, v, cp_group, local_attention, document_start)
     if comm_type == "a2a+p2p":
         check_hierarchical_groups(hierarchical_groups, cp_group)
         check_heads_divisible(heads, groups, dist.get_world_size(hierarchical_groups[0]), comm_type)
-        return _hierarchical_attention(q, k, v, *hierarchical_groups, dropout_p)
+        return _hierarchical_attention(q, k, v, *hierarchical_groups, dropout_p, document_start)
     check_heads_divisible(heads, groups, cp, comm_type)
-    return _ulysses_attention(q, k, v, cp_group, local_attention)
+    return _ulysses_attention(q, k, v, cp_group, local_attention, document_start)
 
 
 # ---- all_gather ----------------------------------------------------------------------
@@ -210,17 +222,30 @@ class _GatherSequence(torch.autograd.Function):
         return out.movedim(0, ctx.seq_dim), None, None
 
 
+def _gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, s_local] from every rank of ``group`` -> [b, size * s_local] in rank order (no
+    gradient): the document starts of a gathered sequence."""
+    size = dist.get_world_size(group)
+    out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+    dist.all_gather_single(out, x.contiguous(), group=group)
+    return out.view(size, *x.shape).movedim(0, 1).reshape(x.shape[0], -1)
+
+
 def _gathered_positions(s_local: int, cp: int, device) -> torch.Tensor:
     """Global positions of the sequence as gathered in CP-rank order (each rank's two chunks)."""
     return torch.cat([context_parallel_positions(s_local * cp, cp, r, device) for r in range(cp)])
 
 
-def _all_gather_attention(q, k, v, group, local_attention):
+def _all_gather_attention(q, k, v, group, local_attention, document_start=None):
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     s_local = q.shape[2]
     kv = _GatherSequence.apply(torch.stack([k, v]), group, 3)  # one collective; G heads, not H
     q_pos = context_parallel_positions(s_local * cp, cp, rank, q.device)
-    allowed = q_pos[:, None] >= _gathered_positions(s_local, cp, q.device)[None, :]  # [2c, S]
+    k_pos = _gathered_positions(s_local, cp, q.device)
+    if document_start is None:
+        allowed = q_pos[:, None] >= k_pos[None, :]  # [2c, S]
+    else:
+        allowed = document_allowed(document_start, q_pos, k_pos).unsqueeze(1)  # [b, 1, 2c, S]
     return local_attention(q, kv[0], kv[1], allowed, False)
 
 
@@ -251,7 +276,7 @@ def _all_to_all(x, group, scatter_dim, gather_dim):
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
-def _ulysses_attention(q, k, v, group, local_attention):
+def _ulysses_attention(q, k, v, group, local_attention, document_start=None):
     cp = dist.get_world_size(group)
     s_local = q.shape[2]
     # [b, heads, 2c, d] -> [b, heads / cp, S, d]: this rank's heads, whole sequence in
@@ -260,7 +285,13 @@ def _ulysses_attention(q, k, v, group, local_attention):
     order = torch.argsort(positions)
     q_all = _AllToAll.apply(q, group, 1, 2).index_select(2, order)
     kv_all = _AllToAll.apply(torch.stack([k, v]), group, 2, 3).index_select(3, order)
-    context = local_attention(q_all, kv_all[0], kv_all[1], None, True)
+    if document_start is None:
+        context = local_attention(q_all, kv_all[0], kv_all[1], None, True)
+    else:  # every rank now holds every query: the whole sequence's document starts
+        starts = _gather_tokens(document_start, group).index_select(1, order)
+        whole = torch.arange(starts.shape[1], device=q.device)
+        context = local_attention(q_all, kv_all[0], kv_all[1], document_allowed(starts, whole, whole).unsqueeze(1),
+                                  False)
     # Back to CP-rank order (the gathered token at index i has position positions[i]), then
     # to [b, heads, 2c, d].
     return _AllToAll.apply(context.index_select(2, positions), group, 2, 1)
@@ -269,7 +300,7 @@ def _ulysses_attention(q, k, v, group, local_attention):
 # ---- a2a+p2p (hierarchical) ----------------------------------------------------------
 
 
-def _hierarchical_attention(q, k, v, a2a_group, p2p_group, dropout_p):
+def _hierarchical_attention(q, k, v, a2a_group, p2p_group, dropout_p, document_start=None):
     a, p = dist.get_world_size(a2a_group), dist.get_world_size(p2p_group)
     cp = a * p
     # [b, heads, 2c, d] -> [b, heads / a, 2a * c, d]: this rank's heads for the chunks of
@@ -279,7 +310,8 @@ def _hierarchical_attention(q, k, v, a2a_group, p2p_group, dropout_p):
     kv_group = _AllToAll.apply(torch.stack([k, v]), a2a_group, 2, 3)
     ring_chunks = tuple(tuple(chunk for i in range(a) for chunk in context_parallel_chunks(cp, o * a + i))
                         for o in range(p))
-    context = _RingAttention.apply(q_group, kv_group[0], kv_group[1], p2p_group, ring_chunks, dropout_p)
+    starts = None if document_start is None else _gather_tokens(document_start, a2a_group)
+    context = _RingAttention.apply(q_group, kv_group[0], kv_group[1], p2p_group, ring_chunks, dropout_p, starts)
     return _AllToAll.apply(context, a2a_group, 2, 1)
 
 
@@ -314,12 +346,22 @@ class _Ring:
 _KV_TAG, _DKV_TAG = 1, 2  # the two exchanges may be in flight to the same peer at once
 
 
-def _chunk_pairs(q_chunks: Tuple[int, ...], k_chunks: Tuple[int, ...]):
+def _chunk_pairs(q_chunks: Tuple[int, ...], k_chunks: Tuple[int, ...], earliest: Optional[List[int]] = None,
+                 c: int = 0):
     """(query chunk i, key chunk j, causal?) of the local chunks (global chunk indices
     ``q_chunks``) and a K/V block's (``k_chunks``) that the causal mask does not hide
     entirely. Chunk pairs with a later key chunk are skipped; a chunk with itself needs
-    the triangular mask."""
-    return [(i, j, qc == kc) for i, qc in enumerate(q_chunks) for j, kc in enumerate(k_chunks) if qc >= kc]
+    the triangular mask. With packed documents (``earliest``: per local query chunk the
+    earliest document start of its queries; ``c`` tokens per chunk) so are key chunks
+    that end before every query's document begins."""
+    return [(i, j, qc == kc) for i, qc in enumerate(q_chunks) for j, kc in enumerate(k_chunks)
+            if qc >= kc and (earliest is None or earliest[i] < (kc + 1) * c)]
+
+
+def _earliest_starts(starts) -> Optional[List[int]]:
+    """Per local query chunk, the earliest document start of its queries (whole batch),
+    read on the host once per forward / backward: which key chunks no query can see."""
+    return None if starts is None else [int(chunk.min()) for chunk in starts]
 
 
 def _dropout_keep(seed: int, step: int, i: int, j: int, n: int, shape, p: float, device) -> Optional[torch.Tensor]:
@@ -333,12 +375,30 @@ def _dropout_keep(seed: int, step: int, i: int, j: int, n: int, shape, p: float,
     return torch.rand(shape, generator=generator, device=device) >= p
 
 
-def _scores(q, k, scale, causal):
-    """q [b, G, P, c, d] against k [b, G, c', d] -> [b, G, P, c, c'] (no GQA expansion)."""
+def _hidden(starts, i, q_chunk, k_chunk, c, causal, device) -> Optional[torch.Tensor]:
+    """The keys of block (query chunk ``q_chunk``, key chunk ``k_chunk``, global indices)
+    that its queries may not see, broadcastable to the scores [b, G, P, c, c]: the
+    triangle on the diagonal; with packed documents (``starts``: the local query chunks'
+    document starts) also the keys of earlier documents. None where nothing is hidden."""
+    if starts is None:
+        return torch.ones(c, c, dtype=torch.bool, device=device).triu(1) if causal else None
+    q_pos = torch.arange(q_chunk * c, (q_chunk + 1) * c, device=device)
+    k_pos = torch.arange(k_chunk * c, (k_chunk + 1) * c, device=device)
+    return ~document_allowed(starts[i], q_pos, k_pos)[:, None, None]
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (a query row whose keys are all hidden in a block: packed
+    documents) replaced by 0, to subtract safely: exp(-inf - 0) = 0."""
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def _scores(q, k, scale, hidden):
+    """q [b, G, P, c, d] against k [b, G, c', d] -> [b, G, P, c, c'] (no GQA expansion),
+    -inf where ``hidden``."""
     b, g, p, c, d = q.shape
     scores = (q.reshape(b, g, p * c, d) @ k.transpose(-1, -2)).view(b, g, p, c, k.shape[-2]) * scale
-    if causal:
-        hidden = torch.ones(c, k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+    if hidden is not None:
         scores = scores.masked_fill(hidden, float("-inf"))
     return scores
 
@@ -355,10 +415,12 @@ class _RingAttention(torch.autograd.Function):
     chunks of an a2a group for "a2a+p2p". Internally in at least fp32, with the queries as
     [b, G, P, s, d] so that GQA never expands K/V, and per local query chunk a running
     output and log-sum-exp. Merging a block (o, l) into (O, L): L' = logaddexp(L, l),
-    O' = O * exp(L - L') + o * exp(l - L')."""
+    O' = O * exp(L - L') + o * exp(l - L'). With packed documents (``document_start``,
+    the held queries') a block may hide all keys of a query (l = -inf, o = 0); every
+    query sees itself, so its final L is finite."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, ring_chunks, dropout_p):
+    def forward(ctx, q, k, v, group, ring_chunks, dropout_p, document_start=None):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         b, heads, s, d = q.shape
         n = len(ring_chunks[rank])
@@ -368,6 +430,8 @@ class _RingAttention(torch.autograd.Function):
         acc = _accumulation_dtype(q)
         q5 = q.to(acc).reshape(b, groups, heads // groups, s, d)
         qs = q5.split(c, dim=3)
+        starts = None if document_start is None else document_start.split(c, dim=1)
+        earliest = _earliest_starts(starts)
         kv = torch.stack([k, v]).to(acc).contiguous()
         ring = _Ring(group)
         out: List[Optional[torch.Tensor]] = [None] * n
@@ -377,10 +441,11 @@ class _RingAttention(torch.autograd.Function):
             posted = ring.exchange(kv, _KV_TAG) if step + 1 < cp else None
             src = (rank - step) % cp
             ks, vs = kv[0].split(c, dim=2), kv[1].split(c, dim=2)
-            for i, j, causal in _chunk_pairs(ring_chunks[rank], ring_chunks[src]):
-                scores = _scores(qs[i], ks[j], scale, causal)
+            for i, j, causal in _chunk_pairs(ring_chunks[rank], ring_chunks[src], earliest, c):
+                hidden = _hidden(starts, i, ring_chunks[rank][i], ring_chunks[src][j], c, causal, q.device)
+                scores = _scores(qs[i], ks[j], scale, hidden)
                 block_lse = scores.logsumexp(dim=-1)
-                probs = torch.exp(scores - block_lse.unsqueeze(-1))
+                probs = torch.exp(scores - _finite(block_lse).unsqueeze(-1))
                 keep = _dropout_keep(seed, step, i, j, n, probs.shape, dropout_p, q.device)
                 if keep is not None:
                     probs = probs * keep / (1 - dropout_p)
@@ -389,20 +454,21 @@ class _RingAttention(torch.autograd.Function):
                     out[i], lse[i] = block_out, block_lse
                 else:
                     merged = torch.logaddexp(lse[i], block_lse)
-                    out[i] = out[i] * torch.exp(lse[i] - merged).unsqueeze(-1) + \
-                        block_out * torch.exp(block_lse - merged).unsqueeze(-1)
+                    shift = _finite(merged)
+                    out[i] = out[i] * torch.exp(lse[i] - shift).unsqueeze(-1) + \
+                        block_out * torch.exp(block_lse - shift).unsqueeze(-1)
                     lse[i] = merged
             if posted is not None:
                 kv = _Ring.wait(posted)
         # Every query chunk saw at least its own chunk (the diagonal block), so none is None.
         out_all, lse_all = torch.cat(out, dim=3), torch.cat(lse, dim=3)
-        ctx.save_for_backward(q, k, v, out_all, lse_all)
+        ctx.save_for_backward(q, k, v, out_all, lse_all, document_start)
         ctx.group, ctx.ring_chunks, ctx.dropout_p, ctx.seed = group, ring_chunks, dropout_p, seed
         return out_all.reshape(b, heads, s, d).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, document_start = ctx.saved_tensors
         group, ring_chunks, dropout_p, seed = ctx.group, ctx.ring_chunks, ctx.dropout_p, ctx.seed
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         b, heads, s, d = q.shape
@@ -416,6 +482,8 @@ class _RingAttention(torch.autograd.Function):
         # without dropout), known here from the merged output.
         delta = (dout * out).sum(dim=-1)
         qs, douts = q5.split(c, dim=3), dout.split(c, dim=3)
+        starts = None if document_start is None else document_start.split(c, dim=1)
+        earliest = _earliest_starts(starts)
         lses, deltas = lse.split(c, dim=3), delta.split(c, dim=3)
         dq = torch.zeros_like(q5)
         dqs = dq.split(c, dim=3)  # views: accumulating into them fills dq
@@ -428,8 +496,9 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = kv[0].split(c, dim=2), kv[1].split(c, dim=2)
             dkv = torch.zeros_like(kv)  # this rank's share of the held block's dK, dV
             dks, dvs = dkv[0].split(c, dim=2), dkv[1].split(c, dim=2)
-            for i, j, causal in _chunk_pairs(ring_chunks[rank], ring_chunks[src]):
-                scores = _scores(qs[i], ks[j], scale, causal)
+            for i, j, causal in _chunk_pairs(ring_chunks[rank], ring_chunks[src], earliest, c):
+                hidden = _hidden(starts, i, ring_chunks[rank][i], ring_chunks[src][j], c, causal, q.device)
+                scores = _scores(qs[i], ks[j], scale, hidden)
                 probs = torch.exp(scores - lses[i].unsqueeze(-1))  # the final softmax (masked -> 0)
                 dprobs = _weighted_t(douts[i], vs[j])
                 keep = _dropout_keep(seed, step, i, j, n, probs.shape, dropout_p, q.device)
@@ -452,7 +521,7 @@ class _RingAttention(torch.autograd.Function):
         if dkv_posted is not None:
             dkv = _Ring.wait(dkv_posted)
         dq = dq.reshape(b, heads, s, d).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:

@@ -56,6 +56,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from .attention import SelfAttention
+from .document_mask import sdpa_mask_and_causal
 from .layers import build_linear, build_parallel_linear, output_init_std
 from .norms import build_norm
 from .recompute import recomputes
@@ -159,11 +160,7 @@ class MLASelfAttention(SelfAttention):
         q, k, v = self.query_key_value(hidden_states, rotary_pos_emb)
         b, s = q.shape[:2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
-        if attention_mask is None:
-            attn_mask, is_causal = None, True
-        else:
-            causal = torch.ones(s, s, dtype=torch.bool, device=hidden_states.device).tril()
-            attn_mask, is_causal = causal & ~attention_mask.to(torch.bool), False
+        attn_mask, is_causal = sdpa_mask_and_causal(attention_mask, s, hidden_states.device)
         # SDPA's default scale is 1 / sqrt(q's last dim) = 1 / sqrt(d_n + d_r), upstream's softmax_scale.
         if recomputes(self.config, "core_attn") and self.training and torch.is_grad_enabled():
             context = checkpoint(self.core_attention, q, k, v, attn_mask, is_causal, use_reentrant=False)

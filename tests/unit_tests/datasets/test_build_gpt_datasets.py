@@ -80,6 +80,10 @@ def test_eod_mask_loss_is_passed_through(write_dataset):
     assert any((train[i]["loss_mask"] == 0).any() for i in range(len(train)))
     with pytest.raises(ValueError, match="eod_token"):
         build_gpt_datasets([prefix], "1", [10, 0, 0], 4, 0, None, eod_mask_loss=True)
+    train, _, _ = build_gpt_datasets([prefix], "1", [10, 0, 0], 4, 0, None, eod_token=0, reset_position_ids=True,
+                                     reset_attention_mask=True)
+    assert all("document_start" in train[i] for i in range(len(train)))
+    assert any(train[i]["position_ids"][-1] < 3 for i in range(len(train)))
 
 
 def test_errors(tmp_path, write_dataset):

@@ -135,6 +135,29 @@ def test_eod_mask_loss(write_dataset):
     assert masked_somewhere
 
 
+def test_reset_position_ids_and_attention_mask(write_dataset):
+    """Positions restart after each EOD; document_start is each token's document's first
+    position in the sample (the window may begin inside a document: its start is 0)."""
+    eod = 99
+    prefix = write_dataset([[1, 2, 3, eod], [4, 5, eod], [6, 7, 8, 9, eod]])
+    ds = GPTDataset(IndexedDataset(prefix), np.arange(3), 5, 6, seed=0, cache_dir=None, name="train",
+                    eod_token=eod, reset_position_ids=True, reset_attention_mask=True)
+    for i in range(len(ds)):
+        sample = ds[i]
+        tokens, expected_start = sample["tokens"], []
+        for j in range(len(tokens)):
+            previous_eods = [k for k in range(j) if tokens[k] == eod]
+            expected_start.append(previous_eods[-1] + 1 if previous_eods else 0)
+        np.testing.assert_array_equal(sample["document_start"], expected_start)
+        np.testing.assert_array_equal(sample["position_ids"], np.arange(len(tokens)) - np.array(expected_start))
+    positions_only = GPTDataset(IndexedDataset(prefix), np.arange(3), 5, 6, seed=0, cache_dir=None, name="train",
+                                eod_token=eod, reset_position_ids=True)
+    assert "document_start" not in positions_only[0]
+    with pytest.raises(ValueError, match="need eod_token"):
+        GPTDataset(IndexedDataset(prefix), np.arange(3), 5, 6, seed=0, cache_dir=None, name="train",
+                   reset_attention_mask=True)
+
+
 def test_cache_is_reused_and_keyed(tmp_path, labelled_dataset):
     cache = tmp_path / "cache"
     first = GPTDataset(labelled_dataset, np.arange(12), 30, 5, seed=1, cache_dir=str(cache), name="train")

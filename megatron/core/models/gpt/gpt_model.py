@@ -202,7 +202,8 @@ class GPTModel(nn.Module):
         read only by multi-token prediction (its losses are masked and averaged inside).
 
         attention_mask (optional) is Megatron's: bool, True where attention is NOT allowed,
-        broadcastable to [b, heads, s, s]; it is combined with the causal mask.
+        broadcastable to [b, heads, s, s]; it is combined with the causal mask. Or, for
+        packed documents, a ``DocumentMask`` (transformer/document_mask.py; also under CP).
         """
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(
