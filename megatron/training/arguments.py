@@ -26,6 +26,8 @@ from megatron.training.mla_arguments import add_mla_args, validate_mla_args
 from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist_muon, validate_muon_args
 from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_without_mfsdp, validate_moe_args
 from megatron.training.resilience_arguments import add_resilience_args, validate_resilience_args
+from megatron.training.fault_tolerance_arguments import (add_fault_tolerance_args, replica_groups,
+                                                         validate_fault_tolerance_args)
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 from megatron.training.recipe_arguments import add_recipe_args, validate_recipe_args
 
@@ -212,6 +214,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     add_context_parallel_args(parser)
     add_recipe_args(parser)
     add_resilience_args(parser)
+    add_fault_tolerance_args(parser)
     add_megatron_compat_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
@@ -312,6 +315,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_model_shape(args, cuda_available)
     _validate_precision(args)
     _validate_data_parallel(args, world_size, cuda_available)
+    validate_fault_tolerance_args(args)  # before the batch: each of G replica groups takes 1/G
     _validate_batch(args)
     _validate_schedule(args)
     _validate_data(args)
@@ -485,13 +489,16 @@ def _validate_batch(args: argparse.Namespace) -> None:
     _require(args, "micro_batch_size")
     validate_step_schedule_batch(args)
     _positive(args, "micro_batch_size", "global_batch_size")
-    per_step = args.micro_batch_size * args.data_parallel_size
+    # With the ft flags the global batch spans all G replica groups (each its own job).
+    per_step = args.micro_batch_size * args.data_parallel_size * replica_groups(args)
     if args.global_batch_size is None:
         args.global_batch_size = per_step
     if args.global_batch_size % per_step != 0:
         raise ValueError(
             f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
-            f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {per_step}; "
+            f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})"
+            + (f" x --ft-num-replica-groups ({replica_groups(args)})" if replica_groups(args) > 1 else "")
+            + f" = {per_step}; "
             f"use a multiple of {per_step} such as {max(1, round(args.global_batch_size / per_step)) * per_step}."
         )
     args.num_microbatches = args.global_batch_size // per_step
