@@ -10,7 +10,8 @@ _TORCH = os.environ.get("MEGATRON_TORCH", "torch==2.13.0")
 # only these. Extras come on demand (scripts/setup_env.sh: MEGATRON_EXTRAS=test,...).
 _HF = ["safetensors", "transformers"]  # checkpoint conversion, slow (non tokenizer.json) tokenizers
 _LOGGING = ["tensorboard", "wandb"]  # --tensorboard-dir, --wandb-project
-_TEST = ["pytest", "pytest-timeout", "psutil", "sentencepiece"] + _HF + _LOGGING
+_FT = ["torchft==0.2.0"]  # --ft-* (fault-tolerant HSDP over replica groups; its lighthouse too)
+_TEST = ["pytest", "pytest-timeout", "psutil", "sentencepiece"] + _HF + _LOGGING + _FT
 _BENCH = ["matplotlib", "psutil"]
 
 setup(
@@ -26,6 +27,7 @@ setup(
     extras_require={
         "hf": _HF,
         "logging": _LOGGING,
+        "ft": _FT,
         "test": _TEST,
         "bench": _BENCH,
         "dev": sorted(set(_TEST + _BENCH)),
