@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from megatron.core.distributed.mfsdp_v2.checkpoint.load import sync_compute_weights
 from megatron.core.distributed.weight_hash import local_weight_hashes
 from megatron.training.log_utils import print_rank_0
+from megatron.training.user_errors import UserError
 
 # torchft's own timeouts (collectives, should_commit, transfers; the quorum) when its
 # TORCHFT_TIMEOUT_SEC / TORCHFT_QUORUM_TIMEOUT_SEC are not set.
@@ -83,6 +85,8 @@ class FaultTolerance:
         self.args = args
         self.group_id, self.groups = args.ft_replica_group_id, args.ft_num_replica_groups
         timeout = _env_timeout("TORCHFT_TIMEOUT_SEC", DEFAULT_TIMEOUT)
+        self.quorum_timeout = _env_timeout("TORCHFT_QUORUM_TIMEOUT_SEC", DEFAULT_QUORUM_TIMEOUT)
+        self.min_groups = args.ft_min_replica_groups
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=None, state_dict=None,  # registered by attach()
@@ -90,7 +94,7 @@ class FaultTolerance:
             use_async_quorum=False,  # quorum and recovery at the step boundary, never during the forward
             init_sync=False,  # every group draws the same initial weights (seeded by name)
             timeout=timeout,
-            quorum_timeout=_env_timeout("TORCHFT_QUORUM_TIMEOUT_SEC", DEFAULT_QUORUM_TIMEOUT),
+            quorum_timeout=self.quorum_timeout,
             replica_id=f"megatron_ft_{self.group_id}",  # torchft reads the trailing digits as the group's index
             lighthouse_addr=args.ft_lighthouse,
             rank=dist.get_rank(), world_size=dist.get_world_size(),
@@ -115,10 +119,31 @@ class FaultTolerance:
     # The step ----------------------------------------------------------------------------
     def start_step(self) -> bool:
         """Join this step's quorum (blocking). Returns True when this group was just
-        recovered from a peer (its counters and data position changed)."""
+        recovered from a peer (its counters and data position changed). Fewer live groups
+        than --ft-min-replica-groups: wait for more, up to the quorum timeout, then a
+        ``UserError`` (one line), rather than run steps that cannot commit."""
         self._recovered = False
-        self.manager.start_quorum()
-        participants = self.manager.num_participants()
+        deadline, waiting = time.monotonic() + self.quorum_timeout.total_seconds(), False
+        while True:
+            try:
+                self.manager.start_quorum()
+                participants = self.manager.num_participants()
+            except Exception as error:  # torchft's quorum RPC: a timeout, a lost lighthouse
+                raise UserError(f"torchft quorum (lighthouse {self.args.ft_lighthouse}): "
+                                f"{str(error).splitlines()[0][:200]}; is the lighthouse up, and were "
+                                "the other replica groups started?") from error
+            if participants >= self.min_groups:
+                break
+            if time.monotonic() > deadline:
+                raise UserError(f"only {participants} of the {self.min_groups} replica groups that "
+                                f"--ft-min-replica-groups asks for joined within {self.quorum_timeout.total_seconds():.0f} s "
+                                "(TORCHFT_QUORUM_TIMEOUT_SEC); restart the missing groups or lower "
+                                "--ft-min-replica-groups.")
+            if not waiting:
+                print_rank_0(f"ft: group {self.group_id}: quorum {participants} of {self.groups}, below "
+                             f"--ft-min-replica-groups {self.min_groups}: waiting for more groups")
+                waiting = True
+            time.sleep(1.0)
         if participants != self._participants:
             print_rank_0(f"ft: group {self.group_id}: quorum {participants} of {self.groups} at step "
                          f"{self.manager.current_step()} ({self.manager.batches_committed() * self.group_batch}"

@@ -6,6 +6,7 @@ replica groups, each its own torchrun of pretrain_gpt.py (--ft-* flags, gloo, CP
 * A rank of group 1 is SIGKILLed mid-run: group 0 trains on alone (quorum 1 of 2, no
   restart), the restarted group 1 recovers group 0's live state and both print the same
   weight hashes from then on.
+* --ft-min-replica-groups 2 with one group: it waits, then stops with one line.
 * No lighthouse listening: one line at parse time.
 
 Every process is started in its own session and killed in ``finally``.
@@ -42,11 +43,11 @@ class _Jobs:
     def __init__(self, tmp_path):
         self.tmp_path, self.procs = tmp_path, []
 
-    def start(self, name, args, nproc):
+    def start(self, name, args, nproc, env=None):
         log = open(self.tmp_path / f"{name}.log", "w")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "pretrain_gpt.py", *args]
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(FT_ENV), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env({**FT_ENV, **(env or {})}), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         proc.log_path = self.tmp_path / f"{name}.log"
         self.procs.append(proc)
@@ -187,6 +188,25 @@ def test_killed_group_rejoins_with_live_weights(tmp_path, lighthouse):
         print("  group 0 |", line)
     for line in re.findall(r"^ft: group 1: .*$", log1b, re.M):
         print("  group 1 |", line)
+
+
+def test_too_few_groups_wait_then_stop_with_one_line(tmp_path, lighthouse):
+    """--ft-min-replica-groups 2 with one group up: it waits (bounded by the quorum timeout)
+    instead of training alone, then stops with one line."""
+    address = lighthouse(min_replicas=1)  # the lighthouse would let one group train
+    jobs = _Jobs(tmp_path)
+    try:
+        alone = jobs.start("alone", MODEL_ARGS + ["--use-mfsdp"] + _ft_flags(0, address, min_groups=2), nproc=1,
+                           env={"TORCHFT_QUORUM_TIMEOUT_SEC": "4"})  # how long it waits for a second group
+        alone.wait(timeout=240)
+    finally:
+        jobs.close()
+    out = _text(alone)
+    assert alone.returncode != 0
+    assert "ft: group 0: quorum 1 of 2, below --ft-min-replica-groups 2: waiting for more groups" in out
+    errors = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == 1 and "only 1 of the 2 replica groups" in errors[0], out[-3000:]
+    assert "iteration        1/" not in out  # no step was trained alone
 
 
 def test_unreachable_lighthouse_is_one_line():
