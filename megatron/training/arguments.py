@@ -315,7 +315,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_model_shape(args, cuda_available)
     _validate_precision(args)
     _validate_data_parallel(args, world_size, cuda_available)
-    validate_fault_tolerance_args(args)  # before the batch: each of G replica groups takes 1/G
+    validate_fault_tolerance_args(args, _note)  # before the batch: each of G replica groups takes 1/G
     _validate_batch(args)
     _validate_schedule(args)
     _validate_data(args)

@@ -42,8 +42,9 @@ def replica_groups(args: argparse.Namespace) -> int:
     return args.ft_num_replica_groups if fault_tolerance_enabled(args) else 1
 
 
-def validate_fault_tolerance_args(args: argparse.Namespace) -> None:
-    """Parse-time checks (run before the batch arithmetic, which reads G)."""
+def validate_fault_tolerance_args(args: argparse.Namespace, note=print) -> None:
+    """Parse-time checks (run before the batch arithmetic, which reads G). ``note`` prints
+    one line (the parser's rank-0 note)."""
     if not fault_tolerance_enabled(args):
         if args.ft_lighthouse is not None or args.ft_min_replica_groups != 1:
             raise ValueError("--ft-lighthouse / --ft-min-replica-groups need --ft-replica-group-id and "
@@ -74,6 +75,13 @@ def validate_fault_tolerance_args(args: argparse.Namespace) -> None:
         if bad:
             raise ValueError(f"{flag} cannot be combined with the ft flags ({why}); run pure data parallel "
                              "(MFSDP, any --data-parallel-sharding-strategy) inside each replica group.")
+    # Every group is its own job with the same command line: each keeps its checkpoints in a
+    # directory of its own, or two groups would write the same files.
+    for flag in ("save", "load"):
+        path = getattr(args, flag, None)
+        if path:
+            setattr(args, flag, os.path.join(path, f"replica_group_{r}"))
+            note(f"--{flag} {path}: replica group {r} uses {getattr(args, flag)} (one directory per group).")
     url = args.ft_lighthouse or os.environ.get(LIGHTHOUSE_ENV)
     if not url:
         raise ValueError(f"no torchft lighthouse: pass --ft-lighthouse http://HOST:PORT or set ${LIGHTHOUSE_ENV} "

@@ -74,3 +74,9 @@ def test_needs_a_lighthouse(monkeypatch):
         parse("--ft-replica-group-id 0 --ft-num-replica-groups 2")
     with pytest.raises(ValueError, match="is not reachable"):
         parse("--ft-replica-group-id 0 --ft-num-replica-groups 2 --ft-lighthouse http://127.0.0.1:9")
+
+
+def test_each_group_checkpoints_in_its_own_directory(listening, tmp_path):
+    args = parse(f"--ft-replica-group-id 1 --ft-num-replica-groups 2 --ft-lighthouse {listening} "
+                 f"--save {tmp_path} --load {tmp_path}")
+    assert args.save == args.load == str(tmp_path / "replica_group_1")
