@@ -135,8 +135,9 @@ class FaultTolerance:
             if participants >= self.min_groups:
                 break
             if time.monotonic() > deadline:
+                waited = self.quorum_timeout.total_seconds()
                 raise UserError(f"only {participants} of the {self.min_groups} replica groups that "
-                                f"--ft-min-replica-groups asks for joined within {self.quorum_timeout.total_seconds():.0f} s "
+                                f"--ft-min-replica-groups asks for joined within {waited:.0f} s "
                                 "(TORCHFT_QUORUM_TIMEOUT_SEC); restart the missing groups or lower "
                                 "--ft-min-replica-groups.")
             if not waiting:

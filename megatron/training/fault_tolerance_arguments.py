@@ -34,7 +34,8 @@ def add_fault_tolerance_args(parser: argparse.ArgumentParser) -> None:
 
 
 def fault_tolerance_enabled(args: argparse.Namespace) -> bool:
-    return getattr(args, "ft_replica_group_id", None) is not None or getattr(args, "ft_num_replica_groups", None) is not None
+    return (getattr(args, "ft_replica_group_id", None) is not None
+            or getattr(args, "ft_num_replica_groups", None) is not None)
 
 
 def replica_groups(args: argparse.Namespace) -> int:

@@ -47,8 +47,8 @@ class _Jobs:
         log = open(self.tmp_path / f"{name}.log", "w")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "pretrain_gpt.py", *args]
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env({**FT_ENV, **(env or {})}), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env({**FT_ENV, **(env or {})}), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         proc.log_path = self.tmp_path / f"{name}.log"
         self.procs.append(proc)
         return proc
@@ -154,12 +154,13 @@ def test_killed_group_rejoins_with_live_weights(tmp_path, lighthouse):
         workers = [p for p in psutil.Process(group1.pid).children(recursive=True) if "pretrain_gpt.py" in
                    " ".join(p.cmdline())]
         assert len(workers) == KILL_TEST_RANKS, workers
-        killed_after = max(_hashes(group0))
+        killed_after, mark = max(_hashes(group0)), len(_text(group0))
         workers[-1].send_signal(signal.SIGKILL)
         group1.wait(timeout=90)  # torchrun tears the rest of group 1 down and exits
-        alone = lambda: "quorum 1 of 2" in _text(group0)  # noqa: E731
+        alone = lambda: "quorum 1 of 2" in _text(group0)[mark:]  # noqa: E731
         _wait_for("group 0 to go on alone", alone, 90, [group0])
-        alone_steps = lambda: [s for s, (q, _) in _hashes(group0).items() if q == 1]  # noqa: E731
+        alone_steps = lambda: [s for s, (q, _) in _hashes(group0).items()  # noqa: E731
+                               if q == 1 and s > killed_after]
         _wait_for("group 0 to train alone", lambda: len(alone_steps()) >= 2, 60, [group0])
 
         group1b = jobs.start("group1-restarted", flags(1, "g1b"), nproc=KILL_TEST_RANKS)
