@@ -31,7 +31,7 @@ torchft_lighthouse --bind "[::]:$PORT" --min_replicas "$MIN_GROUPS" --join_timeo
     --heartbeat_timeout_ms 2000 >"$OUT/lighthouse.log" 2>&1 &
 lighthouse=$!
 pids=()
-cleanup() { kill "${pids[@]}" "$lighthouse" 2>/dev/null || true; }
+cleanup() { kill "${pids[@]}" "$lighthouse" 2>/dev/null || true; pkill -P $$ 2>/dev/null || true; }
 trap cleanup EXIT
 for _ in $(seq 50); do (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && break; sleep 0.2; done
 
@@ -52,7 +52,12 @@ for g in $(seq 0 $((NUM_GROUPS - 1))); do
     echo "group $g: torchrun pid $!, log $OUT/group$g.log; restart it with:"
     echo "  TORCHFT_LIGHTHOUSE=$TORCHFT_LIGHTHOUSE $(group_command "$g") >>$OUT/group$g.log 2>&1 &"
 done
-echo "following the ft lines (Ctrl-C stops everything):"
-tail -n +1 -F "$OUT"/group*.log 2>/dev/null | grep --line-buffered "^ft:" &
-pids+=($!)
-wait "${pids[@]:0:$NUM_GROUPS}" || true
+echo "following the ft lines (Ctrl-C stops everything; restart commands run from $(pwd)):"
+followers=()
+for g in $(seq 0 $((NUM_GROUPS - 1))); do
+    tail -n +1 -F "$OUT/group$g.log" 2>/dev/null | grep --line-buffered "^ft:" | sed -u "s/^/[group $g] /" &
+    followers+=($!)
+done
+wait "${pids[@]}" || true
+sleep 1  # let the followers print the last lines
+kill "${followers[@]}" 2>/dev/null || true
