@@ -13,7 +13,8 @@ _TORCH = os.environ.get("MEGATRON_TORCH", "torch==2.13.0")
 _HF = ["safetensors", "transformers", "sentencepiece", "protobuf"]
 _LOGGING = ["tensorboard", "wandb"]  # --tensorboard-dir, --wandb-project
 _TIKTOKEN = ["tiktoken"]  # --tokenizer-type TikTokenizer
-_TEST = ["pytest", "pytest-timeout", "psutil"] + _TIKTOKEN + _HF + _LOGGING
+_FT = ["torchft==0.2.0"]  # --ft-* (fault-tolerant HSDP over replica groups; its lighthouse too)
+_TEST = ["pytest", "pytest-timeout", "psutil"] + _TIKTOKEN + _HF + _LOGGING + _FT
 _BENCH = ["matplotlib", "psutil"]
 
 setup(
@@ -30,6 +31,7 @@ setup(
         "hf": _HF,
         "logging": _LOGGING,
         "tiktoken": _TIKTOKEN,
+        "ft": _FT,
         "test": _TEST,
         "bench": _BENCH,
         "dev": sorted(set(_TEST + _BENCH)),

@@ -1,7 +1,8 @@
 # Source this file: creates ./.venv on first use (or reuses it) and installs the project
 # with what training needs (torch pinned to the CPU wheel through constraints.txt).
 # Extras on demand: MEGATRON_EXTRAS=test (what the tests import), hf (checkpoint
-# conversion), logging (TensorBoard, W&B), bench, dev (all), comma-separated:
+# conversion), logging (TensorBoard, W&B), ft (torchft: --ft-* fault tolerance), bench,
+# dev (all), comma-separated:
 #   MEGATRON_EXTRAS=hf,logging source scripts/setup_env.sh
 # Set MEGATRON_VENV to use another location, and MEGATRON_TORCH to install another torch
 # there instead of the pinned CPU wheel (constraints.txt is then not applied), e.g.

@@ -31,6 +31,8 @@ from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist
 from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_without_mfsdp, validate_moe_args
 from megatron.training.resilience_arguments import add_resilience_args, validate_resilience_args
 from megatron.training.torch_fsdp2_arguments import add_torch_fsdp2_args, validate_torch_fsdp2_args
+from megatron.training.fault_tolerance_arguments import (add_fault_tolerance_args, replica_groups,
+                                                         validate_fault_tolerance_args)
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 from megatron.training.recipe_arguments import add_recipe_args, validate_recipe_args
 from megatron.core.tokenizer.factory import TOKENIZER_TYPES
@@ -220,6 +222,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     add_recipe_args(parser)
     add_resilience_args(parser)
     add_launch_script_args(parser)
+    add_fault_tolerance_args(parser)
     add_megatron_compat_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
@@ -321,6 +324,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_model_shape(args, cuda_available)
     _validate_precision(args)
     _validate_data_parallel(args, world_size, cuda_available)
+    validate_fault_tolerance_args(args, _note)  # before the batch: each of G replica groups takes 1/G
     _validate_batch(args)
     _validate_schedule(args)
     _validate_data(args)
@@ -499,13 +503,16 @@ def _validate_batch(args: argparse.Namespace) -> None:
     _require(args, "micro_batch_size")
     validate_step_schedule_batch(args)
     _positive(args, "micro_batch_size", "global_batch_size")
-    per_step = args.micro_batch_size * args.data_parallel_size
+    # With the ft flags the global batch spans all G replica groups (each its own job).
+    per_step = args.micro_batch_size * args.data_parallel_size * replica_groups(args)
     if args.global_batch_size is None:
         args.global_batch_size = per_step
     if args.global_batch_size % per_step != 0:
         raise ValueError(
             f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
-            f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {per_step}; "
+            f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})"
+            + (f" x --ft-num-replica-groups ({replica_groups(args)})" if replica_groups(args) > 1 else "")
+            + f" = {per_step}; "
             f"use a multiple of {per_step} such as {max(1, round(args.global_batch_size / per_step)) * per_step}."
         )
     args.num_microbatches = args.global_batch_size // per_step

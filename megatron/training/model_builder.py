@@ -164,12 +164,14 @@ def pipeline_chunk_kwargs(args) -> List[dict]:
             for v in range(vp)]
 
 
-def build_model(model_provider: Callable, args, device: torch.device) -> BuiltModel:
+def build_model(model_provider: Callable, args, device: torch.device, replica_reducer=None) -> BuiltModel:
     """Build, initialize (seeded per parameter name, see ``initialization.py``) and wrap.
 
     With ``--use-mfsdp`` (or ``--use-torch-fsdp2``) and ``--init-model-with-meta-device`` (the default) the parameters
     are created on ``meta``, wrapped, then materialized one unit at a time straight into
-    this rank's shards: no rank holds more than its shards plus one unit gathered."""
+    this rank's shards: no rank holds more than its shards plus one unit gathered.
+    ``replica_reducer``: the outer replica reduction of a fault-tolerant job
+    (``fault_tolerance.py``), given to the engine's context."""
     use_torch_fsdp2 = getattr(args, "use_torch_fsdp2", False)
     meta = bool((args.use_mfsdp or use_torch_fsdp2) and getattr(args, "init_model_with_meta_device", False))
     chunks = []
@@ -194,7 +196,8 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
         placements = build_placements(args)
         policy = build_mixed_precision_policy(args)
         with fully_shard_context(
-            device=device, unify_communication_stream=args.mfsdp_unify_communication_stream
+            device=device, unify_communication_stream=args.mfsdp_unify_communication_stream,
+            replica_reducer=replica_reducer,
         ) as context:
             # Children first: each layer is its own unit (its experts one before it); the
             # root then owns the rest. Every chunk is a root of this one context.

@@ -45,6 +45,7 @@ from megatron.training.checkpointing import (
 from megatron.training.data import DeviceIterator, build_pretraining_data_loader
 from megatron.training.initialize import initialize_distributed, set_deterministic_mode, set_random_seed
 from megatron.training.evaluation import Evaluator
+from megatron.training.fault_tolerance_arguments import fault_tolerance_enabled
 from megatron.training.log_utils import MetricsWriter, jsonable_config, print_rank_0
 from megatron.training.loss_reports import mean_loss, reduce_reports
 from megatron.training.profiling import StepProfiler
@@ -108,6 +109,7 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
         install_exit_signal_handler(signal.Signals[args.exit_signal])
     writer = MetricsWriter()
     finished = False
+    ft = None  # the fault-tolerance side (fault_tolerance.py) with the ft flags
     try:
         set_random_seed(args.seed)
         rank = dist.get_rank()
@@ -118,7 +120,12 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
             f"> tokenizer {args.tokenizer_type}: vocab size {tokenizer.vocab_size} padded to {args.padded_vocab_size}"
         )
 
-        built = build_model(model_provider, args, device)
+        if fault_tolerance_enabled(args):
+            from megatron.training.fault_tolerance import FaultTolerance  # imports torchft, an optional extra
+
+            with user_errors("torchft"):
+                ft = FaultTolerance(args)
+        built = build_model(model_provider, args, device, replica_reducer=ft.reducer if ft else None)
         optimizer, scheduler = build_optimizer(args, built)
         # Saved and loaded with the optimizer state (checkpointing.py reads this attribute).
         optimizer.grad_scaler = _build_grad_scaler(args)
@@ -178,19 +185,29 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
 
         trainer = _Trainer(args, built, optimizer, scheduler, forward_step_func, device, writer,
                            start_time=_earliest(start_time))
-        train_iter = None
-        if train_ds is not None and iteration < args.train_iters:
+        # A fault-tolerant group's data-parallel ranks are ranks R x dp .. of G x dp (fault_tolerance.py).
+        groups, group_id = (args.ft_num_replica_groups, args.ft_replica_group_id) if ft else (1, 0)
+        dp_rank, dp_size = group_id * parallel.dp_size + parallel.dp_rank, groups * parallel.dp_size
+
+        def make_train_iter(consumed_samples: int):
             # Every TP, PP and CP rank of a data-parallel rank reads the same samples; each
             # CP rank keeps its tokens of them.
             loader = build_pretraining_data_loader(
-                train_ds, consumed, args.micro_batch_size, parallel.dp_rank, parallel.dp_size, args.num_workers,
+                train_ds, consumed_samples, args.micro_batch_size, dp_rank, dp_size, args.num_workers,
                 pin_memory=device.type == "cuda",
             )
             # Starting the iterator draws a seed from the torch RNG; keep it out of the RNG
             # stream of the training steps, so that a resumed run (RNG from the checkpoint)
             # continues exactly like an uninterrupted one.
             with torch.random.fork_rng(devices=[]):
-                train_iter = DeviceIterator(loader, device, parallel.cp_size, parallel.cp_rank)
+                return DeviceIterator(loader, device, parallel.cp_size, parallel.cp_rank)
+
+        train_iter = None
+        if train_ds is not None and iteration < args.train_iters:
+            train_iter = make_train_iter(consumed)
+        if ft is not None:
+            trainer.ft, trainer.make_train_iter = ft, make_train_iter
+            ft.attach(trainer, iteration)
         trainer.valid_ds = valid_ds
         trainer.evaluator.tokenizer = tokenizer
 
@@ -210,6 +227,8 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
         finished = True
         return trainer.log.last_metrics
     finally:
+        if ft is not None:
+            ft.shutdown()
         writer.close()
         # In order: the save in flight and its thread, a barrier (only when every rank
         # finished), the groups (see shutdown.py).
@@ -325,6 +344,12 @@ class _Trainer:
         self.rerun = rerun_state_machine_from_args(args)
         self.rerun.extra_state = functools.partial(save_step_counters, built.unwrapped)
         self.rerun.restore_extra_state = restore_step_counters
+        # Fault tolerance (fault_tolerance.py): the torchft side, and how to read the data
+        # from a given position again (after a step that did not commit, or a recovery).
+        self.ft = None
+        self.make_train_iter = None
+        self.train_iter = None
+        self.step_committed = True
 
     def _autocast(self):
         if self.args.autocast_dtype is None:
@@ -406,6 +431,12 @@ class _Trainer:
                     _scale_grads(self.params, 1.0 / self.grad_scaler.scale)
             with timers("optimizer-clip-main-grad", 1):
                 grad_norm = float(get_grad_norm_and_clip(args, self.built, self.optimizer))
+            # With fault tolerance, a step that the replica groups did not all complete is
+            # dropped here: nothing below (optimizer, LR, counters) runs.
+            self.step_committed = self.ft.should_commit() if self.ft is not None else True
+            if not self.step_committed:
+                self.optimizer.zero_grad(set_to_none=True)
+                return loss, grad_norm, False
             # A non-finite global norm means some rank's gradients overflowed.
             skipped = not math.isfinite(grad_norm)
             if self.grad_scaler is not None:
@@ -453,10 +484,11 @@ class _Trainer:
             # Collect at the same points on every rank instead of whenever the allocator decides.
             gc.disable()
             gc.collect()
+        self.train_iter = train_iter
         try:
             while self.iteration < args.train_iters:
                 with self.profiler.step(self.iteration):
-                    self._train_one_iteration(train_iter)
+                    self._train_one_iteration()
                 self.profiler.after_step(self.iteration)
                 reason = self._exit_reason()
                 if reason:
@@ -471,17 +503,26 @@ class _Trainer:
             if args.manual_gc:
                 gc.enable()
 
-    def _train_one_iteration(self, train_iter) -> None:
+    def _train_one_iteration(self) -> None:
         """A step and what is due after it: weight hashes, the log, evaluation, a checkpoint."""
         args = self.args
+        if self.ft is not None:
+            self.ft.start_step()  # the quorum; a recovering group gets its peer's state and counters here
+            if self.iteration >= args.train_iters:  # recovered at the end of training
+                return
         if self.batch_schedule is not None:
             self.batch_schedule.apply(args, self.consumed)  # --rampup-batch-size etc.: this step's batch
-        loss, grad_norm, skipped = self.train_step(train_iter)
+        loss, grad_norm, skipped = self.train_step(self.train_iter)
+        if not self.step_committed:
+            self.reposition_data()  # the same batch again
+            return
         self.iteration += 1
         iteration = self.iteration
         self._check_weight_hashes(iteration)
         self.consumed += args.global_batch_size
         self.log.record_step(iteration, loss, grad_norm, skipped, self.consumed)
+        if self.ft is not None and iteration % args.log_interval == 0:
+            self.ft.log_weights(iteration)
         if args.eval_iters > 0 and self.valid_ds is not None and iteration % args.eval_interval == 0:
             self.evaluate_and_print(iteration, f"iteration {iteration}", self.valid_ds, "validation")
             self.log.restart_clock()
@@ -490,6 +531,10 @@ class _Trainer:
             self.log.restart_clock()
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()
+
+    def reposition_data(self) -> None:
+        """Read the training data from ``self.consumed`` on (fault tolerance: the committed steps' position)."""
+        self.train_iter = self.make_train_iter(self.consumed)
 
     def _exit_reason(self) -> Optional[str]:
         """Why training stops after this iteration before --train-iters, or None."""

@@ -17,12 +17,14 @@ from .mixed_precision import MixedPrecisionPolicy
 from .module import FsdpModule
 from .optimizer import clip_grad_norm_, fully_shard_optimizer
 from .placements import Placements
+from .replica import ReplicaReducer
 
 __all__ = [
     "FsdpContext",
     "FsdpModule",
     "MixedPrecisionPolicy",
     "Placements",
+    "ReplicaReducer",
     "clip_grad_norm_",
     "current_fully_shard_context",
     "fully_shard",

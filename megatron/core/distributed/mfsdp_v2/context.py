@@ -18,6 +18,7 @@ import torch
 from .backward import BackwardCoordinator
 from .device import device_handle_for, resolve_device
 from .phase import Phase
+from .replica import ReplicaReducer
 from .work import CollectiveCounter
 
 _ACTIVE_CONTEXT: contextvars.ContextVar[Optional["FsdpContext"]] = contextvars.ContextVar(
@@ -34,8 +35,11 @@ NOT_FINALIZED_MESSAGE = (
 class FsdpContext:
     """Shared state of every unit built in one ``fully_shard_context`` scope."""
 
-    def __init__(self, device: torch.device, use_symmetric_memory: bool, unify_communication_stream: bool):
+    def __init__(self, device: torch.device, use_symmetric_memory: bool, unify_communication_stream: bool,
+                 replica_reducer=None):
         self.device = device
+        # The outer replica reduction when replicas are separate jobs (replica.py), else None.
+        self.replica_reducer = replica_reducer
         self.device_handle = device_handle_for(device)  # tests may substitute it: device.handles_from
         self.use_symmetric_memory = use_symmetric_memory
         self.unify_communication_stream = unify_communication_stream
@@ -160,6 +164,7 @@ def fully_shard_context(
     *,
     use_symmetric_memory: bool = False,
     unify_communication_stream: bool = False,
+    replica_reducer=None,
 ) -> Iterator[FsdpContext]:
     """The construction scope every ``fully_shard`` call must run in.
 
@@ -175,6 +180,9 @@ def fully_shard_context(
             implementation does not use symmetric-memory collectives.
         unify_communication_stream: issue all-gathers and reduce-scatters on one stream
             instead of two (upstream's flag; it serializes them).
+        replica_reducer: a ``replica.ReplicaReducer``: on each step's last microbatch every
+            reduced gradient is also summed over the live replicas through it and divided
+            by their number (HSDP whose replica axis is another job's, e.g. torchft's).
 
     Yields:
         The ``FsdpContext`` (pass it to ``microbatch``; ``context.roots``, ``units``).
@@ -190,7 +198,11 @@ def fully_shard_context(
             "fully_shard_context does not support nesting: wrap every module of a model inside "
             "one scope, and open the next scope only after the previous one exited."
         )
-    context = FsdpContext(resolve_device(device), use_symmetric_memory, unify_communication_stream)
+    if replica_reducer is not None and not isinstance(replica_reducer, ReplicaReducer):
+        raise TypeError(f"replica_reducer must have all_reduce_sum(tensor) and live_replicas(), "
+                        f"got {type(replica_reducer).__name__}.")
+    context = FsdpContext(resolve_device(device), use_symmetric_memory, unify_communication_stream,
+                          replica_reducer)
     token = _ACTIVE_CONTEXT.set(context)
     try:
         yield context

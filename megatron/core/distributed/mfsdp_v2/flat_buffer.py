@@ -35,12 +35,14 @@ from . import work as comm
 
 @dataclasses.dataclass(frozen=True)
 class CommResources:
-    """What a group is given by its context: the device, the two streams, the counter."""
+    """What a group is given by its context: the device, the two streams, the counter,
+    and the replica reducer (``replica.py``) when the outer replica axis is not a mesh axis."""
 
     device: Any  # DeviceHandle
     allgather_stream: Any
     reduce_scatter_stream: Any
     counter: comm.CollectiveCounter
+    replica_reducer: Any = None
 
 
 _PLACEMENTS = {"S": Shard(0), "R": Replicate(), "P": Partial("avg")}

@@ -144,7 +144,8 @@ def fully_shard(
     for param, slots in owned:
         by_key.setdefault((param.dtype, param.requires_grad), []).append((param, slots))
     resources = CommResources(
-        context.device_handle, context.allgather_stream, context.reduce_scatter_stream, context.counter
+        context.device_handle, context.allgather_stream, context.reduce_scatter_stream, context.counter,
+        context.replica_reducer,
     )
     groups: List[ParameterGroup] = []
     for (dtype, _), members in by_key.items():

@@ -11,6 +11,7 @@ optimizer placement in ``reduced_grad``, inner axis first (``single_axis_steps``
     inner Partial -> Replicate   no_shard: all-reduce in place
     outer Partial -> Replicate   HSDP: all-reduce in place
     outer Partial -> Shard       HFSDP: reduce-scatter of the inner shard
+    replicas (another job's)     with a replica reducer (replica.py): all-reduce in place
 
 The mixin also stashes each gradient into the reduce-scatter input as it arrives and
 exposes ``.grad``/``.main_grad`` at the end of backward.
@@ -38,6 +39,7 @@ from . import work as comm
 from .flat_buffer import single_axis_steps
 from .phase import GradPhase, check_grad_transition
 from .profiling import cpu_range
+from .replica import replica_all_reduce
 
 
 class GradientReduction:
@@ -214,7 +216,30 @@ class GradientReduction:
         if is_last_microbatch:
             for axis, before, after in single_axis_steps(strategy.gradient, strategy.optimizer):
                 works.append(self._last_microbatch_step(axis, before, after, works[-1] if works else None))
+            if self.resources.replica_reducer is not None:
+                works.append(self._replica_step(works[-1] if works else None))
         return works
+
+    def _replica_step(self, previous: Optional[comm.CollectiveWork]) -> comm.CollectiveWork:
+        """Last microbatch, after this group's own reductions: the outer replica reduction
+        through the context's replica reducer (replica.py), in grad_comm_dtype. Like HSDP's
+        outer all-reduce it averages reduced_grad in place (over the live replicas)."""
+        reducer, stream = self.resources.replica_reducer, self.resources.reduce_scatter_stream
+        if previous is not None:  # it reads what the group's reductions wrote
+            with self.device.stream(stream):
+                previous.wait()
+        buffer, comm_dtype = self.reduced_grad, self.precision.grad_comm
+        kwargs = dict(device=self.device, stream=stream, counter=self.resources.counter)
+        if buffer.dtype == comm_dtype:
+            return replica_all_reduce(buffer, reducer, **kwargs)
+        comm.follow_current_stream(self.device, stream)  # the buffer may have been written there
+        with self.device.stream(stream):
+            wire = buffer.to(comm_dtype)
+
+        def copy_back() -> None:
+            buffer.copy_(wire)
+
+        return replica_all_reduce(wire, reducer, post_ops=[copy_back], **kwargs)
 
     def _begin_accumulation(self) -> None:
         """Once per step (the first reduction after .grad was exposed): a parameter whose
