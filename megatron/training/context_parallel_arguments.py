@@ -92,7 +92,6 @@ def validate_context_parallel_args(args: argparse.Namespace) -> None:
 
 def context_parallel_config_kwargs(args) -> dict:
     """TransformerConfig's CP fields, with the groups from ``megatron.core.parallel_state``."""
-
     cp = getattr(args, "context_parallel_size", 1)
     types = list(getattr(args, "cp_comm_type", None) or ["p2p"])
     if cp == 1 or not parallel_state.model_parallel_is_initialized():

@@ -12,10 +12,11 @@ from typing import Dict, Optional
 import torch
 from torch.utils.data import DataLoader
 
+from megatron.core.transformer.context_parallel import split_for_context_parallel
+
 
 class MegatronPretrainingSampler:
     """Yields this rank's micro-batches of indices in order, from ``consumed_samples`` on."""
-
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int):
         if total_samples <= 0:
@@ -73,7 +74,6 @@ def split_batch_for_context_parallel(batch: Dict[str, torch.Tensor], cp_size: in
     position ids (made from the sequence length when the batch has none)."""
     if cp_size == 1:
         return batch
-    from megatron.core.transformer.context_parallel import split_for_context_parallel
 
     if batch.get("attention_mask") is not None:
         raise ValueError("context parallelism builds the causal mask from global positions; the batch's "
@@ -92,7 +92,6 @@ class DeviceIterator:
     """Wraps a loader: every batch dict comes out with its tensors on ``device`` and, under
     context parallelism, cut to this CP rank's tokens. The one place where batches are
     split, so the schedule's token count, the forward step and the loss see the same tokens."""
-
     def __init__(self, loader: DataLoader, device: torch.device, cp_size: int = 1, cp_rank: int = 0):
         self.loader = loader
         self.device = device

@@ -14,6 +14,7 @@ from megatron.training.data import DeviceIterator, build_pretraining_data_loader
 from megatron.training.log_utils import format_validation_box, perplexity, print_rank_0
 from megatron.training.loss_reports import mean_loss, reduce_reports
 from megatron.training.model_builder import reshard_torch_fsdp2
+from megatron.training.text_metrics import bits_per_character, characters_and_tokens
 
 
 class Evaluator:
@@ -82,8 +83,6 @@ class Evaluator:
 
     def _bits_per_character(self, dataset, loss: float) -> Optional[float]:
         """The loss in bits per character of the evaluated text (None without text)."""
-        from megatron.training.text_metrics import bits_per_character, characters_and_tokens
-
         if self.tokenizer is None:
             return None
         key = id(dataset)

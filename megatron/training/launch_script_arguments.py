@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from megatron.core.tokenizer.tiktoken_tokenizer import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
+
 TIKTOKEN_PATTERNS = ("v1", "v2")
 
 
@@ -130,8 +132,6 @@ def validate_tiktoken_args(args: argparse.Namespace) -> None:
     """--tokenizer-type TikTokenizer: the file and the id layout (the tokenizer itself is built
     after parsing; these are the checks that need no file contents)."""
     import importlib.util  # only for this check
-
-    from megatron.core.tokenizer.tiktoken_tokenizer import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
 
     path = args.tokenizer_model
     if not path or not path.endswith(".json") or not os.path.isfile(path):

@@ -17,7 +17,6 @@ from typing import Any, Dict, Optional
 import torch
 
 from megatron.core.distributed.ranks import rank
-
 from megatron.core.extras import MissingExtra
 
 
@@ -160,7 +159,6 @@ def _tb_tag(key: str) -> str:
 
 class MetricsWriter:
     """Sends metrics to metrics.jsonl, TensorBoard and W&B (whichever are configured)."""
-
     def __init__(self, jsonl_path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
                  wandb_project: Optional[str] = None, wandb_exp_name: Optional[str] = None,
                  wandb_save_dir: Optional[str] = None, config: Optional[Dict[str, Any]] = None,
@@ -174,6 +172,7 @@ class MetricsWriter:
             # Append: a resumed run continues the same file.
             self._jsonl = open(jsonl_path, "a", buffering=1)
         if tensorboard_dir:
+            # Optional dependency (MEGATRON_EXTRAS=logging): only --tensorboard-dir needs it.
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(tensorboard_dir, exist_ok=True)

@@ -43,7 +43,6 @@ def validate_mla_args(args: argparse.Namespace) -> None:
     if not getattr(args, "multi_latent_attention", False):
         return
 
-
     if getattr(args, "position_embedding_type", None) == "yarn":  # MLA's rotary part is plain RoPE here
         raise ValueError("--multi-latent-attention with --position-embedding-type yarn is not supported yet (MLA's "
                          "rotary part uses plain RoPE); use --position-embedding-type rope.")

@@ -25,10 +25,35 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Partial, Replicate
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from megatron.core import parallel_state
+from megatron.core.distributed.mfsdp_v2 import (
+    FsdpModule,
+    MixedPrecisionPolicy,
+    Placements,
+    fully_shard,
+    fully_shard_context,
+    fully_shard_optimizer,
+)
+from megatron.core.optimizer import (
+    OptimizerConfig,
+    OptimizerParamScheduler,
+    count_zeros,
+    get_megatron_optimizer,
+    get_params_norm,
+)
+from megatron.core.optimizer.clip_grads import clip_grads_to, get_grad_norm
+from megatron.core.pipeline_parallel.model_chunks import ModelChunks, chunks_of
+from megatron.core.tensor_parallel import all_reduce_sequence_parallel_grads, tensor_parallel_parameters
 from megatron.core.transformer.initialization import initialize_parameters_
-
+from megatron.core.transformer.moe.model_queries import (
+    expert_parallel_of,
+    expert_parameters,
+    expert_tensor_parallel_args,
+)
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 # The activation each flag combination builds, and the flags that select it.
 ACTIVATION_FLAGS = {"silu": "--swiglu", "gelu_tanh": "--openai-gelu", "gelu": "neither --swiglu nor --openai-gelu"}
@@ -65,16 +90,12 @@ class BuiltModel:
     @property
     def chunks(self) -> List[torch.nn.Module]:
         """This rank's model chunks, unwrapped (one without virtual pipeline stages)."""
-        from megatron.core.pipeline_parallel.model_chunks import chunks_of
-
         return chunks_of(self.unwrapped)
 
 
 def parallel_state_for(args, device_type: str):
     """This process's parallel state (``megatron.core.parallel_state``; the trainer builds
     it at start-up), or one built now for ``args`` (tools and tests that build a model alone)."""
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_parallel_state()
     return parallel_state.build_parallel_state(
@@ -96,10 +117,6 @@ def build_placements(args, dims: Optional[Tuple[str, ...]] = None):
     outer no_shard -> HSDP over ``dims = (outer, inner)`` (inner strategy from
     --data-parallel-sharding-strategy), outer optim -> HFSDP. ``dims``: the names of the
     mesh's dimensions, by default the dense mesh's (``("dp",)`` or ``("outer", "inner")``)."""
-    from torch.distributed.tensor import Partial, Replicate
-
-    from megatron.core.distributed.mfsdp_v2 import Placements
-
     presets = {
         "no_shard": Placements.no_shard,
         "optim": Placements.zero1,
@@ -128,8 +145,6 @@ def build_placements(args, dims: Optional[Tuple[str, ...]] = None):
 
 
 def build_mixed_precision_policy(args):
-    from megatron.core.distributed.mfsdp_v2 import MixedPrecisionPolicy
-
     return MixedPrecisionPolicy(
         main_params_dtype=args.main_params_dtype,
         main_grads_dtype=args.main_grads_dtype,
@@ -156,7 +171,6 @@ def pipeline_chunk_kwargs(args) -> List[dict]:
     pp = getattr(args, "pipeline_model_parallel_size", 1)
     if pp == 1:
         return [{}]
-    from megatron.core import parallel_state
 
     rank = parallel_state.get_pipeline_model_parallel_rank()
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
@@ -190,8 +204,6 @@ def build_model(model_provider: Callable, args, device: torch.device, replica_re
     schedule_model = chunks[0] if len(chunks) == 1 else chunks
 
     if args.use_mfsdp:
-        from megatron.core.distributed.mfsdp_v2 import fully_shard, fully_shard_context
-
         mesh = build_device_mesh(args, device.type)
         placements = build_placements(args)
         policy = build_mixed_precision_policy(args)
@@ -292,9 +304,6 @@ def shard_experts(layer: torch.nn.Module, args, policy) -> list:
     (the ranks holding the same experts; 2-D under HSDP/HFSDP) with the run's strategy and
     ``grad_divisor`` = the EP size, EP x ETP / TP with the expert TP size apart from TP
     (``megatron/core/transformer/moe/expert_parallel.py`` says why). [] for a dense layer."""
-    from megatron.core.distributed.mfsdp_v2 import fully_shard
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
     moe = getattr(layer, "mlp", None)
     if not isinstance(moe, MoELayer):
         return []
@@ -339,8 +348,6 @@ def parameters_on_meta():
 
 
 def _model_chunks(chunks):
-    from megatron.core.pipeline_parallel.model_chunks import ModelChunks
-
     return ModelChunks(chunks)
 
 
@@ -375,8 +382,6 @@ def _build_on_meta(model_provider: Callable, args, kwargs: dict) -> torch.nn.Mod
 def materialize_units(units, seed: int) -> None:
     """Initialize each unit's own parameters unsharded, one unit at a time, keeping this
     rank's rows; names are the unit's within the model, so values match an unsharded build."""
-    from megatron.core.distributed.mfsdp_v2 import FsdpModule
-
     for unit in units:
         prefix = f"{unit.name}." if unit.name else ""
         unit.init_parameters(
@@ -393,8 +398,6 @@ MUON_FIELDS = ("muon_momentum", "muon_nesterov", "muon_split_qkv", "muon_scale_m
 
 def build_optimizer(args, built: BuiltModel):
     """Torch optimizer over the (possibly sharded) parameters, plus the LR scheduler."""
-    from megatron.core.optimizer import OptimizerConfig, OptimizerParamScheduler, get_megatron_optimizer
-
     config = OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
@@ -414,8 +417,6 @@ def build_optimizer(args, built: BuiltModel):
     # the bias rule, and with MFSDP these are the sharded DTensor parameters.
     optimizer = get_megatron_optimizer(config, built.unwrapped)
     if built.use_mfsdp:
-        from megatron.core.distributed.mfsdp_v2 import fully_shard_optimizer
-
         fully_shard_optimizer(optimizer, context=built.context)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -435,8 +436,6 @@ def get_grad_norm_and_clip(args, built: BuiltModel, optimizer: Optional[torch.op
     """Global grad norm over all (sharded) gradients; clipped to --clip-grad when > 0.
     Under pipeline parallelism the stages' norms add up (squares) over the pipeline, the
     tied embedding counted once, and every stage clips with the same coefficient."""
-    from megatron.core.optimizer.clip_grads import clip_grads_to, get_grad_norm
-
     params = [p for p in built.unwrapped.parameters() if p.requires_grad]
     norm = get_grad_norm(_counted_once(args, built, params), **norm_axes(args, built))
     clip_grads_to(params, norm, args.clip_grad)
@@ -446,9 +445,6 @@ def get_grad_norm_and_clip(args, built: BuiltModel, optimizer: Optional[torch.op
 def norm_axes(args, built: BuiltModel) -> dict:
     """The gradient/parameter norms' keyword arguments that count each TP piece, each
     expert and each pipeline stage once (megatron/core/optimizer/clip_grads.py)."""
-    from megatron.core.transformer.moe.model_queries import (
-        expert_parallel_of, expert_parameters, expert_tensor_parallel_args)
-
     axes = tensor_parallel_norm_args(args, built)
     ep = expert_parallel_of(built.unwrapped)
     if ep is not None and (ep.size > 1 or ep.tensor_parallel_apart):
@@ -458,8 +454,6 @@ def norm_axes(args, built: BuiltModel) -> dict:
         if apart is not None:
             axes.update(expert_tensor_parallel_params=apart["tensor_parallel_params"], expert_tp_group=apart["tp_group"])
     if getattr(args, "pipeline_model_parallel_size", 1) > 1:
-        from megatron.core import parallel_state
-
         axes.update(pp_group=parallel_state.get_parallel_state().pp_group)
     return axes
 
@@ -468,8 +462,6 @@ def _counted_once(args, built: BuiltModel, params) -> list:
     """``params`` without the last stage's copy of the tied embedding under pipeline
     parallelism (the first stage's holds the same values and, after
     ``finalize_model_grads``, the same gradient)."""
-    from megatron.core import parallel_state
-
     if getattr(args, "pipeline_model_parallel_size", 1) == 1 or parallel_state.is_pipeline_first_stage():
         return list(params)
     copies = {id(m.weight) for m in (tied_embedding_module(c) for c in built.chunks) if m is not None}
@@ -480,8 +472,6 @@ def tensor_parallel_norm_args(args, built: BuiltModel) -> dict:
     """What the gradient/parameter norms need to count each TP piece once."""
     if getattr(args, "tensor_model_parallel_size", 1) == 1:
         return {}
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import tensor_parallel_parameters
 
     return dict(tensor_parallel_params=tensor_parallel_parameters(built.unwrapped),
                 tp_group=parallel_state.get_tensor_model_parallel_group())
@@ -493,11 +483,7 @@ def finalize_model_grads(args, built: BuiltModel) -> None:
     under pipeline parallelism, average the gradients over data-parallel ranks when no
     engine did (plain chunks), and sum the two copies of a tied embedding's gradient over
     the first and last stage (Megatron's embedding group)."""
-    from megatron.core import parallel_state
-
     if getattr(args, "sequence_parallel", False):
-        from megatron.core.tensor_parallel import all_reduce_sequence_parallel_grads
-
         all_reduce_sequence_parallel_grads(built.unwrapped, parallel_state.get_tensor_model_parallel_group())
     if getattr(args, "pipeline_model_parallel_size", 1) == 1:
         return
@@ -515,14 +501,10 @@ def finalize_model_grads(args, built: BuiltModel) -> None:
 
 def get_params_norm_of(args, built: BuiltModel, params) -> torch.Tensor:
     """--log-params-norm: the global norm of ``params`` (each TP piece, expert and stage counted once)."""
-    from megatron.core.optimizer import get_params_norm
-
     return get_params_norm(_counted_once(args, built, params), **norm_axes(args, built))
 
 
 def count_zeros_of(args, built: BuiltModel, params) -> int:
     """--log-num-zeros-in-grad: zero gradient entries of ``params`` (each TP piece, expert and stage once)."""
-    from megatron.core.optimizer import count_zeros
-
     return count_zeros(_counted_once(args, built, params), **norm_axes(args, built))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import types
 
+from megatron.core.parallel_state import check_expert_mesh_sizes
 from megatron.core.transformer.moe.config import check_moe_config, parse_moe_layer_freq
 from megatron.core.transformer.moe.expert_parallel import check_expert_parallel_size
 
@@ -142,8 +143,6 @@ def _validate_expert_tensor_parallel(args: argparse.Namespace) -> None:
     need MFSDP (their gradients are averaged over ranks of several TP coordinates) and,
     without sequence parallelism, a sequence that splits over TP (each TP rank routes its
     chunk of the tokens)."""
-    from megatron.core.parallel_state import check_expert_mesh_sizes
-
     tp = getattr(args, "tensor_model_parallel_size", 1)
     etp = args.expert_tensor_parallel_size or tp
     if etp == tp:  # the expert-parallel size check (EP | data-parallel size) says the same

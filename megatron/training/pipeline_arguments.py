@@ -115,7 +115,6 @@ def validate_pipeline_args(args: argparse.Namespace) -> None:
     args.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
     pipeline_layout_from_args(args)  # every layer-split error, now
     if vp > 1:
-
         pipeline_order(args.num_microbatches, pp, 0, vp, args.microbatch_group_size_per_virtual_pipeline_stage)
 
 

@@ -55,7 +55,6 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
 
 def validate_recipe_args(args: argparse.Namespace, note) -> None:
     """Parse-time checks (ValueError with the fix); ``note`` prints one line from rank 0."""
-
     if args.position_embedding_type == "yarn":
         if args.rotary_interleaved:
             raise ValueError("--position-embedding-type yarn rotates halves (as Megatron-LM); drop --rotary-interleaved.")

@@ -55,7 +55,6 @@ def shutdown_distributed(barrier: bool) -> None:
 
 def launched_ranks() -> int:
     """The number of ranks of this launch (torchrun's or SLURM's environment), 1 if unreadable."""
-
     try:
         return get_distributed_env().world_size
     except ValueError:

@@ -21,7 +21,6 @@ def characters_and_tokens(dataset, num_samples: int, tokenizer) -> Optional[Tupl
     of ``dataset``: the tokens an evaluation over those samples scores. The EOD token
     counts as one character (the document break). None for a tokenizer without text
     (NullTokenizer: its "text" is the ids themselves)."""
-
     if isinstance(tokenizer, NullTokenizer):
         return None
     eod = tokenizer.eod

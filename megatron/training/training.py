@@ -29,8 +29,11 @@ from megatron.core import parallel_state
 from megatron.core.distributed.comm_device import comm_device
 from megatron.core.distributed.ranks import max_over_ranks, min_over_ranks, world_size
 from megatron.core.distributed.weight_hash import WeightHashMismatch, check_weight_hashes_across_dp_replicas
+from megatron.core.global_slices import global_slices_by_name
+from megatron.core.optimizer import ConstantGradScaler, DynamicGradScaler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.rerun_state_machine import SPIKY_LOSS_FACTOR, RerunDataIterator, rerun_state_machine_from_args
+from megatron.core.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.core.transformer.moe.expert_bias import update_expert_biases
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
 from megatron.core.transformer.multi_token_prediction import set_mtp_loss_backward_scale
@@ -43,17 +46,11 @@ from megatron.training.checkpointing import (
     save_checkpoint,
 )
 from megatron.training.data import DeviceIterator, build_pretraining_data_loader
-from megatron.training.initialize import initialize_distributed, set_deterministic_mode, set_random_seed
 from megatron.training.evaluation import Evaluator
 from megatron.training.fault_tolerance_arguments import fault_tolerance_enabled
+from megatron.training.initialize import initialize_distributed, set_deterministic_mode, set_random_seed
 from megatron.training.log_utils import MetricsWriter, jsonable_config, print_rank_0
 from megatron.training.loss_reports import mean_loss, reduce_reports
-from megatron.training.profiling import StepProfiler
-from megatron.training.shutdown import shutdown_distributed
-from megatron.training.step_counters import restore_step_counters, save_step_counters
-from megatron.training.timers import Timers
-from megatron.training.training_log import TrainingLog
-from megatron.training.user_errors import user_errors
 from megatron.training.model_builder import (
     BuiltModel,
     build_model,
@@ -62,11 +59,15 @@ from megatron.training.model_builder import (
     finalize_model_grads,
     get_grad_norm_and_clip,
 )
+from megatron.training.profiling import StepProfiler
+from megatron.training.shutdown import shutdown_distributed
+from megatron.training.step_counters import restore_step_counters, save_step_counters
+from megatron.training.timers import Timers
+from megatron.training.training_log import TrainingLog
+from megatron.training.user_errors import user_errors
 
 
 def build_tokenizer_from_args(args):
-    from megatron.core.tokenizer import build_tokenizer, padded_vocab_size
-
     tokenizer = build_tokenizer(
         args.tokenizer_type,
         vocab_file=args.vocab_file,
@@ -99,7 +100,6 @@ def _sum_over(value: torch.Tensor, group) -> torch.Tensor:
 def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_provider, forward_step_func):
     """Train after the command line was parsed (see :func:`megatron.training.entry.pretrain`).
     A problem with the files the arguments name raises :class:`UserError`."""
-
     if args.deterministic_mode:
         set_deterministic_mode()
     with user_errors("distributed initialization"):
@@ -254,8 +254,6 @@ def _model_parameter_count(built: BuiltModel) -> int:
     """The whole model's parameters, whatever the layout: each name once (the tied
     embedding's two pipeline copies, replicas), at its global size (TP and EP pieces, and
     MFSDP's DTensors, which are global over the data-parallel ranks)."""
-    from megatron.core.global_slices import global_slices_by_name
-
     pieces = global_slices_by_name(built.unwrapped)
     sizes = {name: (math.prod(pieces[name].global_shape) if name in pieces else p.numel())
              for name, p in built.unwrapped.named_parameters()}
@@ -275,8 +273,6 @@ def _checkpointed(built: BuiltModel) -> torch.nn.Module:
 
 def _build_grad_scaler(args):
     """--fp16 only: static with --loss-scale, else dynamic (Megatron's defaults)."""
-    from megatron.core.optimizer import ConstantGradScaler, DynamicGradScaler
-
     if not args.fp16:
         return None
     if args.loss_scale is not None:
@@ -315,7 +311,6 @@ class _Trainer:
     """The training loop: steps (forward-backward under the re-run state machine, clipping,
     the optimizer and LR steps), and between them the log, evaluation, checkpoints, the
     weight-hash check and the exit conditions."""
-
     def __init__(self, args, built: BuiltModel, optimizer, scheduler, forward_step_func, device, writer,
                  start_time: float):
         self.args = args

@@ -19,6 +19,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.distributed.comm_device import comm_device
 from megatron.core.distributed.ranks import max_over_ranks, world_size
+from megatron.core.models.gpt import flops_per_token
 from megatron.core.transformer.moe.metrics import LOSS_NAMES as MOE_LOSS_NAMES
 from megatron.core.transformer.moe.metrics import collect_moe_metrics, format_moe_metrics
 from megatron.core.transformer.multi_token_prediction import collect_mtp_metrics
@@ -43,7 +44,6 @@ ITERATION_SCALARS = ("learning_rate", "global_batch_size", "lm_loss", "grad_norm
 class TrainingLog:
     """The current log interval (its steps, losses, skipped and NaN iterations, start time)
     and the sinks it is written to."""
-
     def __init__(self, args, built, optimizer, device, writer, timers, params):
         self.args = args
         self.built = built
@@ -218,8 +218,6 @@ class TrainingLog:
 
 def _flops_per_token(built, args) -> Optional[float]:
     try:
-        from megatron.core.models.gpt import flops_per_token
-
         return float(flops_per_token(built.unwrapped.config, args.padded_vocab_size, args.seq_length))
     except (ImportError, AttributeError):
         return None

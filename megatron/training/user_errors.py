@@ -55,7 +55,6 @@ def report_user_error(message: str, exit_code: int, error: BaseException) -> Non
     """Rank 0 prints ``prog: error: message``; every rank exits with ``exit_code``
     (under torchrun the others only after rank 0 printed: see the module docstring).
     MEGATRON_DEBUG_TRACEBACK=1 adds the traceback on every rank."""
-
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "pretrain_gpt.py"
     launch = _launch_env()
     rank = dist.get_rank() if dist.is_initialized() else (launch.rank if launch else 0)
@@ -122,7 +121,6 @@ def _wait_for_rank_0(launch) -> bool:
 
 def _launch_env():
     """torchrun's or SLURM's rank and world size, or None when they are unreadable."""
-
     try:
         return get_distributed_env()
     except ValueError:

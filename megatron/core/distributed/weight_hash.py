@@ -75,7 +75,6 @@ def replicated_compute_copies(context) -> Dict[int, torch.Tensor]:
 def local_weight_hashes(model: nn.Module, context=None) -> Dict[Piece, str]:
     """This rank's pieces of ``model``'s parameters (and of MFSDP's replicated compute
     copies, given its ``context``), each with the hash of its bytes."""
-
     slices = global_slices_by_name(model)
     compute = replicated_compute_copies(context)
     hashes = {}

@@ -98,7 +98,6 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> t
 
 
 def _muon_optimizer(config: OptimizerConfig, model: torch.nn.Module, groups: List[Dict]) -> torch.optim.Optimizer:
-
     names = {id(p): n for n, p in model.named_parameters()}
     groups = muon_and_adamw_groups(groups, lambda p: takes_muon(names[id(p)], p))
     return Muon(groups, muon_matrices(model, config.muon_split_qkv), lr=config.lr,

@@ -37,7 +37,6 @@ from .param_groups import is_embedding_or_output_parameter
 @dataclasses.dataclass(frozen=True)
 class MuonMatrix:
     """How one Muon parameter's (TP piece of its) value is cut into matrices."""
-
     experts: int = 0  # > 0: that many matrices stacked along dim 0, orthogonalized one by one
     qkv_split: Optional[Tuple[int, ...]] = None  # rows of each part within a query group
     tp_group: Any = None  # the group whose ranks hold the other pieces (None: not split)
@@ -58,7 +57,6 @@ def qkv_split_rows(config) -> Tuple[int, ...]:
 
 def muon_matrices(model: torch.nn.Module, split_qkv: bool = True) -> Dict[int, MuonMatrix]:
     """``{id(parameter): MuonMatrix}`` for every parameter of ``model`` that Muon takes."""
-
     config = getattr(model, "config", None)
     names = {id(p): n for n, p in model.named_parameters()}
     out: Dict[int, MuonMatrix] = {}

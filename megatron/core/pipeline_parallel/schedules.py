@@ -29,15 +29,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from megatron.core import parallel_state
 from megatron.core.distributed.comm_device import comm_device
 from megatron.core.distributed.ranks import world_size
+
+from .p2p_communication import ACTIVATION, GRADIENT, PipelineP2P
 
 
 def get_forward_backward_func():
     """The schedule to use (Megatron API), from the parallel state: no pipelining, 1F1B,
     or 1F1B with interleaving when the pipeline has virtual stages."""
-    from megatron.core import parallel_state
-
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return forward_backward_no_pipelining
     if parallel_state.get_parallel_state().vp_size > 1:
@@ -277,9 +278,6 @@ def _forward_backward_pipelined(
     microbatch_group_size: Optional[int] = None,
     p2p=None,
 ) -> List[Dict[str, torch.Tensor]]:
-    from megatron.core import parallel_state
-
-    from .p2p_communication import ACTIVATION, GRADIENT, PipelineP2P
 
     state = parallel_state.get_parallel_state()
     p, r, v, m = state.pp_size, state.pp_rank, len(chunks), num_microbatches

@@ -32,6 +32,7 @@ def build_tokenizer(
     """
     # Imported here so that building a NullTokenizer never pays for regex/transformers.
     if tokenizer_type == "GPT2BPETokenizer":
+        # Import cost and optional packages: each type loads its own only when chosen.
         from megatron.core.tokenizer.gpt2_bpe import GPT2BPETokenizer, default_gpt2_vocab_files
 
         if vocab_file is None and merge_file is None:
@@ -46,6 +47,7 @@ def build_tokenizer(
         _require_file("--merge-file", merge_file)
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "HuggingFaceTokenizer":
+        # Import cost and optional packages: each type loads its own only when chosen.
         from megatron.core.tokenizer.huggingface import HuggingFaceTokenizer
 
         if tokenizer_model is None:
@@ -59,6 +61,7 @@ def build_tokenizer(
             )
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "GPTSentencePieceTokenizer":
+        # Import cost and optional packages: each type loads its own only when chosen.
         from megatron.core.tokenizer.sentencepiece import GPTSentencePieceTokenizer
 
         if tokenizer_model is None:
@@ -66,6 +69,7 @@ def build_tokenizer(
         _require_file("--tokenizer-model", tokenizer_model)
         return GPTSentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "TikTokenizer":
+        # Import cost and optional packages: each type loads its own only when chosen.
         from megatron.core.tokenizer.tiktoken_tokenizer import TikTokenizer
 
         if tokenizer_model is None:
@@ -73,6 +77,7 @@ def build_tokenizer(
         return TikTokenizer(tokenizer_model, pattern=tiktoken_pattern, vocab_size=vocab_size,
                             num_special_tokens=tiktoken_num_special_tokens, special_tokens=special_tokens)
     if tokenizer_type == "NullTokenizer":
+        # Import cost and optional packages: each type loads its own only when chosen.
         from megatron.core.tokenizer.null import NullTokenizer
 
         if vocab_size is None:

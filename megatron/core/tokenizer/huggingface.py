@@ -39,7 +39,6 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     ``tokenize`` applies the tokenizer's own special-token template (so a tokenizer that
     adds BOS keeps doing so, as in Megatron); ``eod`` is the EOS token.
     """
-
     def __init__(self, path: str):
         if not path or not os.path.isdir(path):
             raise FileNotFoundError(
@@ -58,7 +57,7 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     @staticmethod
     def _load_tokenizer_json(path: str):
         try:
-            from tokenizers import Tokenizer
+            from tokenizers import Tokenizer  # import cost: the tokenizers package loads only for a tokenizer directory
         except ImportError:
             raise ImportError(
                 "HuggingFaceTokenizer needs the 'tokenizers' package: run `pip install tokenizers`."
@@ -76,6 +75,7 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     @staticmethod
     def _load_auto_tokenizer(path: str):
         try:
+            # Optional dependency (MEGATRON_EXTRAS=hf), for a directory without tokenizer.json.
             from transformers import AutoTokenizer
         except ImportError:
             raise MissingExtra("transformers",

@@ -54,6 +54,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
@@ -218,8 +219,6 @@ _SDPA_BACKENDS = {
 def _sdpa_kernels(backend: str, device_type: str, disable_autocast: bool):
     with contextlib.ExitStack() as stack:
         if backend != "auto":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
             stack.enter_context(sdpa_kernel([getattr(SDPBackend, name) for name in _SDPA_BACKENDS[backend]]))
         if disable_autocast:
             stack.enter_context(torch.autocast(device_type, enabled=False))

@@ -41,7 +41,6 @@ class Linear(nn.Linear):
     """``nn.Linear`` initialized with normal(0, init_std) weights and zero bias; with
     ``gradient_accumulation_fusion`` its weight gradient is computed into the data-parallel
     reduction buffer where the wrapper offers one."""
-
     def __init__(self, in_features: int, out_features: int, bias: bool, init_std: float,
                  dtype: Optional[torch.dtype] = None, gradient_accumulation_fusion: bool = True):
         # Set before nn.Linear.__init__, which calls reset_parameters().
@@ -62,7 +61,6 @@ class Embedding(nn.Embedding):
     """``nn.Embedding`` initialized with normal(0, init_std) (nn.Embedding uses std 1); with
     ``gradient_accumulation_fusion`` the gradient of a weight tied to a fused output layer is
     added into that layer's slot in the reduction buffer."""
-
     def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float,
                  dtype: Optional[torch.dtype] = None, gradient_accumulation_fusion: bool = True):
         self.init_std = init_std

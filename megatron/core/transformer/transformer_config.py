@@ -10,10 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .context_parallel import check_cp_comm_type, check_heads_divisible, check_hierarchical_groups
 from .moe.config import check_moe_config
+from .recompute import check_recompute_modules
+from .rope import YarnScaling
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -89,7 +92,6 @@ class TransformerConfig:
     ``recompute_num_layers`` layers one by one and keeps the others' activations. Full
     recompute without a method checkpoints every layer on its own (uniform, 1 layer).
     """
-
     num_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -311,7 +313,6 @@ class TransformerConfig:
         self._check_multi_latent_attention()
         self._check_linear_attention()
         check_moe_config(self)
-        from .recompute import check_recompute_modules
 
         check_recompute_modules(self.recompute_modules, self.recompute_granularity, self.moe_grouped_gemm,
                                 gated_delta_net=self.experimental_attention_variant in ("gdn", "gated_delta_net"),
@@ -406,7 +407,6 @@ class TransformerConfig:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1; drop it or raise the TP size.")
         if tp == 1:
             return
-        import torch.distributed as dist
 
         if self.tp_group is None or dist.get_world_size(self.tp_group) != tp:
             raise ValueError(
@@ -432,7 +432,6 @@ class TransformerConfig:
             check_cp_comm_type(comm_type)
         if cp == 1:
             return
-        import torch.distributed as dist
 
         if self.cp_group is None or dist.get_world_size(self.cp_group) != cp:
             raise ValueError(
@@ -456,8 +455,6 @@ class TransformerConfig:
     @property
     def yarn(self):
         """YaRN's parameters (rope.YarnScaling; used with position_embedding_type "yarn")."""
-        from .rope import YarnScaling
-
         return YarnScaling(self.yarn_rotary_scaling_factor, self.yarn_original_max_position_embeddings,
                            self.yarn_beta_fast, self.yarn_beta_slow, self.yarn_mscale, self.yarn_mscale_all_dim,
                            self.yarn_correction_range_round_to_int)

@@ -56,7 +56,6 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
         # A MoE layer (moe/moe_layer.py) replaces the MLP where --moe-layer-freq says so.
         if moe:
-
             self.mlp = MoELayer(config, layer_number, expert_parallel)
         else:
             self.mlp = MLP(config)

@@ -5,6 +5,7 @@ global batch), whatever the split into microbatches and data-parallel ranks.
 """
 
 import contextlib
+import datetime
 import os
 import tempfile
 from functools import partial
@@ -180,7 +181,8 @@ DDP_MICRO_BATCH_SIZES = (1, 2, 4)
 
 def _ddp_worker(rank, world_size, store_path, out_dir):
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))  # a stuck peer fails, never hangs
     try:
         for micro_batch_size in DDP_MICRO_BATCH_SIZES:
             torch.manual_seed(0)

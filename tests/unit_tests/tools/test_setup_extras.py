@@ -17,7 +17,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.par
 DISTRIBUTIONS = {"torch": "torch", "numpy": "numpy", "regex": "regex", "tqdm": "tqdm", "tokenizers": "tokenizers",
                  "transformers": "transformers", "safetensors": "safetensors", "tensorboard": "tensorboard",
                  "wandb": "wandb", "psutil": "psutil", "pytest": "pytest", "matplotlib": "matplotlib",
-                 "sentencepiece": "sentencepiece"}
+                 "sentencepiece": "sentencepiece", "torchft": "torchft", "tiktoken": "tiktoken"}
 # The repository's own packages, and the scripts/ modules tests import by name.
 LOCAL = {"megatron", "tools", "pretrain_gpt", "benchmarks"} | {
     os.path.splitext(os.path.basename(p))[0] for folder in ("scripts", "benchmarks")

@@ -40,7 +40,7 @@ def __getattr__(name):
     # save_checkpoint / load_checkpoint live in the checkpoint/ package, imported on first
     # use: torch.distributed.checkpoint adds most of a second to every import of the engine.
     if name in ("save_checkpoint", "load_checkpoint"):
-        from . import checkpoint
+        from . import checkpoint  # import cost (see above)
 
         return getattr(checkpoint, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -57,5 +57,4 @@ def _word_embeddings(config: TransformerConfig, vocab_size: int) -> torch.nn.Mod
 
 
 def _sequence_chunk(position_ids: torch.Tensor, tp_group) -> torch.Tensor:
-
     return position_ids.chunk(dist.get_world_size(tp_group), dim=1)[dist.get_rank(tp_group)]

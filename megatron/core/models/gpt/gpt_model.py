@@ -43,7 +43,6 @@ class OutputLayer(nn.Module):
     second reference) keeps exactly one Parameter in the model, and lets a sharding engine
     swap that parameter's storage without the output layer holding a stale alias.
     """
-
     def __init__(self, hidden_size: int, vocab_size: int, init_std: float, dtype: torch.dtype,
                  skip_weight_param_allocation: bool, gradient_accumulation_fusion: bool = True):
         super().__init__()
@@ -98,7 +97,6 @@ class GPTModel(nn.Module):
         post_process: this chunk ends the model: final norm, output layer, loss (the last).
         layer_numbers: the global (0-based) transformer layers of this chunk; None: all.
     """
-
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                  share_embeddings_and_output_weights: bool = True,
                  position_embedding_type: Optional[str] = None,
@@ -266,7 +264,6 @@ class GPTModel(nn.Module):
     def _vocab_parallel_output(self, logits: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         """Logits [b, s, V/tp] of this rank's vocabulary ids -> the per-token loss (no rank
         gathers the logits), or without labels the gathered logits [b, s, V]."""
-
         group = self.config.tp_group
         projection = self.embedding.word_embeddings if self._tied_copy else self.output_layer
         vocab_start = projection.global_slices["weight"].ranges[0][0]
@@ -291,7 +288,6 @@ def _output_projection(config: TransformerConfig, vocab_size: int, tied: bool) -
 def _vocab_parallel_output_layer(config: TransformerConfig, vocab_size: int, tied: bool) -> nn.Module:
     """The output projection with the vocabulary split over TP (rows of the tied word
     embedding, or its own weight): logits [b, s, V/tp]."""
-
     return ColumnParallelLinear(config.hidden_size, vocab_size, bias=False, init_std=config.init_method_std,
                                 tp_group=config.tp_group, sequence_parallel=config.sequence_parallel,
                                 dtype=config.params_dtype, skip_weight_param_allocation=tied,

@@ -30,7 +30,6 @@ def update_expert_biases(model: nn.Module) -> None:
     data-parallel ranks (and the sequence-parallel TP group), then zero the counts. A
     collective over those ranks: every rank calls it, once per optimizer step taken (a
     skipped step leaves its counts to the next)."""
-
     _update_biases([m for m in model.modules() if isinstance(m, TopKRouter)])
 
 
