@@ -17,6 +17,7 @@ import torch
 
 from megatron.training.batch_size_schedule import validate_batch_size_schedule, validate_step_schedule_batch
 from megatron.training.checkpoint_retention import check_retain_interval
+from megatron.training.compile_layers import add_compile_args, validate_compile_args
 from megatron.training.initialize import get_distributed_env
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.context_parallel_arguments import (
@@ -213,6 +214,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     add_recipe_args(parser)
     add_resilience_args(parser)
     add_megatron_compat_args(parser)
+    add_compile_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
     return parser
@@ -328,6 +330,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     validate_mla_args(args)
     validate_linear_attention_args(args)
     validate_recipe_args(args, _note)
+    validate_compile_args(args)
     _validate_paths(args)
     return args
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from megatron.core.transformer.initialization import initialize_parameters_
+from megatron.training.compile_layers import compile_layers
 
 
 # The activation each flag combination builds, and the flags that select it.
@@ -177,6 +178,10 @@ def build_model(model_provider: Callable, args, device: torch.device) -> BuiltMo
             initialize_parameters_(chunk, args.seed)
             chunk = chunk.to(device)
         chunks.append(chunk)
+    if getattr(args, "compile_layers", None):
+        # torchtitan's order: compile each block, then shard (the hooks fully_shard adds stay eager).
+        for chunk in chunks:
+            compile_layers(transformer_layers(chunk), args.compile_layers)
     pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
     unwrapped = chunks[0] if len(chunks) == 1 else _model_chunks(chunks)
     schedule_model = chunks[0] if len(chunks) == 1 else chunks
