@@ -4,7 +4,8 @@ MFSDP ZeRO-3, with the trainer's own flags, model builder, schedule and optimize
 Both models are built in one process from the same seed (so they start from the same
 weights) and step in turns: eager, compiled, eager, ... on the same batches, after
 ``--warmup`` steps each (the compiled model's first step compiles). Reported: the median
-step time of each and their ratio, the compile time (first compiled step minus an eager
+step time of each, their ratio and the median of the per-pair ratios (each compiled step
+against the eager step just before it), the compile time (first compiled step minus an eager
 one), and the largest relative loss difference over all steps (inductor against eager).
 Every compiled step after the first runs under ``torch.compiler.set_stance("fail_on_recompile")``:
 a recompile would stop the run.
@@ -35,6 +36,14 @@ import torch.distributed as dist
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.loss_reports import mean_loss, reduce_reports  # noqa: E402
+from megatron.training.model_builder import (  # noqa: E402
+    build_model, build_optimizer, finalize_model_grads, get_grad_norm_and_clip)
+from pretrain_gpt import forward_step, model_provider  # noqa: E402
+
 DEBUGMODEL = ("--num-layers 6 --hidden-size 256 --num-attention-heads 16 --ffn-hidden-size 768 --swiglu "
               "--normalization RMSNorm --position-embedding-type rope --rotary-base 500000 "
               "--untie-embeddings-and-output-weights --disable-bias-linear --vocab-size 2048 "
@@ -44,10 +53,6 @@ DEBUGMODEL = ("--num-layers 6 --hidden-size 256 --num-attention-heads 16 --ffn-h
 
 
 def build(argv, world):
-    from megatron.training.arguments import parse_args
-    from megatron.training.model_builder import build_model, build_optimizer
-    from pretrain_gpt import model_provider
-
     args = parse_args(argv + ["--global-batch-size", str(2 * world)], world_size=world, cuda_available=False)
     args.padded_vocab_size = args.vocab_size
     built = build_model(model_provider, args, torch.device("cpu"))
@@ -57,11 +62,6 @@ def build(argv, world):
 
 
 def step(args, built, optimizer, micro, state):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.training.loss_reports import mean_loss, reduce_reports
-    from megatron.training.model_builder import finalize_model_grads, get_grad_norm_and_clip
-    from pretrain_gpt import forward_step
-
     dist.barrier()
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
@@ -86,8 +86,6 @@ def main():
     opts = parser.parse_args()
 
     dist.init_process_group("gloo")
-    from megatron.core import parallel_state
-
     world, rank = dist.get_world_size(), dist.get_rank()
     argv = opts.shape.split() + opts.extra.split()
     state = parallel_state.initialize_model_parallel(1, 1, "cpu")
@@ -133,6 +131,8 @@ def main():
         "losses": losses,
     }
     result["ratio_compiled_to_eager"] = result["median_step_s"]["compiled"] / result["median_step_s"]["eager"]
+    # Each compiled step against the eager step just before it: robust to load that drifts.
+    result["median_pair_ratio"] = statistics.median(c / e for e, c in zip(summary["eager"], summary["compiled"]))
     if rank == 0:
         print(json.dumps({k: v for k, v in result.items() if k not in ("step_s", "losses", "flags")}, indent=1))
         if opts.out:

@@ -24,7 +24,7 @@ def parse(extra=""):
 
 
 def build(extra=""):
-    from pretrain_gpt import model_provider
+    from pretrain_gpt import model_provider  # the trainer's own provider; a root script, imported on use
 
     model = build_model(model_provider, parse(extra), torch.device("cpu")).model
     model.train()

@@ -38,7 +38,7 @@ if WORLD % 2 == 0:  # 2 and 4 ranks (DP=1 and DP=2 beside the TP or PP pair)
 
 
 def _forward_step(data_iterator, model):
-    from pretrain_gpt import forward_step
+    from pretrain_gpt import forward_step  # the script at the repo root: imported on use, as the other tests do
 
     return forward_step(data_iterator, model)
 
@@ -50,7 +50,7 @@ def train(flags):
     state = parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, 1, "cpu", pipeline_model_parallel_size=args.pipeline_model_parallel_size)
     try:
-        from pretrain_gpt import model_provider  # the trainer's own (takes the pipeline stage's keywords)
+        from pretrain_gpt import model_provider  # the trainer's provider; a root script, imported on use
 
         built = build_model(model_provider, args, torch.device("cpu"))
         optimizer, _ = build_optimizer(args, built)
