@@ -80,6 +80,7 @@ def test_layer_forwards_compile_once_and_match_eager():
     assert "forward" not in vars(compiled) and all("forward" in vars(layer) for layer in compiled.decoder.layers)
 
 
+@pytest.mark.filterwarnings("ignore:.*(kernel|dropout)")  # torch says why the flash kernel declined
 def test_cpu_note_when_sdpa_leaves_its_flash_kernel():
     assert cpu_fast_path_note(0.0, "auto") is None and cpu_fast_path_note(0.0, "flash") is None
     assert "pass --attention-dropout 0 for the fast kernel" in cpu_fast_path_note(0.1, "auto")
