@@ -23,6 +23,7 @@ from megatron.core.tokenizer.factory import TOKENIZER_TYPES
 from megatron.core.transformer.transformer_config import check_recompute
 from megatron.training.batch_size_schedule import validate_batch_size_schedule, validate_step_schedule_batch
 from megatron.training.checkpoint_retention import check_retain_interval
+from megatron.training.compile_layers import add_compile_args, validate_compile_args
 from megatron.training.context_parallel_arguments import (
     add_context_parallel_args,
     validate_context_parallel_args,
@@ -238,6 +239,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     add_launch_script_args(parser)
     add_fault_tolerance_args(parser)
     add_megatron_compat_args(parser)
+    add_compile_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
     return parser
@@ -355,6 +357,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     validate_linear_attention_args(args)
     validate_packed_document_args(args)
     validate_recipe_args(args, _note)
+    validate_compile_args(args)
     _validate_paths(args)
     return args
 

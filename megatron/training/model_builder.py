@@ -54,6 +54,7 @@ from megatron.core.transformer.moe.model_queries import (
     expert_tensor_parallel_args,
 )
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.training.compile_layers import compile_layers
 
 # The activation each flag combination builds, and the flags that select it.
 ACTIVATION_FLAGS = {"silu": "--swiglu", "gelu_tanh": "--openai-gelu", "gelu": "neither --swiglu nor --openai-gelu"}
@@ -197,6 +198,10 @@ def build_model(model_provider: Callable, args, device: torch.device, replica_re
             initialize_parameters_(chunk, args.seed)
             chunk = chunk.to(device)
         chunks.append(chunk)
+    if getattr(args, "compile_layers", None):
+        # torchtitan's order: compile each block, then shard (the hooks fully_shard adds stay eager).
+        for chunk in chunks:
+            compile_layers(transformer_layers(chunk), args.compile_layers)
     if use_torch_fsdp2:  # one chunk: FSDP2 runs without pipeline parallelism (torch_fsdp2_arguments.py)
         return build_torch_fsdp2(chunks[0], args, device, meta)
     pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1

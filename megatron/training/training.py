@@ -34,6 +34,7 @@ from megatron.core.optimizer import ConstantGradScaler, DynamicGradScaler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.rerun_state_machine import SPIKY_LOSS_FACTOR, RerunDataIterator, rerun_state_machine_from_args
 from megatron.core.tokenizer import build_tokenizer, padded_vocab_size
+from megatron.core.transformer.attention import cpu_fast_path_note
 from megatron.core.transformer.moe.expert_bias import update_expert_biases
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
 from megatron.core.transformer.multi_token_prediction import set_mtp_loss_backward_scale
@@ -150,6 +151,10 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
             f"> model: {n_params:,} parameters ({n_params / 1e6:.2f}M), {strategy}, world size {world_size()}, "
             f"device {device.type}, {args.num_microbatches} microbatch(es) of {args.micro_batch_size} per rank per step"
         )
+        if device.type == "cpu":
+            kernel_note = cpu_fast_path_note(args.attention_dropout, args.attention_backend)
+            if kernel_note:
+                print_rank_0(kernel_note)
 
         with user_errors(f"--load {args.load}"):
             iteration, consumed = load_checkpoint(

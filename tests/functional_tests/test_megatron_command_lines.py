@@ -128,6 +128,10 @@ def test_upstream_command_line_trains_at_its_pipeline_size(name, tmp_path):
     if "fsdp2" in name:
         assert "PyTorch FSDP2" in proc.stdout
     assert all("num zeros: " in line and "params norm: " in line and "loss scale: " in line for line in lines)
+    # Megatron's attention dropout keeps SDPA off its CPU flash kernel: rank 0 says so once.
+    dropout = parse_args(command_line(name, tmp_path), world_size=ranks_for(name), cuda_available=False).attention_dropout
+    notes = [line for line in proc.stdout.splitlines() if line.startswith("NOTE: attention runs in SDPA's math kernel")]
+    assert len(notes) == (1 if dropout > 0 else 0) and (not notes or "--attention-dropout 0" in notes[0]), notes
     tags = _tensorboard_tags(str(tmp_path / "tb"))
     for tag in ("num-zeros", "params-norm", "iteration-time", "mem-rss-bytes", "mem-max-rss-bytes",
                 "lm loss validation ppl", "grad-norm", "lm-loss"):

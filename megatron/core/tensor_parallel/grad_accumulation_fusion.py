@@ -100,7 +100,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     is on and the weight offers one (``fused_wgrad_out``); plain ``F.linear`` otherwise."""
     if (not fusion or not weight.requires_grad or getattr(weight, "fused_wgrad_out", None) is None
             or not weight.is_contiguous() or x.dim() < 2  # the layouts whose rules the backward mirrors
-            or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)):
+            or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)
+            # Inside a compiled layer (--compile-layers): the graph cannot write into the
+            # engine's buffer from its backward; autograd's gradient goes there by the hook.
+            or torch.compiler.is_compiling()):
         return F.linear(x, weight, bias)
     return _LinearWithFusedWgrad.apply(x, weight, bias)
 

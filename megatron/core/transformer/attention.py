@@ -215,6 +215,26 @@ _SDPA_BACKENDS = {
 }
 
 
+def cpu_fast_path_note(attention_dropout: float, attention_backend: str) -> Optional[str]:
+    """One line saying why SDPA leaves its fast (flash) CPU kernel for the math one, which
+    materializes every [s, s] score matrix, or None when it does not. Only these two reach
+    the math kernel here: the layers never pass an explicit mask where ``is_causal`` would do
+    (the trainer passes no mask; a caller's mask is folded into an explicit one, which the
+    CPU flash kernel also takes)."""
+    reasons, fixes = [], []
+    if attention_dropout > 0:
+        reasons.append(f"attention dropout {attention_dropout:g} (the CPU flash kernel has none)")
+        fixes.append("--attention-dropout 0")
+    if attention_backend in ("unfused", "local"):
+        reasons.append(f"--attention-backend {attention_backend} (the math kernel itself)")
+        fixes.append("--attention-backend auto")
+    if not reasons:
+        return None
+    return ("NOTE: attention runs in SDPA's math kernel on CPU, not its flash kernel, because of "
+            f"{' and '.join(reasons)}; it materializes every [seq, seq] score matrix: pass {' and '.join(fixes)} "
+            "for the fast kernel.")
+
+
 @contextlib.contextmanager
 def _sdpa_kernels(backend: str, device_type: str, disable_autocast: bool):
     with contextlib.ExitStack() as stack:
