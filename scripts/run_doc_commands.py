@@ -28,8 +28,8 @@ would have them (tracked and untracked-but-not-ignored: the working tree as it i
 document order: README.md, docs/*.md, examples/README.md, like a user who follows them.
 Its `.venv` is a fresh virtual environment that sees this interpreter's packages (the test
 extras) without installing anything, so `source scripts/setup_env.sh` in a block only
-activates it. A block identical to one already run (same command, same marker) is not run
-again: it is listed as the same as the first.
+activates it. A block identical to one already run (same commands, comments aside, and the same marker)
+is not run again: it is listed as the same as the first.
 
 Long runs are shortened by one environment variable, MEGATRON_MAX_TRAIN_ITERS (default here
 20): pretrain_gpt.py stops every run after at most that many iterations, saying so in one
@@ -89,6 +89,11 @@ class Block:
 
     def first(self, key: str, default=None):
         return self.marker[key][0] if key in self.marker else default
+
+    def commands_only(self) -> str:
+        """The command without its comments (a comment after the command, or a comment line)."""
+        lines = (re.sub(r"\s+#[^'\"]*$", "", s).rstrip() for s in self.command.splitlines())
+        return "\n".join(s for s in lines if s and not s.lstrip().startswith("#"))
 
     def summary(self) -> str:
         lines = [s for s in self.command.strip().splitlines() if not s.startswith(("#", "source "))]
@@ -321,7 +326,7 @@ def _run(blocks: List[Block], work: str, opts) -> int:
     for b in blocks:
         if opts.only and b.path != opts.only:
             continue
-        key = (b.command, tuple(sorted((k, tuple(v)) for k, v in b.marker.items())))
+        key = (b.commands_only(), tuple(sorted((k, tuple(v)) for k, v in b.marker.items())))
         if b.skip:
             results.append((b, "not run", b.skip, None))
             continue

@@ -77,3 +77,10 @@ def test_max_train_iters_caps_the_run_but_not_its_schedule(capsys):
     assert args.train_iters == 20 and capsys.readouterr().out == ""
     with pytest.raises(ValueError, match="must be a positive integer"):
         apply_max_train_iters(args, {"MEGATRON_MAX_TRAIN_ITERS": "ten"})
+
+
+def test_a_block_repeated_with_other_comments_is_the_same_command():
+    a = rdc.Block("a.md", 1, "bash examples/x.sh   # train it\n")
+    b = rdc.Block("b.md", 9, "# the example\nbash examples/x.sh\n")
+    assert a.commands_only() == b.commands_only() == "bash examples/x.sh"
+    assert rdc.Block("c.md", 1, "echo '# not a comment'\n").commands_only() == "echo '# not a comment'"
