@@ -40,6 +40,14 @@ def moe_replay():
     return commit, counts, rejections
 
 
+def test_the_docs_quote_these_counts(gpt_replay, moe_replay, monkeypatch):
+    """README.md and docs/megatron_flags.md state the replay's counts (scripts/doc_figures.py
+    --write puts them there); the replays above are this test's source."""
+    monkeypatch.setattr(doc_figures, "_REPLAY_CACHE", {"gpt": (gpt_replay[0], dict(gpt_replay[1])),
+                                                       "moe": (moe_replay[0], dict(moe_replay[1]))})
+    assert doc_figures.stale(doc_figures.LIVE) == []
+
+
 def test_replay_counts_do_not_drop(gpt_replay):
     _, counts, rejections = gpt_replay
     assert counts["skipped (MODE inference/rl)"] == 44 and counts["training lines"] == 161
@@ -54,10 +62,3 @@ def test_moe_replay_counts_do_not_drop(moe_replay):
     # Sinkhorn under CP (2 lines), MTP under PP (2) and the layout's MTP stage 'm' (1).
     assert counts["blocked by PP/CP"] <= 5, dict(rejections)
 
-
-def test_the_docs_quote_these_counts(gpt_replay, moe_replay, monkeypatch):
-    """README.md and docs/megatron_flags.md state the replay's counts (scripts/doc_figures.py
-    --write puts them there); the replays above are this test's source."""
-    monkeypatch.setattr(doc_figures, "_REPLAY_CACHE", {"gpt": (gpt_replay[0], dict(gpt_replay[1])),
-                                                       "moe": (moe_replay[0], dict(moe_replay[1]))})
-    assert doc_figures.stale(doc_figures.LIVE) == []
