@@ -61,4 +61,3 @@ def test_moe_replay_counts_do_not_drop(moe_replay):
     assert counts["accepted"] >= ACCEPTED_MOE, dict(rejections)
     # Sinkhorn under CP (2 lines), MTP under PP (2) and the layout's MTP stage 'm' (1).
     assert counts["blocked by PP/CP"] <= 5, dict(rejections)
-
