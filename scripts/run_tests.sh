@@ -65,7 +65,7 @@ if [ -d tests/functional_tests ] && ls tests/functional_tests/test_*.py >/dev/nu
 fi
 stage "distributed tests: gloo, 2 ranks, $next_torch" distributed_next_torch
 # 25 minutes, a hang guard (each block also has its own, its marker's timeout=): the stage took
-# 14 minutes at a load of 20-28 on this 2-core box, for 3.4 CPU-minutes (2-3 minutes when idle).
+# 10 minutes at a load of 22-26 on this 2-core box, for 2.3 CPU-minutes (about that when idle).
 stage "documented commands (README, docs/, examples/)" timeout 1500 python scripts/run_doc_commands.py
 
 echo "=== wall time per stage ==="
