@@ -279,8 +279,8 @@ def parse_args(
 
 
 # The one switch that shortens documented runs (the doc-test stage, scripts/run_doc_commands.py,
-# sets it): a training run stops after at most this many iterations, as if it had been
-# interrupted there; the learning-rate schedule stays that of the full --train-iters.
+# sets it): a training run stops after at most this many iterations; the learning-rate schedule
+# stays that of the full --train-iters (the datasets are sized for the iterations that run).
 MAX_TRAIN_ITERS_ENV = "MEGATRON_MAX_TRAIN_ITERS"
 
 
