@@ -64,8 +64,8 @@ if [ -d tests/functional_tests ] && ls tests/functional_tests/test_*.py >/dev/nu
     stage "functional tests" timeout 1800 python -m pytest -q -p no:cacheprovider tests/functional_tests
 fi
 stage "distributed tests: gloo, 2 ranks, $next_torch" distributed_next_torch
-# 25 minutes, a hang guard (each block also has its own, its marker's timeout=): the stage took
-# 10 minutes at a load of 22-26 on this 2-core box, for 2.3 CPU-minutes (about that when idle).
+# 25 minutes, a hang guard (each block also has its own, its marker's timeout=): on this 2-core
+# box the stage took 5 minutes at a load of 7-13 and 10 at 22-26, for 2.4 CPU-minutes.
 stage "documented commands (README, docs/, examples/)" timeout 1500 python scripts/run_doc_commands.py
 
 echo "=== wall time per stage ==="
