@@ -11,6 +11,7 @@ sys.path.insert(0, REPO)
 
 from megatron.training.arguments import build_parser  # noqa: E402
 from megatron.training.megatron_compat import MAPPED, REJECTED  # noqa: E402
+from doc_figures import keep_figures  # noqa: E402  (scripts/, this file's directory)
 
 HEADER = """# Megatron-LM flags: honoured, mapped, rejected
 
@@ -26,12 +27,11 @@ functional-test configuration of upstream (from the mirror, or from its snapshot
 `tests/functional_tests/upstream_gpt_configs.json`) after the CPU substitutions (nccl ->
 gloo, transformer_engine -> local, FP8 / NCCL user-buffer / TP-comm-overlap flags dropped,
 tiny model, mock data) at each line's own TP/PP/CP sizes, and prints the accepted count and
-the remaining rejections by flag. Of the 161 training configurations (44 inference/RL ones
-are skipped), 142 parse at their own TP/PP/CP sizes
+the remaining rejections by flag. <!-- figure: replay-gpt-flags-doc -->x<!-- /figure -->
 (`tests/functional_tests/test_upstream_replay.py` keeps this count from dropping); two
 train on 2 ranks (`tests/functional_tests/test_megatron_command_lines.py`). With `--suite
 moe` it replays upstream's MoE recipes (`test_cases/moe`, snapshot
-`upstream_moe_configs.json`): 36 of the 51 training configurations parse (16 before the
+`upstream_moe_configs.json`): <!-- figure: replay-moe-flags-doc -->x<!-- /figure --> (16 before the
 GPU-only flags, YaRN, `--recompute-modules`, MTP and EP without `--use-mfsdp`; 32 before
 Muon); of the six Muon lines two still carry the rejected
 `--check-weight-hash-across-dp-replicas-interval`.
@@ -185,8 +185,14 @@ def main():
             "## Rejected", "", "Recognised and refused with this message; the run does not start.", "",
             "| flag | what to do |", "|---|---|"]
     out += [f"| `{flag}` | {message} |" for flag, message in REJECTED.items()]
-    with open(os.path.join(REPO, "docs", "megatron_flags.md"), "w") as f:
-        f.write("\n".join(out) + "\n")
+    path = os.path.join(REPO, "docs", "megatron_flags.md")
+    text = "\n".join(out) + "\n"
+    if os.path.exists(path):
+        with open(path) as f:
+            # The replay counts are scripts/doc_figures.py's (--write updates them), not this page's.
+            text = keep_figures(text, f.read())
+    with open(path, "w") as f:
+        f.write(text)
     print(f"{len(honoured)} honoured, {len(MAPPED)} mapped, {len(REJECTED)} rejected")
 
 

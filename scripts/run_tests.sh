@@ -2,7 +2,9 @@
 # The whole test suite: single-process unit tests, then the distributed tests under
 # torch.distributed.run with gloo at 2 and 4 ranks, then the functional (end-to-end) tests,
 # then the distributed tests at 2 ranks once more on the newest torch the project runs on
-# (MEGATRON_NEXT_TORCH, default torch==2.14.1, in a venv of its own: .venv-torch214).
+# (MEGATRON_NEXT_TORCH, default torch==2.14.1, in a venv of its own: .venv-torch214), then the
+# documented commands (scripts/run_doc_commands.py: every command block of README.md, docs/ and
+# examples/README.md, in a fresh copy of the tree, long runs shortened by MEGATRON_MAX_TRAIN_ITERS).
 # Every stage has an outer time limit so a hung rank can never hang CI; each stage's wall
 # time is printed at the end.
 set -euo pipefail
@@ -62,6 +64,9 @@ if [ -d tests/functional_tests ] && ls tests/functional_tests/test_*.py >/dev/nu
     stage "functional tests" timeout 1800 python -m pytest -q -p no:cacheprovider tests/functional_tests
 fi
 stage "distributed tests: gloo, 2 ranks, $next_torch" distributed_next_torch
+# 25 minutes, a hang guard (each block also has its own, its marker's timeout=): on this 2-core
+# box the stage took 5 minutes at a load of 7-13 and 10 at 22-26, for 2.4 CPU-minutes.
+stage "documented commands (README, docs/, examples/)" timeout 1500 python scripts/run_doc_commands.py
 
 echo "=== wall time per stage ==="
 printf '%s\n' "${times[@]}"

@@ -303,6 +303,28 @@ def parse_args(
     return validate_args(args, world_size=world_size, cuda_available=cuda_available)
 
 
+# The one switch that shortens documented runs (the doc-test stage, scripts/run_doc_commands.py,
+# sets it): a training run stops after at most this many iterations; the learning-rate schedule
+# stays that of the full --train-iters (the datasets are sized for the iterations that run).
+MAX_TRAIN_ITERS_ENV = "MEGATRON_MAX_TRAIN_ITERS"
+
+
+def apply_max_train_iters(args: argparse.Namespace, environ) -> None:
+    """Cap ``args.train_iters`` at ``$MEGATRON_MAX_TRAIN_ITERS`` (after the schedule's
+    defaults were derived from the full length), with one note line when it bites."""
+    value = environ.get(MAX_TRAIN_ITERS_ENV, "").strip()
+    if not value:
+        return
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"environment variable {MAX_TRAIN_ITERS_ENV}={value!r} must be a positive "
+                         "integer (iterations); unset it to train the full --train-iters.")
+    cap = int(value)
+    if args.train_iters > cap:
+        _note(f"{MAX_TRAIN_ITERS_ENV}={cap}: training stops after iteration {cap} of --train-iters "
+              f"{args.train_iters} (the learning-rate schedule is the full run's).")
+        args.train_iters = cap
+
+
 def _positive(args, *names):
     for name in names:
         value = getattr(args, name)

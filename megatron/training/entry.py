@@ -11,7 +11,7 @@ import os
 import time
 from typing import Callable, Dict, Optional
 
-from megatron.training.arguments import parse_args
+from megatron.training.arguments import apply_max_train_iters, parse_args
 from megatron.training.recipe_arguments import setup_logging
 from megatron.training.user_errors import UserError, report_user_error
 
@@ -36,6 +36,7 @@ def pretrain(
     start_time = time.time()
     try:
         args = parse_args(argv, extra_args_provider=extra_args_provider, args_defaults=args_defaults)
+        apply_max_train_iters(args, os.environ)  # documented runs, shortened by the doc-test stage
     except ValueError as e:
         report_user_error(str(e), 2, e)
     setup_logging(args, os.environ)  # --logging-level / MEGATRON_LOGGING_LEVEL, before anything logs

@@ -7,6 +7,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, os.pardir, "scripts"))
 
+import doc_figures  # noqa: E402
+import pytest  # noqa: E402
 import replay_upstream_configs as replay  # noqa: E402
 
 # Lines that parse with their own parallel sizes (25 at first; 29 after the fidelity flags;
@@ -25,17 +27,37 @@ ACCEPTED = 153
 ACCEPTED_MOE = 46
 
 
-def test_replay_counts_do_not_drop(capsys):
-    _, configs = replay.load_snapshot()
+@pytest.fixture(scope="module")
+def gpt_replay():
+    commit, configs = replay.load_snapshot()
     counts, rejections = replay.replay(configs)
+    return commit, counts, rejections
+
+
+@pytest.fixture(scope="module")
+def moe_replay():
+    commit, configs = replay.load_snapshot(replay.SUITES["moe"][1])
+    counts, rejections = replay.replay(configs)
+    return commit, counts, rejections
+
+
+def test_the_docs_quote_these_counts(gpt_replay, moe_replay, monkeypatch):
+    """README.md and docs/megatron_flags.md state the replay's counts (scripts/doc_figures.py
+    --write puts them there); the replays above are this test's source."""
+    monkeypatch.setattr(doc_figures, "_REPLAY_CACHE", {"gpt": (gpt_replay[0], dict(gpt_replay[1])),
+                                                       "moe": (moe_replay[0], dict(moe_replay[1]))})
+    assert doc_figures.stale(doc_figures.LIVE) == []
+
+
+def test_replay_counts_do_not_drop(gpt_replay):
+    _, counts, rejections = gpt_replay
     assert counts["skipped (MODE inference/rl)"] == 44 and counts["training lines"] == 161
     assert counts["accepted"] >= ACCEPTED, dict(rejections)
     assert counts["blocked by PP/CP"] == 0, dict(rejections)  # both are in the trainer
 
 
-def test_moe_replay_counts_do_not_drop():
-    _, configs = replay.load_snapshot(replay.SUITES["moe"][1])
-    counts, rejections = replay.replay(configs)
+def test_moe_replay_counts_do_not_drop(moe_replay):
+    _, counts, rejections = moe_replay
     assert counts["skipped (MODE inference/rl)"] == 14 and counts["training lines"] == 51
     assert counts["accepted"] >= ACCEPTED_MOE, dict(rejections)
     # Sinkhorn under CP (2 lines), MTP under PP (2) and the layout's MTP stage 'm' (1).
