@@ -179,7 +179,7 @@ class ParameterGroup:
         self.is_unsharded = True
         weights = self.axes.flat(self.model_weight, self.strategy.parameter)
         return weights.redistribute(weights.like(self.unsharded, "R" * len(self.axes.groups)), self.resources, stream,
-                                    post_ops=[self.views.copy_out_spanning] if self.views.own_unsharded else [])
+                                    post_ops=self.views.gather_post_ops())
 
     def use_unsharded(self) -> None:
         if self._refill_versions is not None:

@@ -4,7 +4,7 @@ optimizer views and the checkpoint alike.
 ``ShardViews`` is built from what it needs, passed explicitly: the group's ``FlatLayout``
 and this rank's shard of it, the HFSDP split of that shard (``OuterSplit``), the strategy,
 the mesh and the buffers. It owns the storage of the tensors that the shard padding splits
-in the gathered buffer (``own_unsharded``). It never communicates.
+in the gathered buffer. It never communicates.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class OuterSplit:
 class ShardViews:
     """Per-parameter rows and views into a group's flat buffers.
 
-    Owns: ``own_unsharded`` (index -> contiguous storage of a tensor that the shard padding
+    Owns: ``_own_unsharded`` (index -> contiguous storage of a tensor that the shard padding
     splits in the gathered buffer) and the packed offsets of the replicated compute buffer.
     Reads, never changes: the layouts, ranks, strategy, mesh and the buffers' tensors."""
 
@@ -65,7 +65,7 @@ class ShardViews:
         self._packed_offsets = [0]
         for numel in layout.numels:
             self._packed_offsets.append(self._packed_offsets[-1] + numel)
-        self.own_unsharded: Dict[int, torch.Tensor] = {
+        self._own_unsharded: Dict[int, torch.Tensor] = {
             index: torch.empty(shape, dtype=self.unsharded.dtype, device=self.unsharded.device)
             for index, shape in enumerate(layout.shapes)
             if self._gathered and not layout.is_contiguous_in_gathered(index)
@@ -140,17 +140,21 @@ class ShardViews:
         if not self._gathered:
             start = self._packed_offsets[p.index]
             return self.unsharded.narrow(0, start, self.layout.numels[p.index]).view(p.shape)
-        if p.index in self.own_unsharded:
-            return self.own_unsharded[p.index]
+        if p.index in self._own_unsharded:
+            return self._own_unsharded[p.index]
         return self.layout.gathered_view(self.unsharded, p.index)
 
     def unsharded_storages(self) -> Tuple[torch.Tensor, ...]:
         """The tensors whose storage an unshard fills and a reshard frees."""
-        return (self.unsharded,) + tuple(self.own_unsharded.values())
+        return (self.unsharded,) + tuple(self._own_unsharded.values())
 
-    def copy_out_spanning(self) -> None:
-        """Assemble the tensors whose rows the shard padding splits (all-gather post-op)."""
-        for index, tensor in self.own_unsharded.items():
+    def gather_post_ops(self) -> list:
+        """What the all-gather into ``unsharded`` must run once it is done: assemble the
+        tensors that the shard padding splits (none: nothing to run)."""
+        return [self._copy_out_spanning] if self._own_unsharded else []
+
+    def _copy_out_spanning(self) -> None:
+        for index, tensor in self._own_unsharded.items():
             self.layout.copy_out(self.unsharded, index, tensor)
 
     # DTensors ----------------------------------------------------------------------------
