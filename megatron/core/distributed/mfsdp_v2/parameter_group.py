@@ -75,12 +75,10 @@ class ParameterGroup:
         self.grad_divisor = grad_divisor
         self.axes = DataParallelAxes.of(mesh, strategy)
         self.inner_group = self.axes.inner_group
-        self.inner_size, self.inner_rank = self.axes.inner_size, self.axes.inner_rank
-        self.outer_size, self.outer_rank = self.axes.outer_size, self.axes.outer_rank
         sharded = "S" in strategy.parameter + strategy.gradient + strategy.optimizer
-        self.layout = FlatLayout([p.shape for p in self.fsdp_parameters], self.inner_size if sharded else 1)
-        self.shard_index = self.inner_rank if sharded else 0
-        outer = (OuterSplit.of(self.layout, self.shard_index, self.outer_size, self.outer_rank)
+        self.layout = FlatLayout([p.shape for p in self.fsdp_parameters], self.axes.inner_size if sharded else 1)
+        self.shard_index = self.axes.inner_rank if sharded else 0
+        outer = (OuterSplit.of(self.layout, self.shard_index, self.axes.outer_size, self.axes.outer_rank)
                  if strategy.outer_optim_sharded else None)
         self.outer_layout: Optional[FlatLayout] = outer.layout if outer is not None else None
         buffers = allocate_buffers(self.layout, self.outer_layout, strategy, precision, device, resources,
@@ -122,11 +120,6 @@ class ParameterGroup:
     @precision_aware_grads.setter
     def precision_aware_grads(self, value: bool) -> None:
         self.grads.precision_aware_grads = value
-
-    @property
-    def grad_phase(self):
-        """Where this group's gradients are in the step (``GradPhase``)."""
-        return self.grads.phase
 
     # Construction ---------------------------------------------------------------------
     def _fill_from_originals(self, originals: Sequence[nn.Parameter]) -> None:
