@@ -100,6 +100,41 @@ class FlatBuffer:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class DataParallelAxes:
+    """A parameter group's data-parallel axes: their process groups (outer first, as the
+    strategy's placement codes) and this rank's size and rank on each. ``flat`` makes a
+    ``FlatBuffer`` on them. Without an outer axis, ``outer_size`` is 1 and ``outer_rank`` 0."""
+
+    groups: Tuple[dist.ProcessGroup, ...]
+    inner_size: int
+    inner_rank: int
+    outer_size: int
+    outer_rank: int
+
+    @classmethod
+    def of(cls, mesh, strategy) -> "DataParallelAxes":
+        """The axes ``strategy`` names (``inner_dim``, ``outer_dim``) on ``mesh``."""
+        inner = mesh.get_group(strategy.inner_dim)
+        outer = mesh.get_group(strategy.outer_dim) if strategy.outer_dim is not None else None
+        groups = tuple(g for g in (outer, inner) if g is not None)
+        outer_size, outer_rank = (1, 0) if outer is None else (dist.get_world_size(outer), dist.get_rank(outer))
+        return cls(groups, dist.get_world_size(inner), dist.get_rank(inner), outer_size, outer_rank)
+
+    @property
+    def inner_group(self) -> dist.ProcessGroup:
+        return self.groups[-1]
+
+    @property
+    def outer_group(self):
+        """The outer axis' process group, or None (a single data-parallel axis)."""
+        return self.groups[0] if len(self.groups) == 2 else None
+
+    def flat(self, data: torch.Tensor, codes: str) -> FlatBuffer:
+        """``data`` as a flat buffer with placement ``codes`` on these axes."""
+        return FlatBuffer(data, codes, self.groups)
+
+
 def single_axis_steps(source: str, target: str) -> list:
     """The one-axis moves from placement codes ``source`` to ``target``, inner axis first
     (the inner reduction precedes the outer one): ``[(axis, codes before, codes after)]``."""

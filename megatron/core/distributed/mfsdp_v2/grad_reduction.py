@@ -1,7 +1,7 @@
 """A group's gradients: from autograd's unsharded ``.grad`` to the reduced ``.grad`` the
 optimizer reads.
 
-``GradientReduction`` is a mixin of ``ParameterGroup``. A gradient starts as this rank's
+``GradientReducer`` is one part of a ``ParameterGroup``. A gradient starts as this rank's
 partial sum on every axis ("P" everywhere); each microbatch takes it to the strategy's
 gradient placement (a reduce-scatter into ``main_grad`` where that is Shard(0), local
 accumulation where it is Partial), and the last microbatch takes ``main_grad`` on to the
@@ -13,7 +13,7 @@ optimizer placement in ``reduced_grad``, inner axis first (``single_axis_steps``
     outer Partial -> Shard       HFSDP: reduce-scatter of the inner shard
     replicas (another job's)     with a replica reducer (replica.py): all-reduce in place
 
-The mixin also stashes each gradient into the reduce-scatter input as it arrives and
+The reducer also stashes each gradient into the reduce-scatter input as it arrives and
 exposes ``.grad``/``.main_grad`` at the end of backward.
 
 Gradient-accumulation fusion: a linear layer's backward may ask for the place of its weight
@@ -28,76 +28,106 @@ slot when the slot is delivered.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from megatron.core.torch_private import current_graph_task_id
 
 from . import work as comm
-from .flat_buffer import single_axis_steps
+from .flat_buffer import CommResources, DataParallelAxes, single_axis_steps
+from .group_buffers import GroupBuffers
+from .layout import FlatLayout
+from .mixed_precision import ResolvedPrecision
 from .phase import GradPhase, check_grad_transition
 from .profiling import cpu_range
 from .replica import replica_all_reduce
+from .shard_views import ShardViews
 
 
-class GradientReduction:
-    """Reduction of one group's gradients into ``main_grad`` and ``reduced_grad``."""
+@dataclasses.dataclass
+class _BackwardGrads:
+    """What one backward has delivered of a group's gradients and not yet reduced."""
 
-    def _init_gradient_state(self) -> None:
-        S = self.layout.shard_numel
+    received: set = dataclasses.field(default_factory=set)  # indices whose gradient was accumulated
+    # Sharded gradients: each unsharded gradient is moved into the reduce-scatter input as
+    # soon as autograd has accumulated it, so the unit never holds its gradients and that
+    # input at the same time.
+    reduce_input: Optional[torch.Tensor] = None
+    stashed: set = dataclasses.field(default_factory=set)  # indices already in reduce_input
+    # Parameters whose fused gradient slot was handed out and not yet seen by the hook:
+    # index -> the autograd graph task that computed into it.
+    slots_out: Dict[int, int] = dataclasses.field(default_factory=dict)
+    # index -> [(rows or None, gradient)] waiting for that slot's own graph to deliver it
+    deferred: Dict[int, list] = dataclasses.field(default_factory=dict)
+
+
+class GradientReducer:
+    """Reduction of one group's gradients into ``main_grad`` and ``reduced_grad``.
+
+    Owns: the step's gradient lifecycle ``phase`` (``GradPhase``; every change goes through
+    ``_set_phase``), the set of parameters whose next reduction overwrites, this backward's
+    delivered gradients (``_BackwardGrads``), the cached ``.grad`` DTensor views, the
+    gradient hook and the fused-wgrad slots. Settings its group forwards: ``on_grad_ready``
+    (called when one of its gradients was accumulated) and ``precision_aware_grads``.
+    Reads, never reallocates: ``main_grad``/``reduced_grad`` and the views into them."""
+
+    def __init__(self, params, layout: FlatLayout, shard_index: int, outer_layout: Optional[FlatLayout],
+                 strategy, precision: ResolvedPrecision, resources: CommResources, axes: DataParallelAxes,
+                 grad_divisor: float, buffers: GroupBuffers, views: ShardViews, requires_grad: bool):
+        self.fsdp_parameters = params
+        self.layout, self.shard_index, self.outer_layout = layout, shard_index, outer_layout
+        self.strategy, self.precision, self.grad_divisor = strategy, precision, grad_divisor
+        self.resources, self.device, self.axes = resources, resources.device, axes
+        self.main_grad, self.reduced_grad = buffers.main_grad, buffers.reduced_grad
+        self.views, self.requires_grad = views, requires_grad
+        # Set through the group by the owning unit: called when one of its gradients was accumulated.
+        self.on_grad_ready: Callable[[], None] = lambda: None
+        # Set through the group by fully_shard_optimizer(precision_aware=True): .grad keeps main_grads_dtype.
+        self.precision_aware_grads = False
+        S = layout.shard_numel
         # Fixed per group, used on every step: computed once.
         self._padding_ranges = [
             (s * S + used, S - used)
-            for s, used in ((s, self.layout.used_numel(s)) for s in range(self.layout.num_shards))
+            for s, used in ((s, layout.used_numel(s)) for s in range(layout.num_shards))
             if used < S
         ]
-        self._num_trainable = sum(1 for p in self.fsdp_parameters if p.requires_grad)
-        # The step's gradient lifecycle (phase.py); every change goes through _set_grad_phase.
-        self.grad_phase = GradPhase.IDLE
+        self._num_trainable = sum(1 for p in params if p.requires_grad)
+        self._stash_grads = requires_grad and strategy.grad_sharded
+        self.phase = GradPhase.IDLE
         # Parameters whose next reduction overwrites instead of accumulating (their .grad was
         # reset since it was exposed): set when a step's accumulation begins, taken once by
         # the reduction that writes them (_take_overwrite).
         self._overwrite: set = set()
-        self._received = set()
-        # Sharded gradients: each unsharded gradient is moved into the reduce-scatter input
-        # as soon as autograd has accumulated it, so the unit never holds its gradients and
-        # that input at the same time.
-        self._stash_grads = self.requires_grad and self.strategy.grad_sharded
-        self._reduce_input: Optional[torch.Tensor] = None
-        self._stashed: set = set()
-        # Parameters whose fused gradient slot was handed out and not yet seen by the hook:
-        # index -> the autograd graph task that computed into it.
-        self._slots_out: dict = {}
-        # index -> [(rows or None, gradient)] waiting for that slot's own graph to deliver it
-        self._deferred: dict = {}
-        self._grad_views = None
+        self._backward = _BackwardGrads()
+        self._grad_views = None  # reduced_grad's DTensor views, built at the first expose
 
-    def _set_grad_phase(self, new: GradPhase) -> None:
-        check_grad_transition(self.fsdp_parameters[0].fqns[0], self.grad_phase, new)
-        self.grad_phase = new
+    def _set_phase(self, new: GradPhase) -> None:
+        check_grad_transition(self.fsdp_parameters[0].fqns[0], self.phase, new)
+        self.phase = new
 
     def _reduced_in_backward(self) -> bool:
-        return self.grad_phase in (GradPhase.REDUCED, GradPhase.READY)
+        return self.phase in (GradPhase.REDUCED, GradPhase.READY)
 
     def _take_overwrite(self) -> set:
         """The parameters the current reduction must overwrite; later ones accumulate."""
         taken, self._overwrite = self._overwrite, set()
         return taken
 
-    def _make_grad_hook(self, p):
+    def make_grad_hook(self, p):
         # The hook lives in the parameter's C++ autograd metadata, where Python's garbage
-        # collector cannot see it: a hook holding this group (which holds the parameter)
+        # collector cannot see it: a hook holding this reducer (which holds the parameter)
         # would make a cycle that is never freed, and keep the model, its buffers and its
-        # mesh's process groups alive for the rest of the process. So it holds the group weakly.
-        group_ref = weakref.ref(self)
+        # mesh's process groups alive for the rest of the process. So it holds the reducer weakly.
+        reducer_ref = weakref.ref(self)
         position = self.fsdp_parameters.index(p)
 
         def hook(param: torch.Tensor) -> None:
-            group = group_ref()
-            if group is not None:
-                group._on_grad_accumulated(group.fsdp_parameters[position])
+            reducer = reducer_ref()
+            if reducer is not None:
+                reducer._on_grad_accumulated(reducer.fsdp_parameters[position])
 
         return hook
 
@@ -108,21 +138,21 @@ class GradientReduction:
                 "gradients: two autograd graphs use it (e.g. inside and outside a reentrant activation "
                 "checkpoint that does not cover the unit's whole use of it); use "
                 "torch.utils.checkpoint(..., use_reentrant=False) there.")
-        self._received.add(p.index)
+        self._backward.received.add(p.index)
         if self._stash_grads:
             with cpu_range("MFSDP stash_grad", self.device):
                 self._stash_grad(p)
-        self.on_grad_ready(self)
+        self.on_grad_ready()
 
     def all_grads_received(self) -> bool:
-        return len(self._received) == self._num_trainable
+        return len(self._backward.received) == self._num_trainable
 
     def _pending_reduce_input(self) -> torch.Tensor:
-        if self._reduce_input is None:
-            self._reduce_input = torch.empty(
+        if self._backward.reduce_input is None:
+            self._backward.reduce_input = torch.empty(
                 self.layout.gathered_numel, dtype=self.precision.grad_comm, device=self.main_grad.device
             )
-        return self._reduce_input
+        return self._backward.reduce_input
 
     def fused_wgrad_out(self, p) -> Optional[torch.Tensor]:
         """The tensor a fused linear backward may write ``p``'s whole gradient into (its place
@@ -132,12 +162,12 @@ class GradientReduction:
         fresh view that nothing else holds, so autograd keeps it as ``.grad`` uncopied."""
         index = p.index
         unsharded = p.unsharded_param
-        if (index in self._stashed or self.layout.replicated[index]
+        if (index in self._backward.stashed or self.layout.replicated[index]
                 or not self.layout.is_contiguous_in_gathered(index)
                 or unsharded.dtype != self.precision.grad_comm or unsharded.grad is not None):
             return None
-        self._stashed.add(index)
-        self._slots_out[index] = current_graph_task_id()
+        self._backward.stashed.add(index)
+        self._backward.slots_out[index] = current_graph_task_id()
         return self.layout.gathered_view(self._pending_reduce_input(), index)
 
     def add_to_fused_wgrad(self, p, touched_rows: Callable[[], Tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -146,9 +176,9 @@ class GradientReduction:
         out, so the gradient must go through autograd). ``touched_rows()`` computes it, only
         once accepted, as ``(rows, values)``: ``values[i]`` belongs to row ``rows[i]``, rows
         distinct. A slot is only ever handed out in the gradient's dtype."""
-        if self._slots_out.get(p.index) != current_graph_task_id():
+        if self._backward.slots_out.get(p.index) != current_graph_task_id():
             return False
-        self._deferred.setdefault(p.index, []).append(touched_rows())
+        self._backward.deferred.setdefault(p.index, []).append(touched_rows())
         return True
 
     def _stash_grad(self, p) -> None:
@@ -159,33 +189,33 @@ class GradientReduction:
         index = p.index
         with torch.no_grad():
             flat = self._pending_reduce_input()
-            slot_task = self._slots_out.get(index)
+            slot_task = self._backward.slots_out.get(index)
             if slot_task is not None and slot_task != current_graph_task_id():
                 # A nested graph (reentrant recompute) delivers before the graph that holds the
                 # fused slot, which may still be summing the slot's value: add this one after.
-                self._deferred.setdefault(index, []).append((None, grad))
+                self._backward.deferred.setdefault(index, []).append((None, grad))
             elif slot_task is not None:
-                del self._slots_out[index]
+                del self._backward.slots_out[index]
                 if grad.data_ptr() != self.layout.gathered_view(flat, index).data_ptr():
                     # Autograd summed the slot with other gradients of ``p`` (a tied weight)
                     # into a new tensor: the sum replaces the slot.
                     self.layout.copy_in(grad, flat, index)
-                self._add_deferred(flat, index)
-            elif index in self._stashed:  # a second gradient in this backward (reentrant graphs)
+                self._add_deferred(flat, index, self._backward.deferred.pop(index, ()))
+            elif index in self._backward.stashed:  # a second gradient in this backward (reentrant graphs)
                 self._add_into(flat, index, grad)
             else:
                 self.layout.copy_in(grad, flat, index)
-                self._stashed.add(index)
+                self._backward.stashed.add(index)
         p.unsharded_param.grad = None
 
     def _add_into(self, flat: torch.Tensor, index: int, grad: torch.Tensor) -> None:
         for piece, src in zip(self.layout.gathered_slices(flat, index), self.layout.source_chunks(grad, index)):
             piece.add_(src)
 
-    def _add_deferred(self, flat: torch.Tensor, index: int) -> None:
+    def _add_deferred(self, flat: torch.Tensor, index: int, held) -> None:
         """Add the gradients held back for ``index``'s slot: whole ones (a nested graph's) or
         the rows a tied embedding touched."""
-        for rows, grad in self._deferred.pop(index, ()):
+        for rows, grad in held:
             if rows is None:
                 self._add_into(flat, index, grad)
             else:  # offered only for a slot, which is contiguous in the buffer
@@ -196,16 +226,17 @@ class GradientReduction:
         if not self.requires_grad:
             return []
         strategy = self.strategy
-        self._received.clear()
-        if self.grad_phase is GradPhase.IDLE:
+        # This backward's gradients are taken whole; the next backward starts afresh.
+        backward, self._backward = self._backward, _BackwardGrads()
+        if self.phase is GradPhase.IDLE:
             self._begin_accumulation()
         # What the end of this backward exposes as .grad: the last microbatch's result, or
         # every microbatch's where main_grad already has the optimizer's placement.
         exposes = is_last_microbatch or strategy.gradient == strategy.optimizer
-        self._set_grad_phase(GradPhase.READY if exposes else GradPhase.REDUCED)
+        self._set_phase(GradPhase.READY if exposes else GradPhase.REDUCED)
         works: List[comm.CollectiveWork] = []
         if strategy.grad_sharded:
-            works.append(self._reduce_scatter_microbatch())
+            works.append(self._reduce_scatter_microbatch(backward))
         else:
             # Accumulate locally. no_shard reduces in place, on top of what earlier backwards
             # already reduced, and the all-reduce divides the whole buffer: so grad_divisor is
@@ -251,21 +282,20 @@ class GradientReduction:
                 self._overwrite.add(p.index)
             elif p.sharded_param.grad is not p.sharded_param.main_grad and p.sharded_param.grad is not None:
                 with torch.no_grad():
-                    self._optim_view(self.reduced_grad, p).copy_(p.sharded_param.grad.to_local())
+                    self.views.optim_view(self.reduced_grad, p).copy_(p.sharded_param.grad.to_local())
 
-    def _reduce_scatter_microbatch(self) -> comm.CollectiveWork:
+    def _reduce_scatter_microbatch(self, backward: _BackwardGrads) -> comm.CollectiveWork:
         """Partial -> the gradient placement's Shard(0) on the inner axis, into main_grad."""
         ctx, comm_dtype = self.resources, self.precision.grad_comm
-        flat, self._reduce_input = self._reduce_input, None
+        flat = backward.reduce_input
         if flat is None:
             flat = torch.empty(self.layout.gathered_numel, dtype=comm_dtype, device=self.main_grad.device)
         with torch.no_grad():
-            for index in list(self._deferred):  # a slot whose graph never delivered still holds its gradient
-                self._add_deferred(flat, index)
-        self._take_grads_into(flat, skip=self._stashed)
-        self._stashed, self._slots_out = set(), {}
-        local = self.flat(flat, "P" * len(self.axis_groups))
-        divisor = self.inner_size * self.grad_divisor
+            for index, held in backward.deferred.items():  # a slot whose graph never delivered still holds its gradient
+                self._add_deferred(flat, index, held)
+        self._take_grads_into(flat, skip=backward.stashed)
+        local = self.axes.flat(flat, "P" * len(self.axes.groups))
+        divisor = self.axes.inner_size * self.grad_divisor
         # HFSDP accumulates a local partial sum here and reduces it on the outer axis
         # later; every other strategy accumulates straight into the reduced gradient.
         direct = self.main_grad is self.reduced_grad
@@ -286,32 +316,32 @@ class GradientReduction:
     def _last_microbatch_step(self, axis: int, before: str, after: str,
                               previous: Optional[comm.CollectiveWork]) -> comm.CollectiveWork:
         ctx, stream = self.resources, self.resources.reduce_scatter_stream
-        if axis != len(self.axis_groups) - 1:
+        if axis != len(self.axes.groups) - 1:
             # The outer reduction reads what the inner one wrote: order them (stream-ordered
             # on CUDA; on CPU this completes the inner reduction first).
             with self.device.stream(stream):
                 previous.wait()
             if after[axis] == "R":  # HSDP: content left from earlier steps is identical on
                 # every outer rank, so SUM / M keeps it and averages the new gradients onto it.
-                return self._all_reduce_in_comm_dtype(self.reduced_grad, before, after, self.outer_size)
+                return self._all_reduce_in_comm_dtype(self.reduced_grad, before, after, self.axes.outer_size)
             return self._outer_reduce_scatter(before, after)
         if after[axis] == "R":  # no_shard: all-reduce in place. Content left from earlier steps
             # is identical on every rank, so SUM / N returns it unchanged and new gradients are
             # averaged onto it.
-            return self._all_reduce_in_comm_dtype(self.main_grad, before, after, self.inner_size)
+            return self._all_reduce_in_comm_dtype(self.main_grad, before, after, self.axes.inner_size)
         # ZeRO-1: reduce-scatter the local sum into the shard.
         comm_dtype = self.precision.grad_comm
         comm.follow_current_stream(self.device, stream)  # main_grad was written there
         with self.device.stream(stream):
             out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=self.main_grad.device)
-            send = self.flat(self.main_grad.to(comm_dtype), before)
+            send = self.axes.flat(self.main_grad.to(comm_dtype), before)
         local = self.main_grad
 
         def clear_local() -> None:
             local.zero_()
 
         return send.redistribute(
-            send.like(out, after), ctx, stream, divisor=self.inner_size * self.grad_divisor,
+            send.like(out, after), ctx, stream, divisor=self.axes.inner_size * self.grad_divisor,
             post_ops=[self._accumulate_op(out, self.reduced_grad, self._take_overwrite()), clear_local],
         )
 
@@ -329,20 +359,19 @@ class GradientReduction:
         def clear_partial() -> None:
             partial.zero_()
 
-        send = self.flat(flat, before)
+        send = self.axes.flat(flat, before)
         return send.redistribute(
-            send.like(out, after), self.resources, stream, divisor=self.outer_size,
+            send.like(out, after), self.resources, stream, divisor=self.axes.outer_size,
             post_ops=[self._accumulate_op(out, self.reduced_grad, self._take_overwrite()), clear_partial],
         )
 
     def discard_partial_backward(self) -> None:
         """Forget gradients of an aborted backward that were never reduced."""
-        self._received.clear()
+        self._backward = _BackwardGrads()
         # A reduction of the aborted backward may have written main_grad: the next one
         # looks at .grad again (zero_grad() since then makes it start over). From any phase.
-        self.grad_phase = GradPhase.IDLE
+        self.phase = GradPhase.IDLE
         self._overwrite = set()
-        self._reduce_input, self._stashed, self._slots_out, self._deferred = None, set(), {}, {}
         for p in self.fsdp_parameters:
             p.unsharded_param.grad = None
 
@@ -356,11 +385,11 @@ class GradientReduction:
         """Partial -> Replicate in place on ``buffer``, communicating in grad_comm_dtype."""
         comm_dtype, stream = self.precision.grad_comm, self.resources.reduce_scatter_stream
         if buffer.dtype == comm_dtype:
-            wire = self.flat(buffer, before)
+            wire = self.axes.flat(buffer, before)
             return wire.redistribute(wire.like(buffer, after), self.resources, stream, divisor=divisor)
         comm.follow_current_stream(self.device, stream)  # the buffer may have been written there
         with self.device.stream(stream):
-            wire = self.flat(buffer.to(comm_dtype), before)
+            wire = self.axes.flat(buffer.to(comm_dtype), before)
 
         def copy_back() -> None:
             buffer.copy_(wire.data)
@@ -408,22 +437,22 @@ class GradientReduction:
 
         def op() -> None:
             for p in zeroed:
-                self._optim_view(target, p).zero_()
+                self.views.optim_view(target, p).zero_()
             target.add_(reduced.to(target.dtype), alpha=scale)
 
         return op
 
     def expose_grads(self) -> None:
         """Point each parameter's ``.grad`` at its reduced gradient (end of backward)."""
-        if self.grad_phase is GradPhase.REDUCED:
-            self._set_grad_phase(GradPhase.ACCUMULATING)
-        if self.grad_phase is not GradPhase.READY:
+        if self.phase is GradPhase.REDUCED:
+            self._set_phase(GradPhase.ACCUMULATING)
+        if self.phase is not GradPhase.READY:
             return
-        self._set_grad_phase(GradPhase.IDLE)
+        self._set_phase(GradPhase.IDLE)
         main_dtype = self.precision.main_params
         if self._grad_views is None:  # reduced_grad is persistent: build its DTensor views once
             self._grad_views = [
-                self._dtensor(self._optim_view(self.reduced_grad, p), p, self._optimizer_placements(p))
+                self.views.dtensor(self.views.optim_view(self.reduced_grad, p), p, self.views.optimizer_placements(p))
                 for p in self.fsdp_parameters
             ]
         for p, view in zip(self.fsdp_parameters, self._grad_views):
@@ -433,5 +462,5 @@ class GradientReduction:
                 p.sharded_param.grad = view
             elif not self.precision_aware_grads:
                 # torch optimizers need .grad in the parameter's dtype: a cast copy.
-                p.sharded_param.grad = self._dtensor(view.to_local().to(main_dtype), p, self._optimizer_placements(p))
+                p.sharded_param.grad = self.views.dtensor(view.to_local().to(main_dtype), p, self.views.optimizer_placements(p))
             # precision-aware optimizers read .main_grad; .grad stays unset.

@@ -215,7 +215,7 @@ class UnitState:
             context.prefetch_backward(self)
         return grad
 
-    def _on_grad_ready(self, group) -> None:
+    def _on_grad_ready(self) -> None:
         """A trainable parameter's gradient was accumulated (called by its group)."""
         self.context.backward.ensure_final_callback(self)
         if self._phase is not Phase.POST_BACKWARD and all(g.all_grads_received() for g in self.trainable_groups):

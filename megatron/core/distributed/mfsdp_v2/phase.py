@@ -37,7 +37,7 @@ def check_transition(unit: str, old: Phase, new: Phase) -> None:
 
 
 class GradPhase(enum.Enum):
-    """Where a parameter group's gradients are in a step (``ParameterGroup.grad_phase``)."""
+    """Where a parameter group's gradients are in a step (``GradientReducer.phase``)."""
 
     IDLE = enum.auto()  # no accumulation begun: the next reduction starts the step's (reads .grad resets)
     ACCUMULATING = enum.auto()  # earlier microbatches reduced into main_grad; .grad not exposed yet

@@ -5,7 +5,7 @@ tensors of the saved model and of its optimizer state are rebuilt with this file
 all-gather of every rank's ZeRO-3 rows (the rows a rank holds are ``layout.local_piece``,
 which the engine's layout tests check). A loaded model is then compared with the rows
 the engine itself would give each rank when built from those full tensors
-(``group._optimizer_rows``: the path that fills a freshly wrapped model), bit for bit.
+(``group.views.optimizer_rows``: the path that fills a freshly wrapped model), bit for bit.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def full_state_zero3(model, ctx, optimizer) -> Tuple[Dict[str, torch.Tensor], Di
 def expected_local(full: torch.Tensor, group, fp) -> torch.Tensor:
     """The rows a rank of ``group`` holds in its optimizer placement (the engine's own
     construction path, which its tests check against a reference)."""
-    return group._optimizer_rows(full, fp)
+    return group.views.optimizer_rows(full, fp)
 
 
 def assert_loaded(model, ctx, optimizer, full_params, full_state, check_optimizer=True):

@@ -120,7 +120,7 @@ def test_half_the_ranks(saved, strategy):
                 own = owners(ctx)
                 for fqn, p in model.named_parameters():
                     _, unit_group, fp = own[id(p)]
-                    assert torch.equal(unit_group._unsharded_tensor(fp), params[fqn]), fqn
+                    assert torch.equal(unit_group.views.unsharded_tensor(fp), params[fqn]), fqn
 
 
 @pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])

@@ -183,8 +183,8 @@ def test_an_unrelated_optimizer_never_reaches_the_engine():
     calls = []
     for unit in _units(model):
         for group in unit.parameter_groups:
-            original = group.sync_model_weight
-            group.sync_model_weight = lambda original=original: (calls.append(1), original())[1]
+            original = group.weights.sync_model_weight  # every refresh runs it (weight_sync.py)
+            group.weights.sync_model_weight = lambda original=original: (calls.append(1), original())[1]
     other = nn.Linear(H, H)
     other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
     for _ in range(3):

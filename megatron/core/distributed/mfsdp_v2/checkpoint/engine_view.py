@@ -9,7 +9,7 @@ package sees contexts as opaque handles and parameters as ``ShardedRows``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import torch
 import torch.nn as nn
@@ -45,28 +45,9 @@ def sharded_parameters(contexts) -> Dict[int, ShardedRows]:
         for unit in ctx.units:
             for group in unit.parameter_groups:
                 for fp in group.fsdp_parameters:
-                    start, end = _optimizer_rows(group, fp)
+                    start, end = group.views.optimizer_row_range(fp)
                     found[id(fp.sharded_param)] = ShardedRows(torch.Size(fp.shape), start, end)
     return found
-
-
-def _optimizer_rows(group, fp) -> Tuple[int, int]:
-    """Global dim-0 rows of ``fp`` held in this rank's optimizer placement (main_weight)."""
-    shape = fp.shape
-    if len(shape) == 0:
-        return 0, 1
-    rows = shape[0]
-    if not group.strategy.optim_sharded:
-        return 0, rows
-    start, end, _ = group.layout.local_piece(fp.index, group.shard_index)
-    outer = getattr(group, "outer_layout", None)
-    if outer is None:
-        return start, end
-    j = group._outer_index.get(fp.index)
-    if j is None:
-        return start, start
-    outer_start, outer_end, _ = outer.local_piece(j, group.outer_rank)
-    return start + outer_start, start + outer_end
 
 
 def local_rows(tensor) -> torch.Tensor:
