@@ -8,6 +8,7 @@ global batch; the printed loss is the global-batch mean and falls steadily.
 
 import argparse
 import datetime
+import gc
 import time
 
 import torch
@@ -111,6 +112,11 @@ def main():
         steady = sorted(times[5:])
         print(f"median step time: {1000 * steady[len(steady) // 2]:.1f} ms ({'plain' if args.plain else f'MFSDP v2 ZeRO-3, {world} ranks'})")
     if dist.is_initialized():
+        # Drop the engine's state (its units hold the mesh's groups) before the groups go, so that
+        # nothing of the process groups is left for the interpreter's teardown to destroy.
+        del model, optimizer, context
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 
