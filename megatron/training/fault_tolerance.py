@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.mfsdp_v2.checkpoint.load import sync_compute_weights
+from megatron.core.distributed.mfsdp_v2.checkpoint.load import create_optimizer_state, sync_compute_weights
 from megatron.core.distributed.weight_hash import local_weight_hashes
 from megatron.training.log_utils import print_rank_0
 from megatron.training.user_errors import UserError
@@ -202,7 +202,7 @@ class FaultTolerance:
             for name, b in model.named_buffers():
                 _local(b).copy_(state["buffers"][name])
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            _create_optimizer_state(optimizer, [params[i] for i in state["optimizer_state"]])
+            create_optimizer_state(optimizer, [params[i] for i in state["optimizer_state"]])
             for i, saved in state["optimizer_state"].items():
                 current = optimizer.state[params[i]]
                 for key, value in saved.items():
@@ -219,27 +219,6 @@ class FaultTolerance:
         self._recovered = True
         print_rank_0(f"ft: group {self.group_id}: recovered weights, optimizer state and counters from a healthy "
                      f"group: continuing at step {t.iteration}")
-
-
-def _create_optimizer_state(optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> None:
-    """Create the (zero) state of ``params`` that have none yet, without changing them: one
-    step with zero gradients at learning rate 0 (the checkpoint loader's way, too)."""
-    params = [p for p in params if not optimizer.state.get(p)]
-    if not params:
-        return
-    grads = {id(p): p.grad for p in params}
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        for group in optimizer.param_groups:
-            group["lr"] = 0.0
-        optimizer.step()
-    finally:
-        for group, lr in zip(optimizer.param_groups, lrs):
-            group["lr"] = lr
-        for p in params:
-            p.grad = grads[id(p)]
 
 
 def replica_weights_sha256(model: torch.nn.Module, context=None, group=None) -> str:

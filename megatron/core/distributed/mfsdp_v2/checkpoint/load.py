@@ -7,7 +7,7 @@ layout, so any checkpoint loads into any world size and strategy, or a plain mod
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -243,8 +243,14 @@ def _initialize_optimizer_state(optimizer: torch.optim.Optimizer, names: Dict[in
     """Create the state tensors (zeros) of the parameters named in ``with_state`` that have
     none yet, without changing any parameter: one step with zero gradients at learning
     rate 0."""
-    params = [p for p in optimizer_params(optimizer)
-              if p.requires_grad and not optimizer.state.get(p) and names[id(p)] in with_state]
+    create_optimizer_state(optimizer, [p for p in optimizer_params(optimizer)
+                                       if p.requires_grad and names[id(p)] in with_state])
+
+
+def create_optimizer_state(optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> None:
+    """Create the (zero) state of those ``params`` that have none yet, without changing any
+    parameter: one step with zero gradients at learning rate 0 (a load, a torchft recovery)."""
+    params = [p for p in params if not optimizer.state.get(p)]
     if not params:
         return
     saved_grads = {id(p): p.grad for p in params}
