@@ -45,9 +45,25 @@ distributed() {
     fi
 }
 
-# The same distributed tests on $next_torch, in its own venv (a subshell: the suite's venv
-# stays active for the stages above).
+# The venv of $next_torch (a subshell: the suite's venv stays active). Creating it downloads
+# and unpacks a ~5 GB wheel: I/O, not CPU, so it runs in the background from the start,
+# beside the CPU-bound stages, instead of adding minutes of its own.
+prepare_next_torch() {
+    (
+        MEGATRON_VENV="$PWD/.venv-torch214" MEGATRON_TORCH="$next_torch" MEGATRON_EXTRAS=test \
+            source scripts/setup_env.sh
+    )
+}
+prepare_next_torch >"$logs/next-torch-setup.log" 2>&1 &
+next_torch_setup=$!
+
+# The same distributed tests on $next_torch, in its own venv.
 distributed_next_torch() {
+    if ! wait "$next_torch_setup"; then
+        echo "--- creating the $next_torch venv failed:"; cat "$logs/next-torch-setup.log"
+        return 1
+    fi
+    cat "$logs/next-torch-setup.log"
     (
         MEGATRON_VENV="$PWD/.venv-torch214" MEGATRON_TORCH="$next_torch" MEGATRON_EXTRAS=test \
             source scripts/setup_env.sh || exit 1
