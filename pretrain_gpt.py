@@ -22,6 +22,7 @@ if _REPO_ROOT not in sys.path:
 
 from megatron.core.transformer.document_mask import DocumentMask  # noqa: E402
 from megatron.training import pretrain, print_rank_0  # noqa: E402
+from megatron.training.fim_arguments import fim_transform_from_args  # noqa: E402
 from megatron.training.shutdown import leave  # noqa: E402
 
 
@@ -172,6 +173,7 @@ def train_valid_test_datasets_provider(args, tokenizer, train_val_test_num_sampl
         args.seed,
         cache_dir,
         mmap_bin_files=args.mmap_bin_files,
+        fim=fim_transform_from_args(args, tokenizer),
         **documents,
     )
 

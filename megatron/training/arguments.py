@@ -34,6 +34,7 @@ from megatron.training.fault_tolerance_arguments import (
     replica_groups,
     validate_fault_tolerance_args,
 )
+from megatron.training.fim_arguments import add_fim_args, validate_fim_args
 from megatron.training.initialize import get_distributed_env
 from megatron.training.launch_script_arguments import (
     add_launch_script_args,
@@ -155,6 +156,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--num-workers", type=int, default=2)
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss where the input token is EOD")
     add_packed_document_args(g)
+    add_fim_args(g)
 
     g = parser.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")
@@ -378,6 +380,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     validate_mla_args(args)
     validate_linear_attention_args(args)
     validate_packed_document_args(args)
+    validate_fim_args(args)
     validate_recipe_args(args, _note)
     validate_compile_args(args)
     _validate_paths(args)

@@ -158,7 +158,6 @@ REJECTED: Dict[str, str] = {
     "--log-straggler": "straggler detection is not implemented; drop it",
     "--straggler-minmax-count": "straggler detection is not implemented; drop it",
     "--log-progress": "not implemented; the iteration log line has the progress",
-    "--fim-data": "fill-in-the-middle data is not implemented; drop it",
 }
 # Upstream's GPT-OSS example (examples/gptoss/02_train.sh) and ModelOpt's train.sh.
 _GPT_OSS = ("GPT-OSS's blocks (learnable-softmax attention sinks, sliding-window layers, clamped quick-GEGLU) "
