@@ -33,6 +33,7 @@ def core_transformer_config_from_args(args):
     from megatron.training.linear_attention_arguments import linear_attention_config_kwargs
     from megatron.training.mla_arguments import mla_config_kwargs
     from megatron.training.moe_arguments import moe_config_kwargs
+    from megatron.training.mup_arguments import mup_config_kwargs
     from megatron.training.recipe_arguments import recipe_config_kwargs
 
     config = TransformerConfig(
@@ -74,6 +75,7 @@ def core_transformer_config_from_args(args):
         **mla_config_kwargs(args),
         **linear_attention_config_kwargs(args),
         **recipe_config_kwargs(args),
+        **mup_config_kwargs(args),
     )
     if getattr(args, "squared_relu", False):
         config.activation_func = "squared_relu"

@@ -47,6 +47,7 @@ from megatron.training.megatron_compat import add_megatron_compat_args, apply_me
 from megatron.training.mla_arguments import add_mla_args, validate_mla_args
 from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_without_mfsdp, validate_moe_args
 from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist_muon, validate_muon_args
+from megatron.training.mup_arguments import add_mup_args, validate_mup_args
 from megatron.training.packed_document_arguments import add_packed_document_args, validate_packed_document_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 from megatron.training.recipe_arguments import add_recipe_args, validate_recipe_args
@@ -237,6 +238,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     add_pipeline_args(parser)
     add_context_parallel_args(parser)
     add_recipe_args(parser)
+    add_mup_args(parser)
     add_resilience_args(parser)
     add_launch_script_args(parser)
     add_fault_tolerance_args(parser)
@@ -382,6 +384,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     validate_packed_document_args(args)
     validate_fim_args(args)
     validate_recipe_args(args, _note)
+    validate_mup_args(args, _note)
     validate_compile_args(args)
     _validate_paths(args)
     return args

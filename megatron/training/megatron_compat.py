@@ -154,7 +154,6 @@ REJECTED: Dict[str, str] = {
     "--first-last-layers-bf16": _FP8,
     "--use-legacy-models": "only the Megatron-Core GPT model exists; drop it",
     "--use-checkpoint-args": "pass the model flags explicitly (the checkpoint's common.json lists them)",
-    "--use-mup": "muP is not implemented; drop it",
     "--log-straggler": "straggler detection is not implemented; drop it",
     "--straggler-minmax-count": "straggler detection is not implemented; drop it",
     "--log-progress": "not implemented; the iteration log line has the progress",
