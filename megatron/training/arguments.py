@@ -31,6 +31,7 @@ from megatron.training.context_parallel_arguments import (
 )
 from megatron.training.fault_tolerance_arguments import (
     add_fault_tolerance_args,
+    fault_tolerance_enabled,
     replica_groups,
     validate_fault_tolerance_args,
 )
@@ -183,6 +184,9 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default nccl with CUDA, gloo without")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10)
+    g.add_argument("--disable-gloo-process-groups", dest="use_gloo_process_groups", action="store_false",
+                   help="no gloo groups beside the NCCL ones (the asynchronous saves' group uses NCCL); "
+                        "on CPU the backend itself is gloo")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="ranks that split each layer (heads, FFN columns, vocabulary); the innermost mesh axis")
     g.add_argument("--sequence-parallel", action="store_true",
@@ -468,6 +472,18 @@ def _validate_precision(args: argparse.Namespace) -> None:
     args.autocast_dtype = half if (half is not None and not (args.use_mfsdp or args.use_torch_fsdp2)) else None
 
 
+def _validate_gloo_side_groups(args: argparse.Namespace) -> None:
+    """--disable-gloo-process-groups: upstream creates no gloo group beside the NCCL ones."""
+    if args.use_gloo_process_groups:
+        return
+    if args.distributed_backend == "gloo":
+        _note("--disable-gloo-process-groups: the backend itself is gloo here, so every process group is gloo "
+              "(there are no gloo groups beside another backend to leave out).")
+    elif fault_tolerance_enabled(args):
+        raise ValueError("--disable-gloo-process-groups: the fault-tolerant replica groups (--ft-*) are torchft's "
+                         "gloo groups; drop one of them.")
+
+
 def _validate_data_parallel(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
     """The backend and the data-parallel layout: MFSDP-only flags, sharding strategies,
     HSDP/HFSDP instances, the engine's dtypes."""
@@ -476,6 +492,7 @@ def _validate_data_parallel(args: argparse.Namespace, world_size: int, cuda_avai
     if args.distributed_backend == "nccl" and not cuda_available:
         raise ValueError("--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU.")
     _positive(args, "distributed_timeout_minutes")
+    _validate_gloo_side_groups(args)
 
     mfsdp_only = {
         "data_parallel_sharding_strategy": args.data_parallel_sharding_strategy,

@@ -333,3 +333,16 @@ def test_save_retain_interval_flags(tmp_path):
         parse(f"--save {tmp_path} --save-interval 2 --save-retain-interval 5")
     with pytest.raises(ValueError, match="--save-retain-interval needs --save"):
         parse("--save-retain-interval 5")
+
+
+def test_disable_gloo_process_groups(capsys):
+    """Upstream: no gloo groups beside NCCL. On CPU the backend is gloo: accepted with a note."""
+    assert parse().use_gloo_process_groups is True
+    args = parse("--disable-gloo-process-groups")
+    assert args.use_gloo_process_groups is False
+    assert "--disable-gloo-process-groups: the backend itself is gloo here" in capsys.readouterr().out
+    assert parse("--disable-gloo-process-groups", cuda=True).distributed_backend == "nccl"
+    assert "backend itself is gloo" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="fault-tolerant replica groups .* are torchft's gloo groups"):
+        parse("--disable-gloo-process-groups --ft-num-replica-groups 2 --ft-replica-group-id 0", world_size=2,
+              cuda=True)
