@@ -2,6 +2,7 @@
 inconsistent combinations with a message that says how to fix them."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -346,3 +347,16 @@ def test_disable_gloo_process_groups(capsys):
     with pytest.raises(ValueError, match="fault-tolerant replica groups .* are torchft's gloo groups"):
         parse("--disable-gloo-process-groups --ft-num-replica-groups 2 --ft-replica-group-id 0", world_size=2,
               cuda=True)
+
+
+@pytest.mark.parametrize("flags, reason", [
+    ("--export-kd-teacher-load /ckpt", "ModelOpt (quantization, distillation, export) is not built here"),
+    ("--export-quant-cfg fp8", "ModelOpt"),
+    ("--export-te-mcore-model", "ModelOpt"),
+    ("--dsa-indexer-n-heads 8", "DeepSeek sparse attention"),
+    ("--dsa-kernel-backend tilelang", "DeepSeek sparse attention"),
+    ("--no-dsa-indexer-scoring-relu", "DeepSeek sparse attention"),
+])
+def test_modelopt_and_dsa_families_are_refused_in_one_line(flags, reason):
+    with pytest.raises(ValueError, match=re.escape(f"{flags.split()[0]} is not supported: {reason}")):
+        parse(flags)
