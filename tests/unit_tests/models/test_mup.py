@@ -125,3 +125,13 @@ def test_width_one_changes_nothing_in_the_optimizer():
     model = make(**dict(MUP, mup_base_hidden_size=64))
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", mup_width_mult=1.0), model)
     assert [g["name"] for g in opt.param_groups] == ["decay", "no_decay"]
+
+
+def test_muon_keeps_its_own_scaling_for_its_matrices():
+    model = make(**MUP)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=1e-3, mup_width_mult=4.0), model)
+    by_name = _groups(opt, model)
+    qkv = by_name["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert qkv["use_muon"] and "max_lr" not in qkv  # Muon's matrices: no muP LR override
+    emb = by_name["embedding.word_embeddings.weight"]
+    assert not emb["use_muon"] and "max_lr" not in emb and emb["eps"] == 1e-8  # vector-like: base LR/eps
