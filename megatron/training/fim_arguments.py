@@ -43,5 +43,6 @@ def validate_fim_args(args: argparse.Namespace) -> None:
 
 
 def fim_transform_from_args(args: argparse.Namespace, tokenizer):
-    """The FIM transform (None without --fim-data); fails if the tokenizer lacks a token."""
-    return FIMTransform(tokenizer, fim_config_from_args(args)) if args.fim_data else None
+    """The FIM transform (None without --fim-data); fails if the tokenizer lacks a token.
+    (getattr: argument sets saved before these flags existed, read back by tools/generate.py.)"""
+    return FIMTransform(tokenizer, fim_config_from_args(args)) if getattr(args, "fim_data", False) else None
