@@ -1,6 +1,6 @@
 """pretrain_gpt.py --fim-data: a tiny model trains on fill-in-the-middle samples made with a
-real tokenizer file holding upstream's FIM tokens; a tokenizer without them stops the run
-with one line before the model is built."""
+real tokenizer file holding upstream's FIM tokens (a tokenizer without them:
+tests/unit_tests/training/test_fim_arguments.py)."""
 
 import os
 import sys
@@ -10,7 +10,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "unit_tests", "datasets"))
 
-from test_clean_errors import run, single_error_line  # noqa: E402
+from test_clean_errors import run  # noqa: E402
 from test_fim import TEXT, build_char_tokenizer  # noqa: E402
 from test_pretrain_gpt import read_metrics  # noqa: E402
 
@@ -43,12 +43,3 @@ def test_fim_data_trains(tmp_path):
     assert sorted(train) == [1, 2, 3]
     assert all(np.isfinite(r["lm_loss"]) for r in train.values())
 
-
-def test_tokenizer_without_fim_tokens_is_one_line(tmp_path):
-    """The default tokenizer (GPT-2's real vocabulary) has no <fim_prefix>."""
-    data = _data(tmp_path, build_char_tokenizer(tmp_path / "tok"))
-    proc = run(ARGS + ["--data-path", data, "--data-cache-path", str(tmp_path / "cache")])
-    assert proc.returncode != 0
-    line = single_error_line(proc)
-    assert "no token '<fim_prefix>' (--fim-prefix-token)" in line, line
-    assert "> tokenizer " not in proc.stdout  # stopped as the tokenizer was built, before the model

@@ -3,6 +3,7 @@
 import pytest
 
 from megatron.training.arguments import parse_args
+from megatron.training.training import build_tokenizer_from_args
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
         "--lr 1e-3 --train-iters 10")
@@ -28,3 +29,12 @@ def test_upstream_defaults():
 def test_bad_values_fail_at_parse_time(extra, message):
     with pytest.raises(ValueError, match=message):
         parse(extra)
+
+
+def test_tokenizer_without_the_fim_tokens_fails_when_it_is_built():
+    """Before the model: the default tokenizer (GPT-2's real vocabulary) has no <fim_prefix>;
+    pretrain() turns this ValueError into its one error line (user_errors("tokenizer"))."""
+    args = parse("--fim-data")
+    with pytest.raises(ValueError, match=r"the tokenizer has no token '<fim_prefix>' \(--fim-prefix-token\); add it"):
+        build_tokenizer_from_args(args)
+    build_tokenizer_from_args(parse(""))  # without --fim-data nothing is looked up
