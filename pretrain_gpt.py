@@ -22,6 +22,7 @@ if _REPO_ROOT not in sys.path:
 
 from megatron.core.transformer.document_mask import DocumentMask  # noqa: E402
 from megatron.training import pretrain, print_rank_0  # noqa: E402
+from megatron.training.fim_arguments import fim_transform_from_args  # noqa: E402
 from megatron.training.shutdown import leave  # noqa: E402
 
 
@@ -32,6 +33,7 @@ def core_transformer_config_from_args(args):
     from megatron.training.linear_attention_arguments import linear_attention_config_kwargs
     from megatron.training.mla_arguments import mla_config_kwargs
     from megatron.training.moe_arguments import moe_config_kwargs
+    from megatron.training.mup_arguments import mup_config_kwargs
     from megatron.training.recipe_arguments import recipe_config_kwargs
 
     config = TransformerConfig(
@@ -73,6 +75,7 @@ def core_transformer_config_from_args(args):
         **mla_config_kwargs(args),
         **linear_attention_config_kwargs(args),
         **recipe_config_kwargs(args),
+        **mup_config_kwargs(args),
     )
     if getattr(args, "squared_relu", False):
         config.activation_func = "squared_relu"
@@ -172,6 +175,7 @@ def train_valid_test_datasets_provider(args, tokenizer, train_val_test_num_sampl
         args.seed,
         cache_dir,
         mmap_bin_files=args.mmap_bin_files,
+        fim=fim_transform_from_args(args, tokenizer),
         **documents,
     )
 

@@ -26,7 +26,7 @@ Upstream command lines: `python scripts/replay_upstream_configs.py` parses every
 functional-test configuration of upstream (from the mirror, or from its snapshot
 `tests/functional_tests/upstream_gpt_configs.json`) after the CPU substitutions (nccl ->
 gloo, transformer_engine -> local, FP8 / NCCL user-buffer / TP-comm-overlap flags dropped,
-tiny model, mock data) at each line's own TP/PP/CP sizes, and prints the accepted count and
+tiny model, mock data or, for --fim-data, a tiny text dataset) at each line's own TP/PP/CP sizes, and prints the accepted count and
 the remaining rejections by flag. <!-- figure: replay-gpt-flags-doc -->x<!-- /figure -->
 (`tests/functional_tests/test_upstream_replay.py` keeps this count from dropping); two
 train on 2 ranks (`tests/functional_tests/test_megatron_command_lines.py`). With `--suite

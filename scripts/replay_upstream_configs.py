@@ -7,9 +7,9 @@ snapshot of their MODEL_ARGS in tests/functional_tests/upstream_gpt_configs.json
 (MODE inference/rl) are skipped: they do not run pretrain_gpt.py.
 
 Each line gets the CPU substitutions (gloo for nccl, the local layers for Transformer
-Engine, FP8 / NCCL user-buffer / TP-comm-overlap flags dropped), mock data and the GPT-2
-tokenizer instead of files that are not here, and a tiny model, but keeps its TP/PP/CP
-sizes; parse_args then runs at the world size upstream launches (8 ranks, or more when
+Engine, FP8 / NCCL user-buffer / TP-comm-overlap flags dropped), mock data (a tiny real
+dataset for --fim-data) and the GPT-2 tokenizer instead of files that are not here, and a
+tiny model, but keeps its TP/PP/CP sizes; parse_args then runs at the world size upstream launches (8 ranks, or more when
 the model-parallel sizes need it). A line rejected only because of PP/CP > 1 (it parses
 with those sizes at 1 and the pipeline-only flags dropped) counts as "blocked by PP/CP".
 
@@ -138,6 +138,21 @@ def _has_layer_pattern(pairs) -> bool:
     return any(flag == "--moe-layer-freq" and not str(value).strip().isdigit() for flag, value in pairs)
 
 
+def _tiny_text_dataset(tmp) -> str:
+    """The path prefix of a one-document indexed dataset in ``tmp`` (written once)."""
+    import numpy as np  # import cost: only lines with --fim-data need it
+
+    from megatron.core.datasets import IndexedDatasetBuilder
+
+    prefix = os.path.join(tmp, "fim_text")
+    if not os.path.isfile(prefix + ".idx"):
+        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+        builder.add_item(np.array([20797, 287, 262, 3504, 50256] * 64))
+        builder.end_document()
+        builder.finalize(prefix + ".idx")
+    return prefix
+
+
 def command_line(pairs, tmp, model_parallel_at_one=False):
     """The substituted argv and the world size to parse it at."""
     from megatron.core.tokenizer import default_gpt2_vocab_files
@@ -145,7 +160,11 @@ def command_line(pairs, tmp, model_parallel_at_one=False):
     vocab, merges = default_gpt2_vocab_files()
     tp = _int(pairs, "--tensor-model-parallel-size")
     heads = max(SCALE["--num-attention-heads"], tp)
-    argv = ["--mock-data", "--num-workers", "0"]
+    # --fim-data rearranges text, so mock data cannot stand in for upstream's files: a tiny
+    # real dataset (GPT-2 ids of "fill in the middle" and EOD) does.
+    data = ["--data-path", _tiny_text_dataset(tmp)] if any(
+        flag == "--fim-data" and value is True for flag, value in pairs) else ["--mock-data"]
+    argv = [*data, "--num-workers", "0"]
     if ["--tokenizer-type", "NullTokenizer"] not in pairs:
         argv += ["--vocab-file", vocab, "--merge-file", merges]
     for flag, value in pairs:

@@ -31,9 +31,11 @@ from megatron.training.context_parallel_arguments import (
 )
 from megatron.training.fault_tolerance_arguments import (
     add_fault_tolerance_args,
+    fault_tolerance_enabled,
     replica_groups,
     validate_fault_tolerance_args,
 )
+from megatron.training.fim_arguments import add_fim_args, validate_fim_args
 from megatron.training.initialize import get_distributed_env
 from megatron.training.launch_script_arguments import (
     add_launch_script_args,
@@ -46,6 +48,7 @@ from megatron.training.megatron_compat import add_megatron_compat_args, apply_me
 from megatron.training.mla_arguments import add_mla_args, validate_mla_args
 from megatron.training.moe_arguments import add_moe_args, map_expert_parallel_without_mfsdp, validate_moe_args
 from megatron.training.muon_arguments import OPTIMIZERS, add_muon_args, map_dist_muon, validate_muon_args
+from megatron.training.mup_arguments import add_mup_args, validate_mup_args
 from megatron.training.packed_document_arguments import add_packed_document_args, validate_packed_document_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 from megatron.training.recipe_arguments import add_recipe_args, validate_recipe_args
@@ -155,6 +158,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--num-workers", type=int, default=2)
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss where the input token is EOD")
     add_packed_document_args(g)
+    add_fim_args(g)
 
     g = parser.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")
@@ -180,6 +184,9 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default nccl with CUDA, gloo without")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10)
+    g.add_argument("--disable-gloo-process-groups", dest="use_gloo_process_groups", action="store_false",
+                   help="no gloo groups beside the NCCL ones (the asynchronous saves' group uses NCCL); "
+                        "on CPU the backend itself is gloo")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="ranks that split each layer (heads, FFN columns, vocabulary); the innermost mesh axis")
     g.add_argument("--sequence-parallel", action="store_true",
@@ -235,6 +242,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     add_pipeline_args(parser)
     add_context_parallel_args(parser)
     add_recipe_args(parser)
+    add_mup_args(parser)
     add_resilience_args(parser)
     add_launch_script_args(parser)
     add_fault_tolerance_args(parser)
@@ -378,7 +386,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     validate_mla_args(args)
     validate_linear_attention_args(args)
     validate_packed_document_args(args)
+    validate_fim_args(args)
     validate_recipe_args(args, _note)
+    validate_mup_args(args, _note)
     validate_compile_args(args)
     _validate_paths(args)
     return args
@@ -462,6 +472,18 @@ def _validate_precision(args: argparse.Namespace) -> None:
     args.autocast_dtype = half if (half is not None and not (args.use_mfsdp or args.use_torch_fsdp2)) else None
 
 
+def _validate_gloo_side_groups(args: argparse.Namespace) -> None:
+    """--disable-gloo-process-groups: upstream creates no gloo group beside the NCCL ones."""
+    if args.use_gloo_process_groups:
+        return
+    if args.distributed_backend == "gloo":
+        _note("--disable-gloo-process-groups: the backend itself is gloo here, so every process group is gloo "
+              "(there are no gloo groups beside another backend to leave out).")
+    elif fault_tolerance_enabled(args):
+        raise ValueError("--disable-gloo-process-groups: the fault-tolerant replica groups (--ft-*) are torchft's "
+                         "gloo groups; drop one of them.")
+
+
 def _validate_data_parallel(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
     """The backend and the data-parallel layout: MFSDP-only flags, sharding strategies,
     HSDP/HFSDP instances, the engine's dtypes."""
@@ -470,6 +492,7 @@ def _validate_data_parallel(args: argparse.Namespace, world_size: int, cuda_avai
     if args.distributed_backend == "nccl" and not cuda_available:
         raise ValueError("--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU.")
     _positive(args, "distributed_timeout_minutes")
+    _validate_gloo_side_groups(args)
 
     mfsdp_only = {
         "data_parallel_sharding_strategy": args.data_parallel_sharding_strategy,

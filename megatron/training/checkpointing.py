@@ -264,10 +264,13 @@ class _AsyncSaves:
     description = ""
 
 
-def _async_group():
+def _async_group(use_gloo: bool = True):
+    """The asynchronous saves' own group: gloo, or with ``use_gloo`` False
+    (--disable-gloo-process-groups) the default backend's (its collectives exchange Python
+    objects only, which NCCL carries too)."""
     if _AsyncSaves.group is None and dist.is_initialized():
         # Collective: every rank reaches its first async save at the same iteration.
-        _AsyncSaves.group = dist.new_group(backend="gloo")
+        _AsyncSaves.group = dist.new_group(backend="gloo" if use_gloo else None)
     return _AsyncSaves.group
 
 
@@ -389,7 +392,7 @@ def save_checkpoint(
         "tokenizer": tokenizer,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    group = _async_group() if use_async else None
+    group = _async_group(getattr(args, "use_gloo_process_groups", True)) if use_async else None
     result = engine.save_checkpoint(
         module, optimizer, tmp, process_group=_engine_group(module, group), overwrite=True, pieces=_pieces(module),
         async_save=use_async, extra_metadata={"iteration": int(iteration)},

@@ -154,11 +154,9 @@ REJECTED: Dict[str, str] = {
     "--first-last-layers-bf16": _FP8,
     "--use-legacy-models": "only the Megatron-Core GPT model exists; drop it",
     "--use-checkpoint-args": "pass the model flags explicitly (the checkpoint's common.json lists them)",
-    "--use-mup": "muP is not implemented; drop it",
     "--log-straggler": "straggler detection is not implemented; drop it",
     "--straggler-minmax-count": "straggler detection is not implemented; drop it",
     "--log-progress": "not implemented; the iteration log line has the progress",
-    "--fim-data": "fill-in-the-middle data is not implemented; drop it",
 }
 # Upstream's GPT-OSS example (examples/gptoss/02_train.sh) and ModelOpt's train.sh.
 _GPT_OSS = ("GPT-OSS's blocks (learnable-softmax attention sinks, sliding-window layers, clamped quick-GEGLU) "
@@ -169,7 +167,23 @@ REJECTED.update({flag: _GPT_OSS for flag in (
     "--glu-linear-offset", "--activation-func-clamp-value",
     "--export-force-local-attention")})  # upstream's GPT-OSS line asks for local attention (the sinks)
 REJECTED.update({flag: _MODELOPT for flag in (
-    "--modelopt-enabled", "--export-te-mcore-model")})
+    "--modelopt-enabled", "--export-te-mcore-model",
+    # The rest of upstream's ModelOpt family (megatron/post_training/arguments.py): model
+    # export, quantization and knowledge distillation from a teacher.
+    "--export-model-type", "--export-legacy-megatron", "--export-default-te-spec", "--export-kv-cache-quant",
+    "--export-real-quant-cfg", "--export-quant-cfg", "--export-kd-teacher-load", "--export-kd-teacher-model-config",
+    "--export-kd-teacher-ckpt-format", "--export-kd-cfg", "--export-qk-l2-norm",
+    "--export-moe-apply-probs-on-input", "--export-offline-model")})
+# Upstream's DeepSeek sparse attention (--experimental-attention-variant dsa; the dsa_*
+# fields of its TransformerConfig, their --no-/--disable- forms for those defaulting true).
+_DSA = ("DeepSeek sparse attention (DSA: the lightning indexer choosing the top-k keys) is not built here; "
+        "drop it")
+REJECTED.update({flag: _DSA for flag in (
+    "--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk", "--dsa-indexer-topk-freq",
+    "--dsa-indexer-skip-topk-offset", "--dsa-indexer-loss-coeff", "--dsa-indexer-use-sparse-loss",
+    "--dsa-kernel-backend", "--dsa-indexer-rope-interleaved", "--no-dsa-indexer-rotate-activation",
+    "--disable-dsa-indexer-rotate-activation", "--no-dsa-indexer-scoring-relu", "--disable-dsa-indexer-scoring-relu",
+    "--dsa-indexer-k-norm-epsilon", "--dsa-indexer-k-norm-fp32")})
 
 
 class _Rejected(argparse.Action):

@@ -416,6 +416,7 @@ def build_optimizer(args, built: BuiltModel):
         decoupled_lr=getattr(args, "decoupled_lr", None),
         decoupled_min_lr=getattr(args, "decoupled_min_lr", None),
         apply_wd_to_qk_layernorm=getattr(args, "apply_wd_to_qk_layernorm", False),
+        mup_width_mult=getattr(args, "mup_width_mult", 1.0) if getattr(args, "use_mup", False) else 1.0,
         **{name: getattr(args, name) for name in MUON_FIELDS if hasattr(args, name)},
     )
     # Named parameters of the unwrapped model: DDP's "module." prefix does not matter to

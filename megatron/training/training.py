@@ -49,6 +49,7 @@ from megatron.training.checkpointing import (
 from megatron.training.data import DeviceIterator, build_pretraining_data_loader
 from megatron.training.evaluation import Evaluator
 from megatron.training.fault_tolerance_arguments import fault_tolerance_enabled
+from megatron.training.fim_arguments import fim_transform_from_args
 from megatron.training.initialize import initialize_distributed, set_deterministic_mode, set_random_seed
 from megatron.training.log_utils import MetricsWriter, jsonable_config, print_rank_0
 from megatron.training.loss_reports import mean_loss, reduce_reports
@@ -82,6 +83,7 @@ def build_tokenizer_from_args(args):
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
     # The model gives the padding rows -inf logits (out of the loss and of sampling).
     args.unpadded_vocab_size = tokenizer.vocab_size
+    fim_transform_from_args(args, tokenizer)  # --fim-data: the FIM tokens exist, before the model is built
     return tokenizer
 
 

@@ -17,8 +17,8 @@ import replay_upstream_configs as replay  # noqa: E402
 # upstream's [ ] list values; 133 with the deferred embedding wgrad and the param-gather
 # overlap announced; 142 with the re-run state machine's flags and the weight hash check; 146 with
 # --test-mode and upstream's leniency on --recompute-num-layers; 151 with the gated delta net; 153
-# with --use-torch-fsdp2).
-ACCEPTED = 153
+# with --use-torch-fsdp2; 156 with --disable-gloo-process-groups and --use-mup; 158 with --fim-data).
+ACCEPTED = 158
 # Upstream's MoE recipes (test_cases/moe, --suite moe): 16 of 51 before the GPU-only flags,
 # YaRN, --recompute-modules and --logging-level; 17 after; 23 with EP under DDP run as MFSDP
 # no_shard; 32 with expert TP apart from TP, multi-latent attention and MoE under CP; 36 with Muon;

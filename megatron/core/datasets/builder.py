@@ -88,6 +88,7 @@ def build_gpt_datasets(
     mmap_bin_files: bool = True,
     reset_position_ids: bool = False,
     reset_attention_mask: bool = False,
+    fim=None,
 ):
     """(train, valid, test) datasets; an entry is None when its split has no documents or
     zero samples are asked of it.
@@ -97,7 +98,8 @@ def build_gpt_datasets(
     the prefixes' datasets for that split, weighted as in ``data_path``. A sample count of
     None means one epoch (single prefix only). ``eod_token`` is needed with ``eod_mask_loss``,
     ``reset_position_ids`` and ``reset_attention_mask`` (packed documents, as GPTDataset).
-    ``mmap_bin_files=False`` reads the .bin files without memory maps.
+    ``mmap_bin_files=False`` reads the .bin files without memory maps. ``fim`` (a
+    ``FIMTransform``) turns every sample into fill-in-the-middle form (``--fim-data``).
     """
     prefixes, weights = parse_data_path(data_path)
     fractions = parse_split(split)
@@ -127,6 +129,7 @@ def build_gpt_datasets(
                 ds, np.arange(lo, hi, dtype=np.int64), count, seq_length, seed, cache_dir,
                 split_name, eod_mask_loss=eod_mask_loss, eod_token=eod_token,
                 reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
+                fim=fim,
             )
 
         if weights is None:

@@ -146,8 +146,10 @@ class GPTDataset:
         eod_token: Optional[int] = None,
         reset_position_ids: bool = False,
         reset_attention_mask: bool = False,
+        fim=None,
     ):
         self.indexed_dataset = indexed_dataset
+        self.fim = fim
         self.name = check_cache_name(name)
         self.seq_length = _positive_int("seq_length", seq_length)
         if num_samples is not None:
@@ -353,6 +355,8 @@ class GPTDataset:
 
     def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
         window = self.get_window(idx)
+        if self.fim is not None:
+            window = self.fim(window, self.fim.rng(self.seed, self.name, idx % len(self)))
         tokens = window[:-1]
         sample = {"tokens": tokens, "labels": window[1:]}
         sample.update(packed_document_fields(tokens, self.eod_token, eod_mask_loss=self.eod_mask_loss,

@@ -10,6 +10,7 @@ the matrices go to Muon (``muon.py``) and the rest to AdamW, in one optimizer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, List, Optional
 
 import torch
@@ -19,7 +20,7 @@ from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .muon import Muon, muon_and_adamw_groups
 from .muon_matrices import muon_matrices, takes_muon
 from .optimizer_param_scheduler import OptimizerParamScheduler
-from .param_groups import get_param_groups, is_embedding_or_output_parameter, no_weight_decay
+from .param_groups import get_param_groups, is_embedding_or_output_parameter, mup_overrides, no_weight_decay
 
 __all__ = [
     "ConstantGradScaler",
@@ -56,6 +57,8 @@ class OptimizerConfig:
     # --decoupled-lr/--decoupled-min-lr: the embedding and output layer's own schedule.
     decoupled_lr: Optional[float] = None
     decoupled_min_lr: Optional[float] = None
+    # --use-mup: hidden_size / --mup-base-hidden-size (param_groups.mup_overrides); 1: no muP.
+    mup_width_mult: float = 1.0
     # --muon-*: upstream Megatron-LM's names and defaults (the CLI's momentum default, 0.9).
     muon_momentum: float = 0.9
     muon_nesterov: bool = False
@@ -75,8 +78,13 @@ class OptimizerConfig:
 
 
 def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    mup = None
+    if config.mup_width_mult != 1.0:
+        mup = functools.partial(mup_overrides, optimizer=config.optimizer, width_mult=config.mup_width_mult,
+                                lr=config.lr, min_lr=config.min_lr, adam_eps=config.adam_eps,
+                                decoupled=config.decoupled_lr is not None)
     groups = get_param_groups(model.named_parameters(), config.decoupled_lr, config.decoupled_min_lr,
-                              config.apply_wd_to_qk_layernorm)
+                              config.apply_wd_to_qk_layernorm, mup)
     if not groups:
         raise ValueError("the model has no trainable parameters; nothing to optimize.")
     for g in groups:
@@ -100,6 +108,10 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> t
 def _muon_optimizer(config: OptimizerConfig, model: torch.nn.Module, groups: List[Dict]) -> torch.optim.Optimizer:
     names = {id(p): n for n, p in model.named_parameters()}
     groups = muon_and_adamw_groups(groups, lambda p: takes_muon(names[id(p)], p))
+    for group in groups:
+        if group["use_muon"] and group["name"].startswith("muon_mup_"):
+            # Upstream's muP leaves the matrices Muon updates to Muon's own scaling.
+            del group["max_lr"], group["min_lr"]
     return Muon(groups, muon_matrices(model, config.muon_split_qkv), lr=config.lr,
                 weight_decay=config.weight_decay, momentum=config.muon_momentum, nesterov=config.muon_nesterov,
                 num_ns_steps=config.muon_num_ns_steps, coefficient_type=config.muon_coefficient_type,

@@ -49,6 +49,7 @@ Tensors are batch-first ([b, s, ...]) throughout this package; attention itself 
 
 import contextlib
 import functools
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -85,7 +86,7 @@ class SelfAttention(nn.Module):
         qkv_size = config.query_projection_size + config.gate_projection_size + 2 * config.kv_projection_size
         self.linear_qkv = build_parallel_linear(config, config.hidden_size, qkv_size,
                                                 bias=config.add_bias_linear or config.add_qkv_bias,
-                                                init_std=config.init_method_std, split="column")
+                                                init_std=config.hidden_init_std, split="column")
         self.q_layernorm = self.k_layernorm = self.qk_norm_group = None
         if config.qk_layernorm:
             # Without sequence parallelism nothing else sums TP-replicated gradients (every
@@ -173,6 +174,10 @@ class SelfAttention(nn.Module):
             k = apply_rotary_pos_emb(k, rotary_pos_emb)
         # SDPA wants [b, heads, s, d].
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.config.softmax_scale is not None:
+            # Every kernel below scales q k^T by 1 / sqrt(d); another softmax scale (muP's
+            # 1 / d) is that with q multiplied by softmax_scale * sqrt(d).
+            q = q * (self.config.softmax_scale * math.sqrt(self.head_dim))
 
         context_parallel = self.config.context_parallel_size > 1
         if context_parallel:

@@ -186,7 +186,7 @@ class GatedDeltaNet(nn.Module):
         sections = (qk, qk, vv, vv, nv, nv)
         # No biases whatever --add-bias-linear says (upstream builds GatedDeltaNet with bias=False).
         self.in_proj = build_parallel_linear(config, config.hidden_size, sum(sections), bias=False,
-                                             init_std=config.init_method_std, split="column", sections=sections)
+                                             init_std=config.hidden_init_std, split="column", sections=sections)
         self.conv1d = CausalConv1d((2 * qk + vv) // tp, config.linear_conv_kernel_dim, dtype=config.params_dtype)
         self.A_log = nn.Parameter(torch.empty(nv // tp, dtype=config.params_dtype))
         self.dt_bias = nn.Parameter(torch.empty(nv // tp, dtype=config.params_dtype))

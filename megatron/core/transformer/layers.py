@@ -26,7 +26,7 @@ def output_init_std(config: TransformerConfig) -> float:
     Megatron scales them by 1/sqrt(2 * num_layers) so the residual stream's variance does
     not grow with depth (two such writes per layer).
     """
-    return config.init_method_std / math.sqrt(2.0 * config.num_layers)
+    return config.hidden_init_std / math.sqrt(2.0 * config.num_layers)
 
 
 def normal_weight_zero_bias_(module: nn.Module) -> None:

@@ -23,7 +23,7 @@ class MLP(nn.Module):
         # Tensor parallelism: fc1 column-parallel (gate and up split on their own, so a
         # rank's gate and up rows match), fc2 row-parallel.
         self.linear_fc1 = build_parallel_linear(config, config.hidden_size, fc1_out, bias=config.add_bias_linear,
-                                                init_std=config.init_method_std, split="column",
+                                                init_std=config.hidden_init_std, split="column",
                                                 blocks=2 if self.gated else 1)
         self.linear_fc2 = build_parallel_linear(config, config.ffn_hidden_size, config.hidden_size,
                                                 bias=config.add_bias_linear, init_std=output_init_std(config),

@@ -49,7 +49,7 @@ class MultiTokenPredictionLayer(nn.Module):
         self.enorm = build_norm(config, h)
         self.hnorm = build_norm(config, h)
         # Replicated over TP (upstream splits its columns and gathers the output: same numbers).
-        self.eh_proj = build_linear(config, 2 * h, h, bias=False, init_std=config.init_method_std)
+        self.eh_proj = build_linear(config, 2 * h, h, bias=False, init_std=config.hidden_init_std)
         self.mtp_model_layer = TransformerLayer(config, layer_number=config.num_layers + depth,
                                                 expert_parallel=expert_parallel,
                                                 moe=is_moe_layer(config, config.num_layers))

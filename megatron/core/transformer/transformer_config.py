@@ -6,6 +6,7 @@ can get wrong is checked in ``__post_init__`` and reported as a ``ValueError`` t
 how to fix it.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Union
 
@@ -213,6 +214,21 @@ class TransformerConfig:
     # decoder sharing the embedding and output layer; their loss weight (upstream's default 0.1).
     mtp_num_layers: Optional[int] = None
     mtp_loss_scaling_factor: float = 0.1
+    # muP, the Maximal Update Parameterization (upstream's fields and rules, docs/design.md
+    # "muP": hidden weights' init std and learning rate scale with the width, the embedding
+    # and output layer keep the base ones). With use_mup, __post_init__ sets
+    # mup_width_mult = hidden_size / mup_base_hidden_size (base default: hidden_size),
+    # softmax_scale = sqrt(mup_base_head_dim or 1) / kv_channels ** mup_attn_scale_power and,
+    # when left at 1.0, mup_output_mult = 1 / mup_width_mult.
+    use_mup: bool = False
+    mup_base_hidden_size: Optional[int] = None
+    mup_width_mult: float = 1.0
+    mup_embedding_mult: float = 1.0
+    mup_output_mult: float = 1.0
+    mup_base_head_dim: Optional[float] = None
+    mup_attn_scale_power: float = 1.0
+    # The attention's softmax scale; None: 1 / sqrt(kv_channels) (SDPA's default).
+    softmax_scale: Optional[float] = None
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -268,6 +284,17 @@ class TransformerConfig:
 
         if not self.init_method_std > 0:
             raise ValueError(f"init_method_std must be positive, got {self.init_method_std}; 0.02 is the usual value.")
+        if self.use_mup:
+            if self.mup_base_hidden_size is None:
+                self.mup_base_hidden_size = self.hidden_size
+            if not self.mup_base_hidden_size > 0:
+                raise ValueError(f"mup_base_hidden_size must be positive, got {self.mup_base_hidden_size}.")
+            self.mup_width_mult = self.hidden_size / self.mup_base_hidden_size
+            if self.softmax_scale is None:
+                base = 1.0 if self.mup_base_head_dim is None else self.mup_base_head_dim ** 0.5
+                self.softmax_scale = base / self.kv_channels ** self.mup_attn_scale_power
+            if self.mup_output_mult == 1.0 and self.mup_width_mult != 1.0:
+                self.mup_output_mult = 1.0 / self.mup_width_mult
 
         if self.params_dtype not in _PARAMS_DTYPES:
             raise ValueError(
@@ -458,6 +485,12 @@ class TransformerConfig:
         return YarnScaling(self.yarn_rotary_scaling_factor, self.yarn_original_max_position_embeddings,
                            self.yarn_beta_fast, self.yarn_beta_slow, self.yarn_mscale, self.yarn_mscale_all_dim,
                            self.yarn_correction_range_round_to_int)
+
+    @property
+    def hidden_init_std(self) -> float:
+        """Std of the hidden (non-embedding, non-output-layer) weights: init_method_std, and
+        under muP init_method_std / sqrt(mup_width_mult) (upstream's init_method)."""
+        return self.init_method_std / math.sqrt(self.mup_width_mult) if self.use_mup else self.init_method_std
 
     @property
     def rotary_dim(self) -> int:

@@ -2,6 +2,7 @@
 inconsistent combinations with a message that says how to fix them."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -333,3 +334,29 @@ def test_save_retain_interval_flags(tmp_path):
         parse(f"--save {tmp_path} --save-interval 2 --save-retain-interval 5")
     with pytest.raises(ValueError, match="--save-retain-interval needs --save"):
         parse("--save-retain-interval 5")
+
+
+def test_disable_gloo_process_groups(capsys):
+    """Upstream: no gloo groups beside NCCL. On CPU the backend is gloo: accepted with a note."""
+    assert parse().use_gloo_process_groups is True
+    args = parse("--disable-gloo-process-groups")
+    assert args.use_gloo_process_groups is False
+    assert "--disable-gloo-process-groups: the backend itself is gloo here" in capsys.readouterr().out
+    assert parse("--disable-gloo-process-groups", cuda=True).distributed_backend == "nccl"
+    assert "backend itself is gloo" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="fault-tolerant replica groups .* are torchft's gloo groups"):
+        parse("--disable-gloo-process-groups --ft-num-replica-groups 2 --ft-replica-group-id 0", world_size=2,
+              cuda=True)
+
+
+@pytest.mark.parametrize("flags, reason", [
+    ("--export-kd-teacher-load /ckpt", "ModelOpt (quantization, distillation, export) is not built here"),
+    ("--export-quant-cfg fp8", "ModelOpt"),
+    ("--export-te-mcore-model", "ModelOpt"),
+    ("--dsa-indexer-n-heads 8", "DeepSeek sparse attention"),
+    ("--dsa-kernel-backend tilelang", "DeepSeek sparse attention"),
+    ("--no-dsa-indexer-scoring-relu", "DeepSeek sparse attention"),
+])
+def test_modelopt_and_dsa_families_are_refused_in_one_line(flags, reason):
+    with pytest.raises(ValueError, match=re.escape(f"{flags.split()[0]} is not supported: {reason}")):
+        parse(flags)

@@ -42,6 +42,8 @@ class LanguageModelEmbedding(nn.Module):
             if self.config.sequence_parallel:
                 position_ids = _sequence_chunk(position_ids, self.config.tp_group)
             embeddings = embeddings + self.position_embeddings(position_ids)
+        if self.config.use_mup and self.config.mup_embedding_mult != 1.0:
+            embeddings = embeddings * self.config.mup_embedding_mult  # muP's input multiplier
         return F.dropout(embeddings, p=self.config.hidden_dropout, training=self.training)
 
 

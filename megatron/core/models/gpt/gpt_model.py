@@ -246,6 +246,8 @@ class GPTModel(nn.Module):
         else:
             output_weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
             logits = projection(hidden_states, weight=output_weight)
+        if self.config.use_mup and self.config.mup_output_mult != 1.0:
+            logits = logits * self.config.mup_output_mult  # muP's output multiplier (1 / width_mult)
         if self.config.tensor_model_parallel_size > 1:
             return self._vocab_parallel_output(logits, labels)
         padded = self.unpadded_vocab_size < self.vocab_size

@@ -163,7 +163,7 @@ class GroupedMLP(nn.Module):
                       dtype=config.params_dtype, grouped_gemm=config.moe_grouped_gemm, bias=config.add_bias_linear,
                       **tensor_parallel)
         self.linear_fc1 = ExpertLinear(self.num_local_experts, config.hidden_size, ffn * (2 if self.gated else 1),
-                                       init_std=config.init_method_std, tp_split="column",
+                                       init_std=config.hidden_init_std, tp_split="column",
                                        blocks=2 if self.gated else 1, **common)
         self.linear_fc2 = ExpertLinear(self.num_local_experts, ffn, config.hidden_size,
                                        init_std=output_init_std(config), tp_split="row", **common)

@@ -310,7 +310,7 @@ class TopKRouter(nn.Module):
         self.config = config
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
-        self.init_std = config.init_method_std
+        self.init_std = config.hidden_init_std
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype))
         self.bias = (nn.Parameter(torch.empty(self.num_experts, dtype=config.params_dtype))
                      if config.add_bias_linear else None)

@@ -24,7 +24,7 @@ class SharedExpertMLP(MLP):
         super().__init__(dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size))
         self.gate_weight = None
         if config.moe_shared_expert_gate:
-            self.init_std = config.init_method_std  # read by the layout-invariant initializer
+            self.init_std = config.hidden_init_std  # read by the layout-invariant initializer
             self.gate_weight = nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
             self.reset_parameters()
 
