@@ -1,12 +1,15 @@
 """Fault-tolerant HSDP on torchft, end to end: a lighthouse (torchft's, in this process) and
 replica groups, each its own torchrun of pretrain_gpt.py (--ft-* flags, gloo, CPU).
 
-* No failure: 2 groups x 1 rank train like one MFSDP job of 2 ranks (the session's
-  shared run of MODEL_ARGS; losses within rel 1e-5), and print the same weight hash at every step.
+* No failure: 2 groups x 2 ranks with TP=2 inside each train like one MFSDP job of 2 ranks
+  (the session's shared run of MODEL_ARGS; losses within rel 1e-5), and print the same weight
+  hash at every step; with --ft-min-replica-groups 2 group 0 waits for group 1 first. Beside
+  them a lone group with K=2 waits, then stops with one line.
 * A rank of group 1 is SIGKILLed mid-run: group 0 trains on alone (quorum 1 of 2, no
-  restart), the restarted group 1 recovers group 0's live state and both print the same
-  weight hashes from then on.
-* --ft-min-replica-groups 2 with one group: it waits, then stops with one line.
+  restart). The restarted group 1 is killed while group 0 is inside the state transfer to it
+  (the MEGATRON_FT_TEST_HOLD_SEND hook holds the sender there); group 0 trains on alone
+  again. A third group 1 recovers group 0's live state, RNG included (dropout on), and both
+  print the same weight and RNG hashes from then on.
 (No lighthouse listening, group id >= G, G = 1, ...: parse-time one-liners, in
 tests/unit_tests/training/test_fault_tolerance_arguments.py.)
 
@@ -29,6 +32,8 @@ from torchft.coordination import LighthouseServer  # noqa: E402
 from test_pretrain_gpt import MODEL_ARGS, REPO, _env, read_metrics
 
 HASH = re.compile(r"^ft: step (\d+), quorum (\d+) of (\d+), weights sha256 ([0-9a-f]{64})$", re.M)
+RNG = re.compile(r"^ft: step (\d+), rng sha256 ([0-9a-f]{64})$", re.M)
+WAITING = "ft: group 0: quorum 1 of 2, below --ft-min-replica-groups 2: waiting for more groups"
 # torchft's collectives, should_commit and quorum: bounded well inside the test's waits.
 FT_ENV = {"TORCHFT_TIMEOUT_SEC": "30", "TORCHFT_QUORUM_TIMEOUT_SEC": "60", "RUST_LOG": "warn"}
 
@@ -84,6 +89,11 @@ def _hashes(proc):
     return {int(m[1]): (int(m[2]), m[4]) for m in HASH.finditer(_text(proc))}
 
 
+def _rng_hashes(proc):
+    """{step: sha256 of the group's RNG states} from the job's ``ft: step S, rng ...`` lines."""
+    return {int(m[1]): m[2] for m in RNG.finditer(_text(proc))}
+
+
 @pytest.fixture
 def lighthouse():
     servers = []
@@ -99,16 +109,27 @@ def lighthouse():
         server.shutdown()
 
 
-def test_two_groups_train_like_one_job(tmp_path, lighthouse, mfsdp_run):
-    """2 groups x 1 rank (torchft's managed all-reduce between them) against one MFSDP job
-    of 2 ranks, the same global batch: the same losses, and equal weights on both groups."""
-    address = lighthouse(min_replicas=2)  # the first step waits for both groups
+def test_two_tp_groups_train_like_one_job_and_a_lone_group_waits(tmp_path, lighthouse, mfsdp_run):
+    """2 groups x 2 ranks, TP=2 inside each (torchft's managed all-reduce between them),
+    against one MFSDP job of 2 ranks (ZeRO-3, no TP), the same global batch: the same losses,
+    and equal weights on both groups. With --ft-min-replica-groups 2 group 0 first waits
+    for group 1 instead of training alone. Beside them, on a lighthouse of its own, a lone
+    group with K=2 waits (bounded by the quorum timeout), then stops with one line."""
+    address = lighthouse(min_replicas=1)  # K=2 is the groups' own rule, not the lighthouse's
     jobs = _Jobs(tmp_path)
     try:
-        groups = [jobs.start(f"group{g}", MODEL_ARGS + ["--use-mfsdp", "--log-dir", str(tmp_path / f"g{g}")]
-                             + _ft_flags(g, address, min_groups=2), nproc=1) for g in (0, 1)]
-        for proc in groups:
+        alone = jobs.start("alone", MODEL_ARGS + ["--use-mfsdp"] + _ft_flags(0, lighthouse(min_replicas=1),
+                                                                              min_groups=2),
+                           nproc=1, env={"TORCHFT_QUORUM_TIMEOUT_SEC": "3"})  # how long it waits for a second group
+        start = lambda g: jobs.start(f"group{g}", MODEL_ARGS + [  # noqa: E731
+            "--use-mfsdp", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--log-dir", str(tmp_path / f"g{g}")] + _ft_flags(g, address, min_groups=2), nproc=2)
+        groups = [start(0)]
+        _wait_for("group 0 to wait for a second group", lambda: WAITING in _text(groups[0]), 120, groups)
+        groups.append(start(1))
+        for proc in groups + [alone]:
             proc.wait(timeout=240)
+        for proc in groups:
             assert proc.returncode == 0, _text(proc)[-4000:]
     finally:
         jobs.close()
@@ -125,89 +146,110 @@ def test_two_groups_train_like_one_job(tmp_path, lighthouse, mfsdp_run):
     assert sorted(hashes[0]) == list(range(1, 11))
     assert hashes[0] == hashes[1]  # quorum 2 of 2 and bitwise equal weights at every step
     assert all(q == 2 for q, _ in hashes[0].values())
-    print(f"\nloss parity with one 2-rank job over {len(reference)} iterations: max rel {worst:.2e}")
+    print(f"\nTP=2 groups: loss parity with one 2-rank job over {len(reference)} iterations: max rel {worst:.2e}; "
+          f"step 10 hash {hashes[0][10][1][:16]}... on both groups")
+
+    out = _text(alone)
+    assert alone.returncode != 0
+    assert WAITING in out
+    errors = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == 1 and "only 1 of the 2 replica groups" in errors[0], out[-3000:]
+    assert "iteration        1/" not in out  # no step was trained alone
+    print("lone group with K=2:\n  " + WAITING + "\n  " + errors[0])
 
 
+# Dropout on: the recovered group must draw its peer's masks (the RNG state moves with the
+# weights; the "rng sha256" lines compare it).
 LONG_RUN = MODEL_ARGS[:MODEL_ARGS.index("--train-iters")] + [
-    "--train-iters", "5000", "--log-interval", "2", "--eval-iters", "0",
-] + MODEL_ARGS[MODEL_ARGS.index("--hidden-dropout"):]
+    "--train-iters", "5000", "--log-interval", "2", "--eval-iters", "0", "--hidden-dropout", "0.1",
+] + MODEL_ARGS[MODEL_ARGS.index("--hidden-dropout") + 2:]
 
 
-# Ranks per group in the kill test: 1 keeps its three launches affordable on 2 cores; the
+# Ranks per group in the kill test: 1 keeps its four launches affordable on 2 cores; the
 # same scenario at 2 x 2 ranks (torchrun tearing down the killed rank's partner) passes
 # too, in about twice the time (docs/design.md, "Fault tolerance on torchft").
 KILL_TEST_RANKS = int(os.environ.get("FT_TEST_RANKS_PER_GROUP", "1"))
 
 
+def _kill_worker(job):
+    """SIGKILL one pretrain_gpt.py rank of a torchrun job; torchrun tears the rest down."""
+    workers = [p for p in psutil.Process(job.pid).children(recursive=True)
+               if "pretrain_gpt.py" in " ".join(p.cmdline())]
+    assert len(workers) == KILL_TEST_RANKS, workers
+    workers[-1].send_signal(signal.SIGKILL)
+    job.wait(timeout=90)
+
+
 def test_killed_group_rejoins_with_live_weights(tmp_path, lighthouse):
-    """SIGKILL a rank of group 1: group 0 goes on alone, group 1 restarts, receives group
-    0's state and trains in lockstep (same weight hashes)."""
+    """SIGKILL a rank of group 1: group 0 goes on alone. The restarted group 1 is killed
+    again while group 0 is inside the state transfer to it (held there by the
+    MEGATRON_FT_TEST_HOLD_SEND hook): group 0 goes on alone again, its weights untouched by
+    the broken transfer. A third start of group 1 receives group 0's state (weights,
+    optimizer, counters, RNG) and trains in lockstep: same weight and RNG hashes, dropout on."""
     address = lighthouse(min_replicas=1)
+    release = tmp_path / "release-transfer"
     jobs = _Jobs(tmp_path)
     flags = lambda g, name: (LONG_RUN + ["--use-mfsdp", "--log-dir", str(tmp_path / name)]  # noqa: E731
                              + _ft_flags(g, address))
     try:
-        group0 = jobs.start("group0", flags(0, "g0"), nproc=KILL_TEST_RANKS)
+        group0 = jobs.start("group0", flags(0, "g0"), nproc=KILL_TEST_RANKS,
+                            env={"MEGATRON_FT_TEST_HOLD_SEND": str(release)})
         group1 = jobs.start("group1", flags(1, "g1"), nproc=KILL_TEST_RANKS)
         both = lambda: any(q == 2 for q, _ in _hashes(group1).values())  # noqa: E731
         _wait_for("both groups training together", both, 180, [group0, group1])
 
-        workers = [p for p in psutil.Process(group1.pid).children(recursive=True) if "pretrain_gpt.py" in
-                   " ".join(p.cmdline())]
-        assert len(workers) == KILL_TEST_RANKS, workers
+        # 1. Group 1 dies mid-run.
         killed_after, mark = max(_hashes(group0)), len(_text(group0))
-        workers[-1].send_signal(signal.SIGKILL)
-        group1.wait(timeout=90)  # torchrun tears the rest of group 1 down and exits
+        _kill_worker(group1)
         # Restarted at once: its start-up takes far longer than group 0 needs to notice.
         group1b = jobs.start("group1-restarted", flags(1, "g1b"), nproc=KILL_TEST_RANKS)
         alone = lambda: "quorum 1 of 2" in _text(group0)[mark:]  # noqa: E731
         _wait_for("group 0 to go on alone", alone, 90, [group0])
-        alone_steps = lambda: [s for s, (q, _) in _hashes(group0).items()  # noqa: E731
-                               if q == 1 and s > killed_after]
-        _wait_for("group 0 to train alone", lambda: len(alone_steps()) >= 2, 60, [group0])
+        alone_steps = lambda after: [s for s, (q, _) in _hashes(group0).items()  # noqa: E731
+                                     if q == 1 and s > after]
+        _wait_for("group 0 to train alone", lambda: len(alone_steps(killed_after)) >= 2, 60, [group0])
+
+        # 2. The restarted group 1 dies while group 0 is inside the transfer to it.
+        holding = lambda: "holding the state transfer" in _text(group0)  # noqa: E731
+        _wait_for("group 0 to hold inside the state transfer", holding, 180, [group0, group1b])
+        held_at = int(re.search(r"sending state of step (\d+)", _text(group0))[1])
+        _kill_worker(group1b)
+        mark = len(_text(group0))
+        release.touch()  # group 0 finishes its send to a dead peer
+        again_alone = lambda: "quorum 1 of 2" in _text(group0)[mark:]  # noqa: E731
+        _wait_for("group 0 to go on alone after the broken transfer", again_alone, 90, [group0])
+        _wait_for("group 0 to train alone again", lambda: len(alone_steps(held_at)) >= 2, 60, [group0])
         assert "recovered weights" not in _text(group1b)
 
-        _wait_for("the restarted group 1 to recover", lambda: "recovered weights" in _text(group1b), 180,
-                  [group0, group1b])
-        common = lambda: sorted(set(_hashes(group0)) & set(_hashes(group1b)))  # noqa: E731
-        _wait_for("3 common steps after the recovery", lambda: len(common()) >= 3, 120, [group0, group1b])
+        # 3. A third start of group 1 recovers (the hook holds no more).
+        group1c = jobs.start("group1-third", flags(1, "g1c"), nproc=KILL_TEST_RANKS)
+        _wait_for("the third group 1 to recover", lambda: "recovered weights" in _text(group1c), 180,
+                  [group0, group1c])
+        common = lambda: sorted(set(_rng_hashes(group0)) & set(_rng_hashes(group1c)))  # noqa: E731
+        _wait_for("3 common steps after the recovery", lambda: len(common()) >= 3, 120, [group0, group1c])
         assert group0.poll() is None  # group 0 was never restarted
     finally:
         jobs.close()
 
-    log0, log1b = _text(group0), _text(group1b)
-    h0, h1b = _hashes(group0), _hashes(group1b)
+    log0, log1c = _text(group0), _text(group1c)
+    h0, h1c, r0, r1c = _hashes(group0), _hashes(group1c), _rng_hashes(group0), _rng_hashes(group1c)
     steps = common()
-    assert all(h0[s] == h1b[s] for s in steps), {s: (h0[s], h1b[s]) for s in steps}
+    assert all(h0[s] == h1c[s] for s in steps), {s: (h0[s], h1c[s]) for s in steps}
     assert all(h0[s][0] == 2 for s in steps)
-    recovered_at = int(re.search(r"recovered .* continuing at step (\d+)", log1b)[1])
-    assert recovered_at > killed_after and min(h1b) > recovered_at  # it continued from group 0's step
-    assert "sending state of step" in log0
-    # A step in flight when group 1 died fails its reduction and is not applied (none is in
-    # flight when the kill lands while group 0 waits for the quorum).
-    print(f"\ngroup 1 killed after step {killed_after}; group 0 alone at steps {alone_steps()[:3]}...; "
-          f"group 1 recovered at step {recovered_at}; common steps {steps}: hashes equal "
-          f"({h0[steps[-1]][1][:16]}...)")
+    # Dropout masks: both groups' RNG states equal after the recovery.
+    assert all(r0[s] == r1c[s] for s in steps), {s: (r0[s], r1c[s]) for s in steps}
+    recovered_at = int(re.search(r"recovered .* continuing at step (\d+)", log1c)[1])
+    assert recovered_at > held_at and min(h1c) > recovered_at  # it continued from group 0's step
+    # Group 0 trained on through both failures: every step it logged has one hash (a step
+    # not committed is run again and logged once), and its steps only go up.
+    logged = [int(m[1]) for m in HASH.finditer(log0)]
+    assert logged == sorted(set(logged)), logged
+    print(f"\ngroup 1 killed after step {killed_after}; group 0 alone at steps {alone_steps(killed_after)[:3]}...; "
+          f"group 1 restarted, killed in the transfer of step {held_at}; group 0 alone at "
+          f"{alone_steps(held_at)[:3]}...; group 1 recovered at step {recovered_at}; common steps {steps}: "
+          f"weight hashes equal ({h0[steps[-1]][1][:16]}...), rng hashes equal ({r0[steps[-1]][:16]}...)")
     for line in re.findall(r"^ft: group 0: .*$", log0, re.M):
-        print("  group 0 |", line)
-    for line in re.findall(r"^ft: group 1: .*$", log1b, re.M):
-        print("  group 1 |", line)
-
-
-def test_too_few_groups_wait_then_stop_with_one_line(tmp_path, lighthouse):
-    """--ft-min-replica-groups 2 with one group up: it waits (bounded by the quorum timeout)
-    instead of training alone, then stops with one line."""
-    address = lighthouse(min_replicas=1)  # the lighthouse would let one group train
-    jobs = _Jobs(tmp_path)
-    try:
-        alone = jobs.start("alone", MODEL_ARGS + ["--use-mfsdp"] + _ft_flags(0, address, min_groups=2), nproc=1,
-                           env={"TORCHFT_QUORUM_TIMEOUT_SEC": "4"})  # how long it waits for a second group
-        alone.wait(timeout=240)
-    finally:
-        jobs.close()
-    out = _text(alone)
-    assert alone.returncode != 0
-    assert "ft: group 0: quorum 1 of 2, below --ft-min-replica-groups 2: waiting for more groups" in out
-    errors = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
-    assert len(errors) == 1 and "only 1 of the 2 replica groups" in errors[0], out[-3000:]
-    assert "iteration        1/" not in out  # no step was trained alone
+        print("  group 0 |", line[:200])
+    for name, job in (("group 1 (2nd)", group1b), ("group 1 (3rd)", group1c)):
+        for line in re.findall(r"^ft: group 1: .*$", _text(job), re.M):
+            print(f"  {name} |", line[:200])
