@@ -16,6 +16,8 @@ tests/unit_tests/training/test_fault_tolerance_arguments.py.)
 Every process is started in its own session and killed in ``finally``.
 """
 
+import contextlib
+import json
 import os
 import re
 import signal
@@ -29,7 +31,7 @@ import pytest
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side (the lighthouse in this process): no per-quorum lines
 from torchft.coordination import LighthouseServer  # noqa: E402
 
-from test_pretrain_gpt import MODEL_ARGS, REPO, _env, read_metrics
+from test_pretrain_gpt import MODEL_ARGS, REPO, _env, _free_port, read_metrics
 
 HASH = re.compile(r"^ft: step (\d+), quorum (\d+) of (\d+), weights sha256 ([0-9a-f]{64})$", re.M)
 RNG = re.compile(r"^ft: step (\d+), rng sha256 ([0-9a-f]{64})$", re.M)
@@ -62,6 +64,11 @@ class _Jobs:
     def close(self):
         for proc in self.procs:
             if proc.poll() is None:
+                # torchrun's workers run in sessions of their own: its process group is not enough.
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    for child in psutil.Process(proc.pid).children(recursive=True):
+                        with contextlib.suppress(psutil.NoSuchProcess):
+                            child.kill()
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
 
@@ -253,3 +260,75 @@ def test_killed_group_rejoins_with_live_weights(tmp_path, lighthouse):
     for name, job in (("group 1 (2nd)", group1b), ("group 1 (3rd)", group1c)):
         for line in re.findall(r"^ft: group 1: .*$", _text(job), re.M):
             print(f"  {name} |", line[:200])
+
+
+# A stand-in for SLURM's srun on one machine (CI has no slurmd): it runs a step's tasks here,
+# each with the variables srun gives it (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the step's
+# id and node list), records the step's options and command line, and ends the step when a
+# task fails (--kill-on-bad-exit). scontrol only has to expand the node list.
+LOCAL_SRUN = r'''#!PYTHON
+import json, os, signal, subprocess, sys
+args, options, procs = sys.argv[1:], {}, []
+signal.signal(signal.SIGTERM, lambda *_: [p.terminate() for p in procs])  # srun passes it on to the tasks
+while args and args[0].startswith("--"):
+    flag = args.pop(0)
+    if "=" in flag:
+        flag, value = flag.split("=", 1)
+    elif flag in ("--overlap",):
+        value = True
+    else:
+        value = args.pop(0)
+    options[flag] = value
+with open(os.environ["LOCAL_SLURM_DIR"] + "/step_id", "a+") as f:
+    f.seek(0)
+    step = len(f.read())
+    f.write(".")
+with open(os.environ["LOCAL_SLURM_DIR"] + "/steps.jsonl", "a") as f:
+    f.write(json.dumps({"step": step, "options": options, "command": args}) + "\n")
+n = int(options.get("--ntasks", 1))
+procs += [subprocess.Popen(args, env={**os.environ, "SLURM_PROCID": str(i), "SLURM_NTASKS": str(n),
+                                     "SLURM_LOCALID": str(i), "SLURM_STEP_ID": str(step),
+                                     "SLURM_STEP_NODELIST": "localhost"}) for i in range(n)]
+codes = [p.wait() for p in procs]
+sys.exit(max(codes, key=abs))
+'''
+
+
+def test_sbatch_script_runs_the_lighthouse_and_one_step_per_group(tmp_path):
+    """examples/sbatch_fault_tolerant_hsdp.sh under the local srun stand-in: a lighthouse
+    step and one step per group (2 groups x 1 task, 3 iterations), which train together."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(LOCAL_SRUN.replace("PYTHON", sys.executable))
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\n")  # show hostnames NODELIST
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    port = _free_port()
+    model = MODEL_ARGS[:MODEL_ARGS.index("--micro-batch-size")] + MODEL_ARGS[MODEL_ARGS.index("--lr"):]
+    model = model[:model.index("--train-iters")] + model[model.index("--train-iters") + 2:]
+    env = _env({**FT_ENV, "PATH": f"{bin_dir}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}"
+                + os.environ["PATH"], "VIRTUAL_ENV": sys.prefix, "LOCAL_SLURM_DIR": str(tmp_path),
+                "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "1",
+                "SLURM_JOB_NODELIST": "localhost", "LIGHTHOUSE_PORT": str(port), "OUT": str(tmp_path / "out"),
+                "MODEL_ARGS": " ".join(model), "MICRO_BATCH": "2", "TRAIN_ITERS": "3", "OMP_NUM_THREADS": "1",
+                "MIN_GROUPS": "2"})  # both groups from step 1 on
+    proc = subprocess.run(["bash", "examples/sbatch_fault_tolerant_hsdp.sh"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    logs = {g: (tmp_path / "out" / f"group{g}.log").read_text() for g in (0, 1)
+            if (tmp_path / "out" / f"group{g}.log").exists()}
+    assert proc.returncode == 0, proc.stdout + proc.stderr + "\n".join(v[-3000:] for v in logs.values())
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    lighthouse, *groups = steps
+    assert lighthouse["command"][0] == "torchft_lighthouse" and lighthouse["options"]["--nodes"] == "1"
+    assert f"[::]:{port}" in lighthouse["command"] and "--overlap" in lighthouse["options"]
+    assert len(groups) == 2
+    for g, step in enumerate(groups):
+        command = step["command"]
+        assert command[:2] == ["python", "pretrain_gpt.py"]
+        assert command[command.index("--ft-replica-group-id") + 1] == str(g)
+        assert command[command.index("--ft-lighthouse") + 1] == f"http://localhost:{port}"
+        assert step["options"]["--relative"] == str(g) and step["options"]["--kill-on-bad-exit"] == "1"
+    hashes = [{int(m[1]): (int(m[2]), m[4]) for m in HASH.finditer(logs[g])} for g in (0, 1)]
+    assert sorted(hashes[0]) == [1, 2, 3] and hashes[0] == hashes[1]
+    print(f"\nsbatch script: lighthouse step {lighthouse['command'][:3]}..., group steps with --relative 0 and 1; "
+          f"step 3 hash {hashes[0][3][1][:16]}... on both groups (quorum {hashes[0][3][0]} of 2)")
