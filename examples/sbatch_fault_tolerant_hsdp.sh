@@ -78,6 +78,7 @@ run_group() {  # replica group $1: its own step on its nodes, started again when
             --use-mfsdp --data-parallel-sharding-strategy optim_grads_params \
             --ft-replica-group-id "$g" --ft-num-replica-groups "$NUM_GROUPS" \
             --ft-min-replica-groups "$MIN_GROUPS" --ft-lighthouse "$TORCHFT_LIGHTHOUSE" \
+            --log-dir "$OUT/logs/group$g" \
             >>"$OUT/group$g.log" 2>&1; then
             return 0
         fi

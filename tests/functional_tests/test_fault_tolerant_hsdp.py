@@ -1,10 +1,11 @@
 """Fault-tolerant HSDP on torchft, end to end: a lighthouse (torchft's, in this process) and
 replica groups, each its own torchrun of pretrain_gpt.py (--ft-* flags, gloo, CPU).
 
-* No failure: 2 groups x 2 ranks with TP=2 inside each train like one MFSDP job of 2 ranks
-  (the session's shared run of MODEL_ARGS; losses within rel 1e-5), and print the same weight
-  hash at every step; with --ft-min-replica-groups 2 group 0 waits for group 1 first. Beside
-  them a lone group with K=2 waits, then stops with one line.
+* No failure, launched by examples/sbatch_fault_tolerant_hsdp.sh under a local srun
+  stand-in (a lighthouse step, one step per group): 2 groups x 2 ranks with TP=2 inside each
+  train like one MFSDP job of 2 ranks (the session's shared run of MODEL_ARGS; losses within
+  rel 1e-5) and print the same weight hash at every step. Beside them a lone group with
+  --ft-min-replica-groups 2 waits, then stops with one line.
 * A rank of group 1 is SIGKILLed mid-run: group 0 trains on alone (quorum 1 of 2, no
   restart). The restarted group 1 is killed while group 0 is inside the state transfer to it
   (the MEGATRON_FT_TEST_HOLD_SEND hook holds the sender there); group 0 trains on alone
@@ -114,55 +115,6 @@ def lighthouse():
     yield start
     for server in servers:
         server.shutdown()
-
-
-def test_two_tp_groups_train_like_one_job_and_a_lone_group_waits(tmp_path, lighthouse, mfsdp_run):
-    """2 groups x 2 ranks, TP=2 inside each (torchft's managed all-reduce between them),
-    against one MFSDP job of 2 ranks (ZeRO-3, no TP), the same global batch: the same losses,
-    and equal weights on both groups. With --ft-min-replica-groups 2 group 0 first waits
-    for group 1 instead of training alone. Beside them, on a lighthouse of its own, a lone
-    group with K=2 waits (bounded by the quorum timeout), then stops with one line."""
-    address = lighthouse(min_replicas=1)  # K=2 is the groups' own rule, not the lighthouse's
-    jobs = _Jobs(tmp_path)
-    try:
-        alone = jobs.start("alone", MODEL_ARGS + ["--use-mfsdp"] + _ft_flags(0, lighthouse(min_replicas=1),
-                                                                              min_groups=2),
-                           nproc=1, env={"TORCHFT_QUORUM_TIMEOUT_SEC": "3"})  # how long it waits for a second group
-        start = lambda g: jobs.start(f"group{g}", MODEL_ARGS + [  # noqa: E731
-            "--use-mfsdp", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-            "--log-dir", str(tmp_path / f"g{g}")] + _ft_flags(g, address, min_groups=2), nproc=2)
-        groups = [start(0)]
-        _wait_for("group 0 to wait for a second group", lambda: WAITING in _text(groups[0]), 120, groups)
-        groups.append(start(1))
-        for proc in groups + [alone]:
-            proc.wait(timeout=240)
-        for proc in groups:
-            assert proc.returncode == 0, _text(proc)[-4000:]
-    finally:
-        jobs.close()
-    reference, _ = read_metrics(str(mfsdp_run[0] / "logs"))
-    curves = [read_metrics(str(tmp_path / f"g{g}"))[0] for g in (0, 1)]
-    worst = 0.0
-    for it in sorted(reference):
-        # Each group logs the mean loss of its half of the global batch.
-        mean = (curves[0][it]["lm_loss"] + curves[1][it]["lm_loss"]) / 2
-        assert mean == pytest.approx(reference[it]["lm_loss"], rel=1e-5), it
-        worst = max(worst, abs(mean - reference[it]["lm_loss"]) / reference[it]["lm_loss"])
-        assert curves[0][it]["learning_rate"] == reference[it]["learning_rate"]
-    hashes = [_hashes(proc) for proc in groups]
-    assert sorted(hashes[0]) == list(range(1, 11))
-    assert hashes[0] == hashes[1]  # quorum 2 of 2 and bitwise equal weights at every step
-    assert all(q == 2 for q, _ in hashes[0].values())
-    print(f"\nTP=2 groups: loss parity with one 2-rank job over {len(reference)} iterations: max rel {worst:.2e}; "
-          f"step 10 hash {hashes[0][10][1][:16]}... on both groups")
-
-    out = _text(alone)
-    assert alone.returncode != 0
-    assert WAITING in out
-    errors = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
-    assert len(errors) == 1 and "only 1 of the 2 replica groups" in errors[0], out[-3000:]
-    assert "iteration        1/" not in out  # no step was trained alone
-    print("lone group with K=2:\n  " + WAITING + "\n  " + errors[0])
 
 
 # Dropout on: the recovered group must draw its peer's masks (the RNG state moves with the
@@ -294,9 +246,14 @@ sys.exit(max(codes, key=abs))
 '''
 
 
-def test_sbatch_script_runs_the_lighthouse_and_one_step_per_group(tmp_path):
+def test_sbatch_tp_groups_train_like_one_job_and_a_lone_group_waits(tmp_path, lighthouse, mfsdp_run):
     """examples/sbatch_fault_tolerant_hsdp.sh under the local srun stand-in: a lighthouse
-    step and one step per group (2 groups x 1 task, 3 iterations), which train together."""
+    step and one step per group, 2 groups x 2 tasks with TP=2 inside each (torchft's managed
+    all-reduce between them), against one MFSDP job of 2 ranks (ZeRO-3, no TP), the same
+    global batch: the same losses, equal weights on both groups at every step. Beside them,
+    on a lighthouse of its own, a lone group with --ft-min-replica-groups 2 waits (bounded by
+    the quorum timeout) instead of training alone, then stops with one line."""
+    jobs = _Jobs(tmp_path)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(LOCAL_SRUN.replace("PYTHON", sys.executable))
@@ -306,21 +263,30 @@ def test_sbatch_script_runs_the_lighthouse_and_one_step_per_group(tmp_path):
     port = _free_port()
     model = MODEL_ARGS[:MODEL_ARGS.index("--micro-batch-size")] + MODEL_ARGS[MODEL_ARGS.index("--lr"):]
     model = model[:model.index("--train-iters")] + model[model.index("--train-iters") + 2:]
+    model += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     env = _env({**FT_ENV, "PATH": f"{bin_dir}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}"
                 + os.environ["PATH"], "VIRTUAL_ENV": sys.prefix, "LOCAL_SLURM_DIR": str(tmp_path),
-                "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "1",
+                "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "2",
                 "SLURM_JOB_NODELIST": "localhost", "LIGHTHOUSE_PORT": str(port), "OUT": str(tmp_path / "out"),
-                "MODEL_ARGS": " ".join(model), "MICRO_BATCH": "2", "TRAIN_ITERS": "3", "OMP_NUM_THREADS": "1",
+                "MODEL_ARGS": " ".join(model), "MICRO_BATCH": "2", "GLOBAL_BATCH": "8", "TRAIN_ITERS": "10",
                 "MIN_GROUPS": "2"})  # both groups from step 1 on
-    proc = subprocess.run(["bash", "examples/sbatch_fault_tolerant_hsdp.sh"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
-    logs = {g: (tmp_path / "out" / f"group{g}.log").read_text() for g in (0, 1)
-            if (tmp_path / "out" / f"group{g}.log").exists()}
+    try:
+        alone = jobs.start("alone", MODEL_ARGS + ["--use-mfsdp"] + _ft_flags(0, lighthouse(min_replicas=1),
+                                                                              min_groups=2),
+                           nproc=1, env={"TORCHFT_QUORUM_TIMEOUT_SEC": "3"})  # how long it waits for a second group
+        proc = subprocess.run(["bash", "examples/sbatch_fault_tolerant_hsdp.sh"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        alone.wait(timeout=120)
+    finally:
+        jobs.close()
+    out = tmp_path / "out"
+    logs = {g: (out / f"group{g}.log").read_text() for g in (0, 1) if (out / f"group{g}.log").exists()}
     assert proc.returncode == 0, proc.stdout + proc.stderr + "\n".join(v[-3000:] for v in logs.values())
+
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    lighthouse, *groups = steps
-    assert lighthouse["command"][0] == "torchft_lighthouse" and lighthouse["options"]["--nodes"] == "1"
-    assert f"[::]:{port}" in lighthouse["command"] and "--overlap" in lighthouse["options"]
+    lighthouse_step, *groups = steps
+    assert lighthouse_step["command"][0] == "torchft_lighthouse" and lighthouse_step["options"]["--nodes"] == "1"
+    assert f"[::]:{port}" in lighthouse_step["command"] and "--overlap" in lighthouse_step["options"]
     assert len(groups) == 2
     for g, step in enumerate(groups):
         command = step["command"]
@@ -328,7 +294,29 @@ def test_sbatch_script_runs_the_lighthouse_and_one_step_per_group(tmp_path):
         assert command[command.index("--ft-replica-group-id") + 1] == str(g)
         assert command[command.index("--ft-lighthouse") + 1] == f"http://localhost:{port}"
         assert step["options"]["--relative"] == str(g) and step["options"]["--kill-on-bad-exit"] == "1"
+        assert step["options"]["--ntasks"] == "2"
+
+    reference, _ = read_metrics(str(mfsdp_run[0] / "logs"))
+    curves = [read_metrics(str(out / "logs" / f"group{g}"))[0] for g in (0, 1)]
+    worst = 0.0
+    for it in sorted(reference):
+        # Each group logs the mean loss of its half of the global batch.
+        mean = (curves[0][it]["lm_loss"] + curves[1][it]["lm_loss"]) / 2
+        assert mean == pytest.approx(reference[it]["lm_loss"], rel=1e-5), it
+        worst = max(worst, abs(mean - reference[it]["lm_loss"]) / reference[it]["lm_loss"])
+        assert curves[0][it]["learning_rate"] == reference[it]["learning_rate"]
     hashes = [{int(m[1]): (int(m[2]), m[4]) for m in HASH.finditer(logs[g])} for g in (0, 1)]
-    assert sorted(hashes[0]) == [1, 2, 3] and hashes[0] == hashes[1]
-    print(f"\nsbatch script: lighthouse step {lighthouse['command'][:3]}..., group steps with --relative 0 and 1; "
-          f"step 3 hash {hashes[0][3][1][:16]}... on both groups (quorum {hashes[0][3][0]} of 2)")
+    assert sorted(hashes[0]) == list(range(1, 11))
+    assert hashes[0] == hashes[1]  # quorum 2 of 2 and bitwise equal weights at every step
+    assert all(q == 2 for q, _ in hashes[0].values())
+    print(f"\nsbatch script: lighthouse step {' '.join(lighthouse_step['command'][:3])}..., group steps "
+          f"--relative 0 and 1 (2 tasks, TP=2 each); loss parity with one 2-rank job over {len(reference)} "
+          f"iterations: max rel {worst:.2e}; step 10 hash {hashes[0][10][1][:16]}... on both groups")
+
+    text = _text(alone)
+    assert alone.returncode != 0
+    assert WAITING in text
+    errors = [line for line in text.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == 1 and "only 1 of the 2 replica groups" in errors[0], text[-3000:]
+    assert "iteration        1/" not in text  # no step was trained alone
+    print("lone group with K=2:\n  " + WAITING + "\n  " + errors[0])
