@@ -98,7 +98,16 @@ class FaultTolerance:
         timeout = _env_timeout("TORCHFT_TIMEOUT_SEC", DEFAULT_TIMEOUT)
         self.quorum_timeout = _env_timeout("TORCHFT_QUORUM_TIMEOUT_SEC", DEFAULT_QUORUM_TIMEOUT)
         self.min_groups = args.ft_min_replica_groups
+        # torchft's Manager keeps its keys in the job's TCP store (MASTER_ADDR:MASTER_PORT,
+        # set by torchrun and by the SLURM launch). A group of one process started without a
+        # launcher has none (its world of one needs no rendezvous): it gets a store of its own.
+        self._own_store = None
+        store_addr, store_port = None, None
+        if "MASTER_ADDR" not in os.environ and dist.get_world_size() == 1:
+            self._own_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = "127.0.0.1", self._own_store.port
         self.manager = Manager(
+            store_addr=store_addr, store_port=store_port,
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=None, state_dict=None,  # registered by attach()
             min_replica_size=args.ft_min_replica_groups,

@@ -54,8 +54,10 @@ class _Jobs:
 
     def start(self, name, args, nproc, env=None):
         log = open(self.tmp_path / f"{name}.log", "w")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "pretrain_gpt.py", *args]
+        # One rank: no launcher (pretrain_gpt.py runs a world of one), one interpreter less to start.
+        launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                          str(nproc)]
+        cmd = [sys.executable, *launcher, "pretrain_gpt.py", *args]
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env({**FT_ENV, **(env or {})}), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         proc.log_path = self.tmp_path / f"{name}.log"
@@ -131,9 +133,9 @@ KILL_TEST_RANKS = int(os.environ.get("FT_TEST_RANKS_PER_GROUP", "1"))
 
 
 def _kill_worker(job):
-    """SIGKILL one pretrain_gpt.py rank of a torchrun job; torchrun tears the rest down."""
-    workers = [p for p in psutil.Process(job.pid).children(recursive=True)
-               if "pretrain_gpt.py" in " ".join(p.cmdline())]
+    """SIGKILL one pretrain_gpt.py rank of a job (a torchrun tears the rest down)."""
+    workers = [p for p in [psutil.Process(job.pid)] + psutil.Process(job.pid).children(recursive=True)
+               if "pretrain_gpt.py" in " ".join(p.cmdline()[:3])]
     assert len(workers) == KILL_TEST_RANKS, workers
     workers[-1].send_signal(signal.SIGKILL)
     job.wait(timeout=90)
