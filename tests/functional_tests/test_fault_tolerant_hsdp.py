@@ -199,6 +199,8 @@ def test_killed_group_rejoins_with_live_weights(tmp_path, lighthouse):
     assert all(h0[s][0] == 2 for s in steps)
     # Dropout masks: both groups' RNG states equal after the recovery.
     assert all(r0[s] == r1c[s] for s in steps), {s: (r0[s], r1c[s]) for s in steps}
+    # The step in flight when the transfer broke was not applied (its reduction lost the peer).
+    assert f"step {held_at + 1} not committed" in log0
     recovered_at = int(re.search(r"recovered .* continuing at step (\d+)", log1c)[1])
     assert recovered_at > held_at and min(h1c) > recovered_at  # it continued from group 0's step
     # Group 0 trained on through both failures: every step it logged has one hash (a step
@@ -221,7 +223,7 @@ def test_killed_group_rejoins_with_live_weights(tmp_path, lighthouse):
 # id and node list), records the step's options and command line, and ends the step when a
 # task fails (--kill-on-bad-exit). scontrol only has to expand the node list.
 LOCAL_SRUN = r'''#!PYTHON
-import json, os, signal, subprocess, sys
+import fcntl, json, os, signal, subprocess, sys
 args, options, procs = sys.argv[1:], {}, []
 signal.signal(signal.SIGTERM, lambda *_: [p.terminate() for p in procs])  # srun passes it on to the tasks
 while args and args[0].startswith("--"):
@@ -234,6 +236,7 @@ while args and args[0].startswith("--"):
         value = args.pop(0)
     options[flag] = value
 with open(os.environ["LOCAL_SLURM_DIR"] + "/step_id", "a+") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)  # steps start side by side: each its own id (and rendezvous port)
     f.seek(0)
     step = len(f.read())
     f.write(".")
@@ -289,11 +292,12 @@ def test_sbatch_tp_groups_train_like_one_job_and_a_lone_group_waits(tmp_path, li
     lighthouse_step, *groups = steps
     assert lighthouse_step["command"][0] == "torchft_lighthouse" and lighthouse_step["options"]["--nodes"] == "1"
     assert f"[::]:{port}" in lighthouse_step["command"] and "--overlap" in lighthouse_step["options"]
-    assert len(groups) == 2
+    group_of = lambda step: int(step["command"][step["command"].index("--ft-replica-group-id") + 1])  # noqa: E731
+    groups = sorted(groups, key=group_of)  # their steps start side by side, in either order
+    assert [group_of(step) for step in groups] == [0, 1]
     for g, step in enumerate(groups):
         command = step["command"]
         assert command[:2] == ["python", "pretrain_gpt.py"]
-        assert command[command.index("--ft-replica-group-id") + 1] == str(g)
         assert command[command.index("--ft-lighthouse") + 1] == f"http://localhost:{port}"
         assert step["options"]["--relative"] == str(g) and step["options"]["--kill-on-bad-exit"] == "1"
         assert step["options"]["--ntasks"] == "2"
