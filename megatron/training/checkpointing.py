@@ -184,7 +184,7 @@ def load_common(load_dir: str, iteration: Optional[int] = None) -> Tuple[str, Di
 # ----------------------------------------------------------------------------------------
 
 
-def _rng_state() -> Dict[str, Any]:
+def rng_state() -> Dict[str, Any]:
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
@@ -197,7 +197,7 @@ def _rng_state() -> Dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: Dict[str, Any]) -> None:
+def set_rng_state(state: Dict[str, Any]) -> None:
     version, internal, gauss = state["random"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
@@ -368,7 +368,7 @@ def save_checkpoint(
     rng_name = _rng_filename(_rank())
     rng_path = os.path.join(tmp, rng_name)
     with open(rng_path, "wb") as f:
-        torch.save(_rng_state(), f)
+        torch.save(rng_state(), f)
         f.flush()
         os.fsync(f.fileno())
     rng_entry = {rng_name: dict(zip(("bytes", "sha256"), manifest.file_digest(rng_path)))}
@@ -578,7 +578,7 @@ def load_checkpoint(
         optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
     if load_rng:
         if rng_state is not None:
-            _set_rng_state(rng_state)
+            set_rng_state(rng_state)
         saved_world = int(common.get("world_size", _world()))
         if saved_world != _world():
             print_rank_0(f"> the checkpoint was saved by {saved_world} ranks and this run has {_world()}: "

@@ -19,7 +19,16 @@ replica (outer) dimension of HSDP is torchft's ``Manager``:
   same rank of a healthy group (the groups have the same layout). Safe points only: the
   state is served by torchft's quorum thread while the main thread waits in ``start_step``
   (``_state`` copies it, so later in-place updates cannot reach what is being sent), and it
-  is applied by the main thread, inside ``start_quorum``, before the forward.
+  is applied by the main thread, inside ``start_quorum``, before the forward. The state is
+  the weights, the optimizer state, the LR scheduler, the counters and the RNG states
+  (python, numpy, torch CPU and CUDA: ``checkpointing.rng_state``), so the recovered group
+  draws the same dropout masks as its peer from then on (every rank is seeded alike,
+  ``initialize.set_random_seed``; there is no separate TP RNG tracker in this trainer).
+* **Test hook.** ``MEGATRON_FT_TEST_HOLD_SEND=PATH`` (set only by the tests): a group about
+  to send its state holds inside the transfer (after the quorum that decided the recovery,
+  with the recovering group waiting in torchft's ``recv_checkpoint``) until ``PATH`` exists,
+  so a test can kill either side in that window deterministically. Once ``PATH`` exists
+  later transfers do not hold.
 * **Data.** Group R's data-parallel rank d reads as rank R x dp + d of G x dp (the ranks of
   one HSDP job of G x dp ranks). The data position is the committed steps' (nominal
   ``consumed``): a dead group's share of the steps it missed is never read (dropped, as
@@ -43,6 +52,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.mfsdp_v2.checkpoint.load import create_optimizer_state, sync_compute_weights
 from megatron.core.distributed.weight_hash import local_weight_hashes
+from megatron.training.checkpointing import rng_state, set_rng_state
 from megatron.training.log_utils import print_rank_0
 from megatron.training.user_errors import UserError
 
@@ -51,6 +61,7 @@ from megatron.training.user_errors import UserError
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 DEFAULT_QUORUM_TIMEOUT = timedelta(seconds=120)
 _STATE_KEY = "megatron"
+TEST_HOLD_SEND_ENV = "MEGATRON_FT_TEST_HOLD_SEND"  # the test hook (module doc)
 
 
 class ManagedReplicaReducer:
@@ -87,7 +98,16 @@ class FaultTolerance:
         timeout = _env_timeout("TORCHFT_TIMEOUT_SEC", DEFAULT_TIMEOUT)
         self.quorum_timeout = _env_timeout("TORCHFT_QUORUM_TIMEOUT_SEC", DEFAULT_QUORUM_TIMEOUT)
         self.min_groups = args.ft_min_replica_groups
+        # torchft's Manager keeps its keys in the job's TCP store (MASTER_ADDR:MASTER_PORT,
+        # set by torchrun and by the SLURM launch). A group of one process started without a
+        # launcher has none (its world of one needs no rendezvous): it gets a store of its own.
+        self._own_store = None
+        store_addr, store_port = None, None
+        if "MASTER_ADDR" not in os.environ and dist.get_world_size() == 1:
+            self._own_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = "127.0.0.1", self._own_store.port
         self.manager = Manager(
+            store_addr=store_addr, store_port=store_port,
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=None, state_dict=None,  # registered by attach()
             min_replica_size=args.ft_min_replica_groups,
@@ -168,6 +188,7 @@ class FaultTolerance:
         digest = replica_weights_sha256(self.trainer.built.unwrapped, self.trainer.built.context)
         print_rank_0(f"ft: step {iteration}, quorum {self.manager.num_participants()} of {self.groups}, "
                      f"weights sha256 {digest}")
+        print_rank_0(f"ft: step {iteration}, rng sha256 {replica_rng_sha256()}")
 
     # State moved to a recovering group ------------------------------------------------------
     def _state(self) -> Dict[str, Any]:
@@ -177,6 +198,7 @@ class FaultTolerance:
         if dist.get_rank() == 0:
             print(f"ft: group {self.group_id}: sending state of step {t.iteration} to a recovering group",
                   flush=True)
+        _hold_for_test(self.group_id)
         model = t.built.unwrapped
         optimizer = t.optimizer
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -190,6 +212,7 @@ class FaultTolerance:
             "scheduler": t.scheduler.state_dict(),
             "iteration": t.iteration,
             "consumed": t.consumed,
+            "rng": rng_state(),
         }
 
     def _load(self, state: Dict[str, Any]) -> None:
@@ -215,10 +238,11 @@ class FaultTolerance:
         sync_compute_weights(model)  # the compute copies follow the written main weights
         t.scheduler.load_state_dict(state["scheduler"])
         t.iteration, t.consumed = state["iteration"], state["consumed"]
-        t.reposition_data()
+        t.reposition_data()  # before the RNG: a new data iterator draws no training randomness (fork_rng)
+        set_rng_state(state["rng"])
         self._recovered = True
-        print_rank_0(f"ft: group {self.group_id}: recovered weights, optimizer state and counters from a healthy "
-                     f"group: continuing at step {t.iteration}")
+        print_rank_0(f"ft: group {self.group_id}: recovered weights, optimizer state, RNG state and counters "
+                     f"from a healthy group: continuing at step {t.iteration}")
 
 
 def replica_weights_sha256(model: torch.nn.Module, context=None, group=None) -> str:
@@ -234,6 +258,33 @@ def replica_weights_sha256(model: torch.nn.Module, context=None, group=None) -> 
         for name, digest in pieces:
             total.update(f"{rank}:{name}:{digest}\n".encode())
     return total.hexdigest()
+
+
+def replica_rng_sha256(group=None) -> str:
+    """SHA-256 over every rank's RNG states (python, numpy, torch CPU, CUDA), in rank
+    order: equal on two groups exactly when they will draw the same dropout masks."""
+    state = rng_state()
+    mine = hashlib.sha256(repr(state["random"]).encode())
+    mine.update(state["numpy"][1].numpy().tobytes() + repr(state["numpy"][2:]).encode())
+    for key in ("torch", "cuda"):
+        if key in state:
+            mine.update(state[key].numpy().tobytes())
+    everyone: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine.hexdigest(), group=group)
+    return hashlib.sha256("\n".join(everyone).encode()).hexdigest()
+
+
+def _hold_for_test(group_id: int) -> None:
+    """The test hook (module doc): wait inside the state transfer until the file named by
+    MEGATRON_FT_TEST_HOLD_SEND exists."""
+    path = os.environ.get(TEST_HOLD_SEND_ENV)
+    if not path or os.path.exists(path):
+        return
+    if dist.get_rank() == 0:
+        print(f"ft: group {group_id}: holding the state transfer until {path} exists ({TEST_HOLD_SEND_ENV}, "
+              "a test hook)", flush=True)
+    while not os.path.exists(path):
+        time.sleep(0.05)
 
 
 def _env_timeout(name: str, default: timedelta) -> timedelta:

@@ -6,6 +6,12 @@ names. One replica group is one torchrun job: its ranks form the group's own mes
 is torchft's: a lighthouse keeps the quorum, a Manager reduces the gradients over the live
 groups and moves state to a group that (re)joins (``fault_tolerance.py``).
 
+Inside a group: MFSDP (any strategy) and tensor parallelism (with or without sequence
+parallelism). Group rank r meets group rank r of the other groups on torchft's managed group,
+so each TP coordinate's shards are reduced with the same coordinate's shards elsewhere: the
+replica reduction is the plain HSDP one, unchanged by TP. PP, CP and EP are refused for now
+(their meshes and schedules are not wired to the managed reduction and recovery).
+
 ``--global-batch-size`` is the batch of all G groups together (as if the G groups were one
 HSDP job of G x group-size ranks): each group takes its 1/G of it.
 """
@@ -65,7 +71,6 @@ def validate_fault_tolerance_args(args: argparse.Namespace, note=print) -> None:
         raise ValueError("the ft flags run HSDP over replica groups on MFSDP; add --use-mfsdp.")
     refused = [(args.num_distributed_optimizer_instances != 1, "--num-distributed-optimizer-instances",
                 "the replica groups are the outer HSDP dimension"),
-               (args.tensor_model_parallel_size != 1, "--tensor-model-parallel-size", "not yet supported"),
                (args.pipeline_model_parallel_size != 1, "--pipeline-model-parallel-size", "not yet supported"),
                (args.context_parallel_size != 1, "--context-parallel-size", "not yet supported"),
                (bool(getattr(args, "num_experts", None)), "--num-experts", "not yet supported"),
@@ -74,8 +79,8 @@ def validate_fault_tolerance_args(args: argparse.Namespace, note=print) -> None:
                (bool(getattr(args, "fp16", False)), "--fp16", "not yet supported (use --bf16)")]
     for bad, flag, why in refused:
         if bad:
-            raise ValueError(f"{flag} cannot be combined with the ft flags ({why}); run pure data parallel "
-                             "(MFSDP, any --data-parallel-sharding-strategy) inside each replica group.")
+            raise ValueError(f"{flag} cannot be combined with the ft flags ({why}); run data parallel (MFSDP, "
+                             "any --data-parallel-sharding-strategy) and tensor parallel inside each replica group.")
     # Every group is its own job with the same command line: each keeps its checkpoints in a
     # directory of its own, or two groups would write the same files.
     for flag in ("save", "load"):

@@ -34,6 +34,13 @@ def test_batch_spans_all_groups(listening):
                  ).global_batch_size == 8
 
 
+def test_tensor_parallel_inside_a_group(listening):
+    """TP composes: each group is TP=2 x DP, the batch still spans the G groups."""
+    args = parse(f"--ft-replica-group-id 0 --ft-num-replica-groups 2 --ft-lighthouse {listening} "
+                 "--tensor-model-parallel-size 2 --sequence-parallel", world_size=4)
+    assert args.data_parallel_size == 2 and args.global_batch_size == 8
+
+
 def test_lighthouse_from_environment(listening, monkeypatch):
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", listening)
     assert parse("--ft-replica-group-id 0 --ft-num-replica-groups 3").ft_lighthouse == listening
@@ -47,8 +54,10 @@ BAD = {
     "lighthouse alone": ("--ft-min-replica-groups 2", "need --ft-replica-group-id"),
     "HSDP instances": ("--ft-replica-group-id 0 --ft-num-replica-groups 2 --num-distributed-optimizer-instances 2",
                        "the replica groups are the outer HSDP dimension"),
-    "tensor parallel": ("--ft-replica-group-id 0 --ft-num-replica-groups 2 --tensor-model-parallel-size 2",
-                        "--tensor-model-parallel-size cannot be combined"),
+    "pipeline parallel": ("--ft-replica-group-id 0 --ft-num-replica-groups 2 --pipeline-model-parallel-size 2",
+                          "--pipeline-model-parallel-size cannot be combined"),
+    "context parallel": ("--ft-replica-group-id 0 --ft-num-replica-groups 2 --context-parallel-size 2",
+                         "--context-parallel-size cannot be combined"),
     "batch": ("--ft-replica-group-id 0 --ft-num-replica-groups 2 --global-batch-size 6",
               "x --ft-num-replica-groups (2) = 8"),
 }
