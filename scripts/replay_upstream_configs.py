@@ -295,7 +295,6 @@ TRAINED_SAMPLE = (
     ("gpt", "gpt3_mcore_te_tp4_pp1_dist_optimizer_overlap_grad_reduce_param_gather"),
     ("gpt", "gpt3_mcore_te_tp4_pp1_qk_layernorm_test_mode"),
     ("gpt", "gpt3_mcore_te_tp2_pp2"),
-    ("gpt", "gpt3_mcore_te_tp2_pp2_cross_entropy_loss_fusion"),
     ("gpt", "gpt3_mcore_te_tp2_pp2_defer_embedding_wgrad_compute"),
     ("gpt", "gpt3_mcore_te_tp2_pp2_mla"),
     ("gpt", "gpt3_mcore_te_tp2_pp1_gdn"),
@@ -304,7 +303,8 @@ TRAINED_SAMPLE = (
     ("moe", "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4"),
     ("moe", "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer_1node"),
     ("moe", "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer_1node"),
-    ("moe", "gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel"),
+    ("moe", "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph_1node"),
+    ("moe", "gpt3_mcore_tp2_pp2_resume_torch_dist_te_2experts"),
     ("moe", "deepseek_proxy_fsdp_ep2_fsdp2"),
     ("moe", "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading"),
 )

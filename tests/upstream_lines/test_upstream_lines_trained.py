@@ -59,7 +59,8 @@ def test_sample_covers_the_layouts_and_blocks():
         covered |= _features(suite, name)
         assert replay.train_world(*replay.layout(replay.load_line(suite, name))) <= 8, name
     wanted = {"PP", "PP+VPP", "uneven PP", "CP", "TP+SP", "TP x PP", "EP", "EP+TP", "ETP != TP", "MLA",
-              "router sinkhorn", "router aux_loss", "router seq_aux_loss", "gated delta net"}
+              "router sinkhorn", "router aux_loss", "router seq_aux_loss", "router global_aux_loss",
+              "gated delta net"}
     assert wanted <= covered, wanted - covered
 
 
