@@ -13,7 +13,12 @@ sizes; parse_args then runs at the world size upstream launches (8 ranks, or mor
 the model-parallel sizes need it). A line rejected only because of PP/CP > 1 (it parses
 with those sizes at 1 and the pipeline-only flags dropped) counts as "blocked by PP/CP".
 
+``--train`` runs lines instead of parsing them: TRAINED_SAMPLE (or the named lines of
+``--suite``), 3 iterations each at the line's own TP/PP/CP/EP on the fewest CPU ranks that
+hold it, and prints their layouts, seconds and losses (tests/upstream_lines asserts them).
+
     python scripts/replay_upstream_configs.py [--verbose] [--snapshot | --write-snapshot]
+    python scripts/replay_upstream_configs.py --train [--suite moe NAME ...]
 """
 
 from __future__ import annotations
