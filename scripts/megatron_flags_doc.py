@@ -34,7 +34,9 @@ moe` it replays upstream's MoE recipes (`test_cases/moe`, snapshot
 `upstream_moe_configs.json`): <!-- figure: replay-moe-flags-doc -->x<!-- /figure --> (16 before the
 GPU-only flags, YaRN, `--recompute-modules`, MTP and EP without `--use-mfsdp`; 32 before
 Muon); of the six Muon lines two still carry the rejected
-`--check-weight-hash-across-dp-replicas-interval`.
+`--check-weight-hash-across-dp-replicas-interval`. `--train` trains a fixed sample of 24
+GPT and MoE lines 3 iterations each at their own TP/PP/CP/EP on 2-8 CPU ranks
+(`tests/upstream_lines`, a stage of its own in `scripts/run_tests.sh`).
 
 Upstream launch scripts: `python scripts/replay_upstream_examples.py` runs each
 `pretrain_gpt.py` script of upstream's `examples/` under bash with stub launchers, records

@@ -13,7 +13,12 @@ tiny model, but keeps its TP/PP/CP sizes; parse_args then runs at the world size
 the model-parallel sizes need it). A line rejected only because of PP/CP > 1 (it parses
 with those sizes at 1 and the pipeline-only flags dropped) counts as "blocked by PP/CP".
 
+``--train`` runs lines instead of parsing them: TRAINED_SAMPLE (or the named lines of
+``--suite``), 3 iterations each at the line's own TP/PP/CP/EP on the fewest CPU ranks that
+hold it, and prints their layouts, seconds and losses (tests/upstream_lines asserts them).
+
     python scripts/replay_upstream_configs.py [--verbose] [--snapshot | --write-snapshot]
+    python scripts/replay_upstream_configs.py --train [--suite moe NAME ...]
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, REPO)
@@ -201,13 +207,16 @@ def command_line(pairs, tmp, model_parallel_at_one=False):
     world = math.lcm(8, tp * pp * cp)
     dp = world // (tp * pp * cp)
     if any(flag == "--global-batch-size" for flag, _ in pairs):
-        # Two microbatches per step, or what the interleaved schedule needs: whole groups of
-        # (by default) the pipeline size per virtual stage.
-        group = _int(pairs, "--microbatch-group-size-per-virtual-pipeline-stage") if any(
-            flag == "--microbatch-group-size-per-virtual-pipeline-stage" for flag, _ in pairs) else pp
-        microbatches = 2 if pp == 1 else 2 * group
-        argv += ["--global-batch-size", str(microbatches * dp)]
+        argv += ["--global-batch-size", str(_microbatches(pairs, pp) * dp)]
     return argv, world
+
+
+def _microbatches(pairs, pp):
+    """Two microbatches per step, or what the interleaved schedule needs: whole groups of
+    (by default) the pipeline size per virtual stage."""
+    group = _int(pairs, "--microbatch-group-size-per-virtual-pipeline-stage") if any(
+        flag == "--microbatch-group-size-per-virtual-pipeline-stage" for flag, _ in pairs) else pp
+    return 2 if pp == 1 else 2 * group
 
 
 def _without(argv, flags):
@@ -291,6 +300,214 @@ def missing_note(missing) -> str:
             f"those of an install with it); install with `{install_command(extras)}`")
 
 
+# ---- Training a line: 3 iterations at its own TP/PP/CP/EP on CPU ranks -------------------
+
+# A fixed sample of upstream's lines trained by tests/upstream_lines (suite, name): the
+# parallel layouts (PP, PP with virtual stages and uneven stages, CP, TP with sequence
+# parallelism, EP with and without TP, expert TP apart from TP) and the newer blocks
+# (multi-latent attention, the gated delta net, MoE with each router and load balancing).
+TRAINED_SAMPLE = (
+    ("gpt", "gpt3_mcore_te_tp1_pp4_swiglu"),
+    ("gpt", "gpt3_mcore_te_tp1_pp4_untie_embeddings_and_outputs"),
+    ("gpt", "gpt3_mcore_te_tp1_pp4_vp1_uneven_pipeline"),
+    ("gpt", "gpt3_mcore_te_tp1_pp4_vp1"),
+    ("gpt", "gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce"),
+    ("gpt", "gpt3_mcore_te_tp1_pp4_vp1_tunable_overlap"),
+    ("gpt", "gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split"),
+    ("gpt", "gpt3_mcore_te_tp2_pp1_cp2_nondeterministic"),
+    ("gpt", "gpt3_mcore_te_tp2_pp2_cp2"),
+    ("gpt", "gpt3_mcore_te_tp4_pp1_dist_optimizer_overlap_grad_reduce_param_gather"),
+    ("gpt", "gpt3_mcore_te_tp4_pp1_qk_layernorm_test_mode"),
+    ("gpt", "gpt3_mcore_te_tp2_pp2"),
+    ("gpt", "gpt3_mcore_te_tp2_pp2_defer_embedding_wgrad_compute"),
+    ("gpt", "gpt3_mcore_te_tp2_pp2_mla"),
+    ("gpt", "gpt3_mcore_te_tp2_pp1_gdn"),
+    ("moe", "gpt3_mcore_te_tp2_pp1_te_8experts2parallel_dist_optimizer"),
+    ("moe", "gpt3_mcore_te_tp2_pp1_te_8experts2parallel_top2router"),
+    ("moe", "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4"),
+    ("moe", "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer_1node"),
+    ("moe", "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer_1node"),
+    ("moe", "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph_1node"),
+    ("moe", "gpt3_mcore_tp2_pp2_resume_torch_dist_te_2experts"),
+    ("moe", "deepseek_proxy_fsdp_ep2_fsdp2"),
+    ("moe", "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading"),
+)
+
+# What a trained line shrinks beyond SCALE: the experts, MLA's ranks, the vocabulary.
+TRAIN_SCALE = {"--moe-ffn-hidden-size": 64, "--moe-shared-expert-intermediate-size": 64,
+               "--q-lora-rank": 32, "--kv-lora-rank": 32, "--qk-head-dim": 16, "--qk-pos-emb-head-dim": 8,
+               "--v-head-dim": 16, "--make-vocab-size-divisible-by": 128, "--vocab-size": 512}
+# 3 iterations: no evaluation; the NullTokenizer's vocabulary replaces the line's.
+NOT_TRAINED = ("--eval-interval", "--tokenizer-type", "--vocab-size",
+               "--global-batch-size")
+# Sample counts that would override --train-iters.
+TRAIN_DROPPED = ("--train-samples", "--lr-decay-samples", "--lr-warmup-samples", "--exit-duration-in-mins",
+                 "--step-batch-size-schedule", "--lr-warmup-fraction")
+
+
+def layout(pairs):
+    """(tp, pp, cp, ep, etp) as the line sets them (the expert TP size defaults to TP's)."""
+    tp = _int(pairs, "--tensor-model-parallel-size")
+    ep = _int(pairs, "--expert-model-parallel-size")
+    return (tp, _int(pairs, "--pipeline-model-parallel-size"), _int(pairs, "--context-parallel-size"), ep,
+            _int(pairs, "--expert-tensor-parallel-size", tp) if ep > 1 else 1)
+
+
+def virtual_stages(pairs):
+    """The virtual pipeline stages per rank the line asks for (1: not interleaved)."""
+    pp = _int(pairs, "--pipeline-model-parallel-size")
+    if pp == 1:
+        return 1
+    for flag, value in pairs:
+        if flag == "--num-virtual-stages-per-pipeline-rank":
+            return int(value)
+        if flag == "--num-layers-per-virtual-pipeline-stage":
+            return _int(pairs, "--num-layers") // (pp * int(value))
+        if flag == "--pipeline-model-parallel-layout":
+            # Upstream's layout string: stages split by '|', '(...)*n' and 'x*n' repeat.
+            expanded = str(value)
+            while re.search(r"\([^()]*\)\*\d+", expanded):
+                expanded = re.sub(r"\(([^()]*)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), expanded)
+            return (expanded.count("|") + 1) // pp
+    return 1
+
+
+def train_world(tp, pp, cp, ep, etp):
+    """The fewest ranks that hold the layout: a multiple of tp*pp*cp whose ranks per pipeline
+    stage (tp*cp*dp) also hold ep*etp expert ranks. The data-parallel size is what is left."""
+    world = tp * pp * cp
+    while (world // pp) % (ep * etp):
+        world += tp * pp * cp
+    return world
+
+
+def train_command(pairs, tmp, world=None):
+    """(argv, world) for 3 iterations of the line, at the parallel sizes its pairs carry, on
+    ``world`` ranks (default: train_world's fewest): command_line's CPU substitutions and tiny
+    model, TRAIN_SCALE's, mock data with the NullTokenizer, two microbatches per data-parallel
+    rank (whole groups for the interleaved schedule), a loss line per iteration."""
+    tp, pp, cp, ep, etp = layout(pairs)
+    world = world or train_world(tp, pp, cp, ep, etp)
+    out = []
+    for flag, value in pairs:
+        if flag in NOT_TRAINED:
+            continue
+        if flag == "--num-experts":
+            groups = _int(pairs, "--moe-router-num-groups")
+            value = min(int(value), math.lcm(16, ep, groups))
+        elif flag in TRAIN_SCALE:
+            value = TRAIN_SCALE[flag]
+        out.append([flag, value])
+    out += [["--tokenizer-type", "NullTokenizer"], ["--vocab-size", TRAIN_SCALE["--vocab-size"]]]
+    argv, _ = command_line(out, tmp)
+    argv += ["--global-batch-size", str(_microbatches(pairs, pp) * (world // (tp * pp * cp)))]
+    for flag in TRAIN_DROPPED:
+        argv = _drop(argv, flag)
+    for flag, value in (("--train-iters", "3"), ("--eval-iters", "0"), ("--log-interval", "1")):
+        argv = _set(argv, flag, value)
+    return argv, world
+
+
+def _drop(argv, flag):
+    """``argv`` less ``flag`` and its values."""
+    if flag not in argv:
+        return argv
+    i = argv.index(flag)
+    j = i + 1
+    while j < len(argv) and not argv[j].startswith("--"):
+        j += 1
+    return argv[:i] + argv[j:]
+
+
+def _set(argv, flag, value):
+    return _drop(argv, flag) + [flag, value]
+
+
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?\| lm loss: (\S+) \|")
+
+
+def run_training(argv, world, tmp, timeout=600):
+    """Runs pretrain_gpt.py on ``world`` CPU ranks (torch.distributed.run, gloo):
+    {"iterations": [(iteration, of), ...] and "losses" [lm loss] of its iteration lines,
+    "model": its "> model:" line, "seconds",
+    "returncode", "output": rank 0's stdout and stderr}. A run past ``timeout`` is killed
+    with its ranks (returncode None)."""
+    import signal  # only the training mode kills process groups
+
+    argv = _set(argv, "--log-dir", os.path.join(tmp, "logs"))
+    if "--tensorboard-dir" in argv:
+        argv = _set(argv, "--tensorboard-dir", os.path.join(tmp, "tb"))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           "pretrain_gpt.py", *argv]
+    start = time.time()
+    # A session of its own: a hung run is killed with every rank it started.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        returncode = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        returncode = None
+    model = next((line for line in output.splitlines() if line.startswith("> model:")), "")
+    iterations = list(ITERATION.finditer(output))
+    return {"iterations": [(int(m.group(1)), int(m.group(2))) for m in iterations],
+            "losses": [float(m.group(3)) for m in iterations], "model": model,
+            "seconds": time.time() - start, "returncode": returncode, "output": output}
+
+
+def expected_layout(pairs, world):
+    """The phrases the "> model:" line of the trained line must hold (training.py's wording)."""
+    tp, pp, cp, ep, etp = layout(pairs)
+    phrases = [f"world size {world}"]
+    if tp > 1:
+        phrases.append(f"tensor parallel {tp} x data parallel {world // (tp * pp * cp)}")
+    if pp > 1:
+        vp = virtual_stages(pairs)
+        phrases.append(f"pipeline parallel {pp}" + (f" x {vp} virtual stages" if vp > 1 else " (1F1B)"))
+    if cp > 1:
+        phrases.append(f"context parallel {cp}")
+    if ep > 1:
+        phrases.append(f"expert parallel {ep} x expert tensor parallel {etp}")
+    return phrases
+
+
+def load_line(suite, name):
+    """The MODEL_ARGS pairs of one line, from the snapshot (CI has no mirror)."""
+    _, configs = load_snapshot(SUITES[suite][1])
+    return configs[name][1]
+
+
+def train(suite, name, timeout=600):
+    """run_training's result for one line of the snapshot, with "layout", "world" and "expected"."""
+    pairs = load_line(suite, name)
+    with tempfile.TemporaryDirectory() as tmp:
+        argv, world = train_command(pairs, tmp)
+        result = run_training(argv, world, tmp, timeout)
+    return dict(result, layout=layout(pairs), world=world, expected=expected_layout(pairs, world))
+
+
+def describe(tp, pp, cp, ep, etp):
+    return f"TP{tp} PP{pp} CP{cp} EP{ep}" + (f" ETP{etp}" if ep > 1 and etp != tp else "")
+
+
+def train_table(lines):
+    """Trains each (suite, name) and prints one row per line; the rows, as train returns them."""
+    print(f"{'line':80s} {'layout':20s} {'ranks':>5s} {'s':>5s}  losses (3 iterations)", flush=True)
+    rows = []
+    for suite, name in lines:
+        row = train(suite, name)
+        ok = row["returncode"] == 0 and len(row["losses"]) == 3 and all(p in row["model"] for p in row["expected"])
+        shown = " ".join(f"{x:.4f}" for x in row["losses"]) if ok else "FAILED: " + row["output"][-2000:]
+        print(f"{suite + '/' + name:80s} {describe(*row['layout']):20s} {row['world']:5d} {row['seconds']:5.0f}  "
+              f"{shown}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--verbose", action="store_true", help="print every rejection's message")
@@ -299,7 +516,12 @@ def main(argv=None):
     p.add_argument("--suite", choices=sorted(SUITES), default="gpt",
                    help="upstream's test_cases folder: gpt (default) or moe")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--train", nargs="*", default=None, metavar="NAME",
+                   help="train TRAINED_SAMPLE's lines (or the named lines of --suite) 3 iterations each at "
+                        "their own layout, from the snapshot, and print the table")
     opts = p.parse_args(argv)
+    if opts.train is not None:
+        return train_table([(opts.suite, name) for name in opts.train] or TRAINED_SAMPLE)
     cases, snapshot = SUITES[opts.suite]
     if os.path.isdir(MIRROR) and not opts.snapshot:
         commit, configs = load_from_mirror(cases)

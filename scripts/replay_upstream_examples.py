@@ -23,11 +23,9 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -194,81 +192,30 @@ def capped(tp, pp, cp, ep, etp, limit=8):
     return sizes["tp"], sizes["pp"], sizes["cp"], ep, etp
 
 
-# What the trained line shrinks beyond the functional-test replay's SCALE (hidden 128,
-# 8 heads, seq 64, applied by its command_line): the experts, MLA's ranks, the vocabulary.
-TRAIN_SCALE = {"--moe-ffn-hidden-size": 64, "--moe-shared-expert-intermediate-size": 64,
-               "--q-lora-rank": 32, "--kv-lora-rank": 32, "--qk-head-dim": 16, "--qk-pos-emb-head-dim": 8,
-               "--v-head-dim": 16, "--make-vocab-size-divisible-by": 128, "--vocab-size": 512}
-
-
 def train_line(pairs, tmp, limit=8):
-    """(argv, world, layout) for 3 iterations of the script's line on at most ``limit`` ranks."""
-    own = layout(pairs)
-    tp, pp, cp, ep, etp = capped(*own, limit=limit)
+    """(argv, world, layout) for 3 iterations of the script's line on ``limit`` ranks: its
+    layout capped to fit, then replay_upstream_configs.train_command (one owner of the CPU
+    command for both replays)."""
+    tp, pp, cp, ep, etp = capped(*layout(pairs), limit=limit)
     # Under PP two layers per stage (with VPP: two chunks of one layer); at PP 1 the
     # functional-test replay's 4 layers (DeepSeek-V3's layer pattern keeps 2).
     num_layers = 2 * pp
-    experts = _value(pairs, "--num-experts")
+    sizes = {"--tensor-model-parallel-size": tp, "--pipeline-model-parallel-size": pp,
+             "--context-parallel-size": cp, "--expert-model-parallel-size": ep,
+             "--expert-tensor-parallel-size": etp, "--num-layers": num_layers,
+             "--num-layers-per-virtual-pipeline-stage": 1 if pp > 1 else None}
     out = []
     for flag, value in pairs:
-        if flag == "--tensor-model-parallel-size":
-            value = tp
-        elif flag == "--pipeline-model-parallel-size":
-            value = pp
-        elif flag == "--context-parallel-size":
-            value = cp
-        elif flag == "--expert-model-parallel-size":
-            value = ep
-        elif flag == "--expert-tensor-parallel-size":
-            value = etp
-        elif flag == "--num-layers-per-virtual-pipeline-stage":
-            value = 1 if pp > 1 else None
-        elif flag == "--num-layers":
-            value = num_layers
+        if flag in sizes:
+            value = sizes[flag]
         elif flag == "--moe-layer-freq" and not str(value).strip().isdigit():
             value = f"[0]*1+[1]*{num_layers - 1}"  # DeepSeek-V3's dense first layers, then MoE
-        elif flag == "--num-experts":
-            groups = int(_value(pairs, "--moe-router-num-groups", 1))
-            value = min(int(experts), math.lcm(16, ep, groups))
-        elif flag == "--num-query-groups":
-            value = max(2, tp)
-        elif flag == "--global-batch-size":
-            value = None  # set below from the data-parallel size
-        elif flag in ("--tokenizer-type",):
-            value = None
-        elif flag in TRAIN_SCALE:
-            value = TRAIN_SCALE[flag]
-        elif flag in ("--eval-interval", "--save-interval", "--load", "--save"):
-            value = None  # 3 iterations: no evaluation, no checkpoint
+        elif flag in ("--save-interval", "--load", "--save"):
+            value = None  # no checkpoint: the launch scripts' paths are the user's
         if value is not None:
             out.append([flag, value])
-    out = [pair for pair in out if pair[0] != "--vocab-size"]
-    out += [["--tokenizer-type", "NullTokenizer"], ["--vocab-size", TRAIN_SCALE["--vocab-size"]],
-            ["--global-batch-size", 0]]
-    argv, _ = lines.command_line(out, tmp)
-    world = limit
-    i = argv.index("--global-batch-size")
-    argv[i + 1] = str((2 if pp == 1 else 2 * pp) * (world // (tp * pp * cp)))
-    for flag, value in (("--train-iters", "3"), ("--eval-iters", "0"), ("--log-interval", "1")):
-        argv = _set(argv, flag, value)
-    for flag in ("--train-samples", "--lr-decay-samples", "--lr-warmup-samples", "--exit-duration-in-mins",
-                 "--step-batch-size-schedule", "--lr-warmup-fraction"):
-        argv = _drop(argv, flag)
+    argv, world = lines.train_command(out, tmp, world=limit)
     return argv, world, (tp, pp, cp, ep, etp)
-
-
-def _drop(argv, flag):
-    if flag not in argv:
-        return argv
-    i = argv.index(flag)
-    j = i + 1
-    while j < len(argv) and not argv[j].startswith("--"):
-        j += 1
-    return argv[:i] + argv[j:]
-
-
-def _set(argv, flag, value):
-    return _drop(argv, flag) + [flag, value]
 
 
 def replay(scripts):
@@ -287,24 +234,9 @@ def train(name, entry, limit=8, timeout=900):
     with tempfile.TemporaryDirectory() as tmp:
         pairs = to_pairs([a.replace("$WORK", tmp) for a in entry["argv"]])
         argv, world, trained = train_line(pairs, tmp, limit)
-        argv = _set(argv, "--log-dir", os.path.join(tmp, "logs"))
-        if "--tensorboard-dir" in argv:
-            argv = _set(argv, "--tensorboard-dir", os.path.join(tmp, "tb"))
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES="")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-               "pretrain_gpt.py", *argv]
-        start = time.time()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=timeout)
-        seconds = time.time() - start
-        metrics = os.path.join(tmp, "logs", "metrics.jsonl")
-        losses = []
-        if os.path.exists(metrics):
-            with open(metrics) as f:
-                losses = [r["lm_loss"] for r in map(json.loads, f) if r["kind"] == "train"]
-        error = None if proc.returncode == 0 and len(losses) == 3 else proc.stdout[-3000:]
-        return trained, losses, seconds, error
+        run = lines.run_training(argv, world, tmp, timeout)
+    error = None if run["returncode"] == 0 and len(run["losses"]) == 3 else run["output"][-3000:]
+    return trained, run["losses"], run["seconds"], error
 
 
 def main(argv=None):

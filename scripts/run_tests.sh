@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: single-process unit tests, then the distributed tests under
 # torch.distributed.run with gloo at 2 and 4 ranks, then the functional (end-to-end) tests,
+# then a sample of upstream Megatron-LM's functional-test lines trained at their own layouts,
 # then the distributed tests at 2 ranks once more on the newest torch the project runs on
 # (MEGATRON_NEXT_TORCH, default torch==2.14.1, in a venv of its own: .venv-torch214), then the
 # documented commands (scripts/run_doc_commands.py: every command block of README.md, docs/ and
@@ -79,6 +80,11 @@ stage "distributed tests: gloo, 4 ranks" distributed 4 4
 if [ -d tests/functional_tests ] && ls tests/functional_tests/test_*.py >/dev/null 2>&1; then
     stage "functional tests" timeout 1800 python -m pytest -q -p no:cacheprovider tests/functional_tests
 fi
+# 24 of upstream's functional-test lines, 3 iterations each at their own TP/PP/CP/EP on 2-8
+# ranks (tests/upstream_lines). 30 minutes, a hang guard (each line also has its own 300 s):
+# the stage took 18 at a load of 20 on this 2-core box, for 8.2 CPU-minutes.
+stage "upstream lines trained at their own layouts" \
+    timeout 1800 python -m pytest -q -p no:cacheprovider --durations=0 tests/upstream_lines
 stage "distributed tests: gloo, 2 ranks, $next_torch" distributed_next_torch
 # 25 minutes, a hang guard (each block also has its own, its marker's timeout=): on this 2-core
 # box the stage took 5 minutes at a load of 7-13 and 10 at 22-26, for 2.4 CPU-minutes.

@@ -149,6 +149,9 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
                          + (f" x {vp} virtual stages (interleaved 1F1B)" if vp > 1 else " (1F1B)"))
         if args.context_parallel_size > 1:
             strategy += f", context parallel {args.context_parallel_size} ({' '.join(args.cp_comm_type)})"
+        if args.num_experts and args.expert_model_parallel_size > 1:
+            strategy += (f", expert parallel {args.expert_model_parallel_size} x expert tensor parallel "
+                         f"{args.expert_tensor_parallel_size or args.tensor_model_parallel_size}")
         print_rank_0(
             f"> model: {n_params:,} parameters ({n_params / 1e6:.2f}M), {strategy}, world size {world_size()}, "
             f"device {device.type}, {args.num_microbatches} microbatch(es) of {args.micro_batch_size} per rank per step"
