@@ -405,11 +405,16 @@ class _Trainer:
         loss_scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         set_aux_loss_backward_scale(self.built.unwrapped, loss_scale / args.num_microbatches)
         set_mtp_loss_backward_scale(self.built.unwrapped, loss_scale / args.num_microbatches)
+        extra = {}
+        if args.calculate_per_token_loss and getattr(args, "mtp_num_layers", None):
+            # The MTP sums get the factor the schedule gives the loss sums (upstream's per-token semantics).
+            extra["token_scale_hook"] = lambda factor: set_mtp_loss_backward_scale(self.built.unwrapped,
+                                                                                   loss_scale * factor)
         with self.timers("forward-backward", 1), self._autocast():
             reports = self.forward_backward(
                 self._forward_step, data_iterator, self.built.model, args.num_microbatches,
                 context=self.built.context, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                timers=self.timers, dp_group=parallel_state.get_parallel_state().dp_cp_group,
+                timers=self.timers, dp_group=parallel_state.get_parallel_state().dp_cp_group, **extra,
             )
             finalize_model_grads(args, self.built)
         return reports

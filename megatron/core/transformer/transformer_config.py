@@ -213,6 +213,9 @@ class TransformerConfig:
     # decoder sharing the embedding and output layer; their loss weight (upstream's default 0.1).
     mtp_num_layers: Optional[int] = None
     mtp_loss_scaling_factor: float = 0.1
+    # Megatron's --calculate-per-token-loss: the losses are sums over tokens, normalized by
+    # the global batch's token count (the schedule); read by multi-token prediction.
+    calculate_per_token_loss: bool = False
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
