@@ -88,6 +88,12 @@ def validate_recipe_args(args: argparse.Namespace, note) -> None:
             raise ValueError("--mtp-num-layers under pipeline parallelism embeds on the last stage too, which holds "
                              "no copy of the learned position table here; use --position-embedding-type rope "
                              "(as DeepSeek-V3) or --pipeline-model-parallel-size 1.")
+        if args.pipeline_model_parallel_size > 1 and getattr(args, "use_mfsdp", False) and \
+                not getattr(args, "untie_embeddings_and_output_weights", False):
+            # The last stage's output layer would read the embedding unit's weight outside its forward.
+            raise ValueError("--mtp-num-layers under pipeline parallelism with --use-mfsdp needs "
+                             "--untie-embeddings-and-output-weights (as DeepSeek-V3); tied weights run there "
+                             "without --use-mfsdp.")
         if args.context_parallel_size > 1:
             raise ValueError("--mtp-num-layers under context parallelism is not built yet; use "
                              "--context-parallel-size 1 or drop --mtp-num-layers.")
