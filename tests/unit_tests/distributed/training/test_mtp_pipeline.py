@@ -120,7 +120,12 @@ def test_mtp_under_pipeline_parallelism_equals_one_stage(pipeline, tied, per_tok
         assert sorted(mtp) == ["mtp_1 loss", "mtp_2 loss"]
         assert [mtp[k] for k in sorted(mtp)] == pytest.approx([ref_mtp[k] for k in sorted(mtp)], rel=1e-5), step
         assert grads, "every stage holds parameters"
+        worst = 0.0
         for name, grad in grads.items():
-            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=f"step {step}: {name}")
+            ref = ref_grads[name]
+            error = float((grad - ref).norm() / ref.norm().clamp(min=1e-30))
+            assert error < 1e-5, f"step {step}: {name} gradient differs by {error:.2e} (relative, L2)"
+            worst = max(worst, error)
+        print(f"step {step}: loss {loss:.6f} vs {ref_loss:.6f}, largest relative gradient difference {worst:.1e}")
     if any(name.startswith("mtp.") for name in pipelined[0][2]):  # the last stage: its embedding copy is compared
         assert "embedding.word_embeddings.weight" in pipelined[0][2]
