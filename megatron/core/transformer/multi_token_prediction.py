@@ -121,6 +121,13 @@ def set_mtp_loss_backward_scale(model: nn.Module, scale: float) -> None:
         block.loss_backward_scale = float(scale)
 
 
+def mtp_token_scale_hook(model: nn.Module, loss_scale: float = 1.0):
+    """The schedules' ``token_scale_hook`` with ``calculate_per_token_loss``: the MTP sums'
+    backward factor becomes the loss sums' (``dp / global tokens``) times ``loss_scale``
+    (the fp16 loss scale)."""
+    return lambda factor: set_mtp_loss_backward_scale(model, loss_scale * factor)
+
+
 def collect_mtp_metrics(model: nn.Module, device: torch.device = torch.device("cpu"), group=None,
                         depths: Optional[int] = None) -> Dict[str, float]:
     """``{"mtp_1 loss": ..., ...}``: each depth's loss, the mean over the forwards recorded

@@ -7,7 +7,11 @@ import torch
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.multi_token_prediction import collect_mtp_metrics, set_mtp_loss_backward_scale
+from megatron.core.transformer.multi_token_prediction import (
+    collect_mtp_metrics,
+    mtp_token_scale_hook,
+    set_mtp_loss_backward_scale,
+)
 
 S, V = 16, 64
 ARCHS = {
@@ -149,7 +153,7 @@ def test_per_token_loss_weighs_each_depth_like_the_main_loss():
         return out, lambda _: (loss_sum, batch["loss_mask"].sum(), {"lm loss": torch.stack([loss_sum.detach()])})
 
     forward_backward_no_pipelining(forward_step, iter(micro), model, 3,
-                                   token_scale_hook=lambda factor: set_mtp_loss_backward_scale(model, factor))
+                                   token_scale_hook=mtp_token_scale_hook(model))  # the trainer's hook
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     metrics = collect_mtp_metrics(model)
     model.zero_grad()

@@ -19,7 +19,11 @@ from _dist_helpers import _rank_order
 from _trainer_models import batches
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.multi_token_prediction import collect_mtp_metrics, set_mtp_loss_backward_scale
+from megatron.core.transformer.multi_token_prediction import (
+    collect_mtp_metrics,
+    mtp_token_scale_hook,
+    set_mtp_loss_backward_scale,
+)
 from megatron.training.arguments import parse_args
 from megatron.training.loss_reports import mean_loss, reduce_reports
 from megatron.training.model_builder import build_model, build_optimizer, finalize_model_grads
@@ -88,7 +92,7 @@ def train(flags, per_token):
             optimizer.zero_grad(set_to_none=True)
             # The trainer's factors: 1 / micro-batches, or the schedule's per-token one.
             set_mtp_loss_backward_scale(built.unwrapped, 1.0 / len(micro))
-            hook = dict(token_scale_hook=lambda f: set_mtp_loss_backward_scale(built.unwrapped, f)) if per_token else {}
+            hook = dict(token_scale_hook=mtp_token_scale_hook(built.unwrapped)) if per_token else {}
             kwargs = dict(seq_length=args.seq_length, micro_batch_size=1) if args.pipeline_model_parallel_size > 1 else {}
             reports = forward_backward(_forward_step(not per_token), iter(micro), built.model, len(micro),
                                        context=built.context, dp_group=state.dp_cp_group, **kwargs, **hook)
