@@ -73,7 +73,7 @@ def train(flags, per_token):
     args.padded_vocab_size = 128
     parallel_state.destroy_model_parallel()
     state = parallel_state.initialize_model_parallel(
-        1, 1, "cpu", pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        args.tensor_model_parallel_size, 1, "cpu", pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
     try:
         from pretrain_gpt import model_provider  # the trainer's provider; a root script, imported on use
@@ -107,18 +107,22 @@ def train(flags, per_token):
 
 
 REFERENCES = module_cache()
-# (pipeline, tied output weights, per-token loss, MFSDP ZeRO-3 instead of plain chunks)
-CASES = [("default", False, False, False), ("default", False, True, False),
-         ("layout", True, True, False), ("virtual", False, False, False), ("virtual", True, False, False),
-         ("default", False, True, True), ("virtual", False, False, True)]
+# (pipeline, tied output weights, per-token loss, MFSDP ZeRO-3 instead of plain chunks, TP size)
+CASES = [("default", False, False, False, 1), ("default", False, True, False, 1),
+         ("layout", True, True, False, 1), ("virtual", False, False, False, 1), ("virtual", True, False, False, 1),
+         ("default", False, True, True, 1), ("virtual", False, False, True, 1)]
+if WORLD == 4:  # PP=2 x TP=2 with sequence parallelism (the vocabulary-parallel embedding copy)
+    CASES += [("default", False, True, True, 2), ("layout", True, False, False, 2)]
 
 
-@pytest.mark.parametrize("pipeline,tied,per_token,mfsdp", CASES,
+@pytest.mark.parametrize("pipeline,tied,per_token,mfsdp,tp", CASES,
                          ids=["-".join([c[0], "tied" if c[1] else "untied", "per_token" if c[2] else "mean"]
-                                       + (["mfsdp"] if c[3] else [])) for c in CASES])
-def test_mtp_under_pipeline_parallelism_equals_one_stage(pipeline, tied, per_token, mfsdp):
-    flags = ([] if tied else ["--untie-embeddings-and-output-weights"]) + (["--use-mfsdp"] if mfsdp else [])
-    key = (tied, per_token, mfsdp)
+                                       + (["mfsdp"] if c[3] else []) + (["tp2_sp"] if c[4] > 1 else []))
+                              for c in CASES])
+def test_mtp_under_pipeline_parallelism_equals_one_stage(pipeline, tied, per_token, mfsdp, tp):
+    flags = ([] if tied else ["--untie-embeddings-and-output-weights"]) + (["--use-mfsdp"] if mfsdp else []) + \
+        (["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else [])
+    key = (tied, per_token, mfsdp, tp)
     if key not in REFERENCES:  # the PP=1 run, shared by the cases with the same flags
         REFERENCES[key] = train(flags, per_token)
     reference = REFERENCES[key]
