@@ -149,8 +149,12 @@ Deviations worth knowing:
 - `--logging-level N` sets the root Python logger's level (else `MEGATRON_LOGGING_LEVEL`).
 - `--mtp-num-layers D`: DeepSeek-V3's multi-token prediction (upstream's module names
   `mtp.layers.{{k}}.{{enorm,hnorm,eh_proj,mtp_model_layer,final_layernorm}}`); each depth's loss
-  is logged as `mtp_{{k}} loss`. Not under pipeline or context parallelism, nor with
-  `--calculate-per-token-loss` (refused); evaluation computes no MTP loss.
+  is logged as `mtp_{{k}} loss` (the mean of the micro-batches' means). With
+  `--calculate-per-token-loss` a depth's loss is a token sum weighted `N / N_k` and normalized
+  with the main loss (upstream's). Under pipeline parallelism the depths run on the last stage,
+  which then holds a copy of the word embedding (`m` in `--pipeline-model-parallel-layout`,
+  right before `L`); there it needs rotary positions, and untied output weights with
+  `--use-mfsdp`. Not under context parallelism (refused); evaluation computes no MTP loss.
 - `--moe-router-enable-expert-bias`: the bias is updated after every optimizer step that
   updates the router (upstream: in `finalize_model_grads`, before the step; the next step
   routes with the same bias). A skipped step (fp16 overflow) updates nothing; its token

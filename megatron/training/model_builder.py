@@ -357,9 +357,11 @@ def _model_chunks(chunks):
 
 
 def tied_embedding_module(chunk: torch.nn.Module) -> Optional[torch.nn.Module]:
-    """The module holding a pipeline chunk's copy of the tied word-embedding weight (the
-    first stage's embedding, the last stage's output projection), or None."""
-    if not getattr(chunk, "share_embeddings_and_output_weights", False):
+    """The module holding a pipeline chunk's copy of the word-embedding weight that the
+    first and the last stage both hold (the first stage's embedding; the last stage's
+    output projection with tied weights, or its embedding for multi-token prediction), or None."""
+    config = getattr(chunk, "config", None)
+    if not (getattr(chunk, "share_embeddings_and_output_weights", False) or getattr(config, "mtp_num_layers", None)):
         return None
     embedding = getattr(chunk, "embedding", None)
     return getattr(embedding, "word_embeddings", None) if embedding is not None else None

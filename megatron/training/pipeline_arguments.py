@@ -33,7 +33,8 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="count the loss as one layer of the last stage when splitting evenly")
     g.add_argument("--pipeline-model-parallel-layout", type=str, default=None,
-                   help="explicit layout, chunks separated by '|': E embedding, t layer, L loss, e.g. 'Et|(tt|)*2tL'")
+                   help="explicit layout, chunks separated by '|': E embedding, t layer, m MTP depth, L loss, "
+                        "e.g. 'Et|(tt|)*2tL'")
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
                    help="consecutive microbatches per model chunk in the interleaved schedule (default: the PP size)")
     g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
@@ -128,4 +129,5 @@ def pipeline_layout_from_args(args: argparse.Namespace) -> PipelineLayout:
         account_for_embedding=getattr(args, "account_for_embedding_in_pipeline_split", False),
         account_for_loss=getattr(args, "account_for_loss_in_pipeline_split", False),
         layout=getattr(args, "pipeline_model_parallel_layout", None),
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
     )

@@ -84,15 +84,19 @@ def validate_recipe_args(args: argparse.Namespace, note) -> None:
     if args.mtp_num_layers is not None:
         if args.mtp_num_layers < 1:
             raise ValueError(f"--mtp-num-layers must be positive, got {args.mtp_num_layers}; drop it for no MTP.")
-        if args.pipeline_model_parallel_size > 1:
-            raise ValueError("--mtp-num-layers under pipeline parallelism is not built yet; use "
-                             "--pipeline-model-parallel-size 1 or drop --mtp-num-layers.")
+        if args.pipeline_model_parallel_size > 1 and args.position_embedding_type == "learned_absolute":
+            raise ValueError("--mtp-num-layers under pipeline parallelism embeds on the last stage too, which holds "
+                             "no copy of the learned position table here; use --position-embedding-type rope "
+                             "(as DeepSeek-V3) or --pipeline-model-parallel-size 1.")
+        if args.pipeline_model_parallel_size > 1 and getattr(args, "use_mfsdp", False) and \
+                not getattr(args, "untie_embeddings_and_output_weights", False):
+            # The last stage's output layer would read the embedding unit's weight outside its forward.
+            raise ValueError("--mtp-num-layers under pipeline parallelism with --use-mfsdp needs "
+                             "--untie-embeddings-and-output-weights (as DeepSeek-V3); tied weights run there "
+                             "without --use-mfsdp.")
         if args.context_parallel_size > 1:
             raise ValueError("--mtp-num-layers under context parallelism is not built yet; use "
                              "--context-parallel-size 1 or drop --mtp-num-layers.")
-        if args.calculate_per_token_loss:
-            raise ValueError("--mtp-num-layers with --calculate-per-token-loss is not built yet (the MTP losses are "
-                             "per micro-batch means); drop one of them.")
     if args.logging_level is not None and args.logging_level < 0:
         raise ValueError(f"--logging-level must be a logging level (10 DEBUG ... 50 CRITICAL), got {args.logging_level}.")
     env_level = os.environ.get("MEGATRON_LOGGING_LEVEL", "")
@@ -121,7 +125,8 @@ def recipe_config_kwargs(args) -> dict:
     """The TransformerConfig fields (getattr: argument sets saved before these flags existed)."""
     kwargs = dict(recompute_modules=getattr(args, "recompute_modules", None),
                   mtp_num_layers=getattr(args, "mtp_num_layers", None),
-                  mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1))
+                  mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1),
+                  calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False))
     if getattr(args, "position_embedding_type", None) == "yarn":
         fields = _yarn_fields(args)
         kwargs.update({"yarn_rotary_scaling_factor" if k == "scaling_factor" else f"yarn_{k}": v

@@ -37,7 +37,7 @@ from megatron.core.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.core.transformer.attention import cpu_fast_path_note
 from megatron.core.transformer.moe.expert_bias import update_expert_biases
 from megatron.core.transformer.moe.router import set_aux_loss_backward_scale
-from megatron.core.transformer.multi_token_prediction import set_mtp_loss_backward_scale
+from megatron.core.transformer.multi_token_prediction import mtp_token_scale_hook, set_mtp_loss_backward_scale
 from megatron.training.batch_size_schedule import batch_size_schedule_from_args, train_samples_needed
 from megatron.training.checkpointing import (
     exit_signal_received,
@@ -410,11 +410,15 @@ class _Trainer:
         loss_scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         set_aux_loss_backward_scale(self.built.unwrapped, loss_scale / args.num_microbatches)
         set_mtp_loss_backward_scale(self.built.unwrapped, loss_scale / args.num_microbatches)
+        extra = {}
+        if args.calculate_per_token_loss and getattr(args, "mtp_num_layers", None):
+            # The MTP sums get the factor the schedule gives the loss sums (upstream's per-token semantics).
+            extra["token_scale_hook"] = mtp_token_scale_hook(self.built.unwrapped, loss_scale)
         with self.timers("forward-backward", 1), self._autocast():
             reports = self.forward_backward(
                 self._forward_step, data_iterator, self.built.model, args.num_microbatches,
                 context=self.built.context, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                timers=self.timers, dp_group=parallel_state.get_parallel_state().dp_cp_group,
+                timers=self.timers, dp_group=parallel_state.get_parallel_state().dp_cp_group, **extra,
             )
             finalize_model_grads(args, self.built)
         return reports

@@ -138,7 +138,8 @@ class TrainingLog:
         moe = collect_moe_metrics(self.built.unwrapped, comm_device(), group=parallel.dp_cp_group)  # CP ranks route their own tokens
         losses = {"lm loss": loss}
         losses.update({name: moe[name] for name in MOE_LOSS_NAMES if name in moe})
-        mtp = collect_mtp_metrics(self.built.unwrapped, comm_device(), group=parallel.dp_group)
+        # Every rank: under PP only the last stage runs MTP, and rank 0 prints.
+        mtp = collect_mtp_metrics(self.built.unwrapped, comm_device(), depths=getattr(args, "mtp_num_layers", None))
         losses.update(mtp)  # "mtp_1 loss", ...: each depth apart
         print_rank_0(format_iteration_line(
             iteration=iteration,

@@ -9,7 +9,8 @@ data-parallel rank's samples, and the loss is normalized over the global batch, 
 differ only by reduction order. Layouts: PP=2 x DP=2 with EP=2 (ZeRO-3), interleaved PP=2 x
 2 virtual stages x TP=2 with sequence parallelism, PP=2 x HSDP with uneven stages; the
 PP=2 checkpoint of iteration 2 resumed at PP=4 without MFSDP and at PP=1 (ZeRO-1)
-continues the curve. Untied embeddings: interleaved PP=2 from an explicit layout string.
+continues the curve. Untied embeddings: interleaved PP=2 from an explicit layout string,
+with a multi-token prediction depth on the last chunk (its `m`) and per-token loss.
 """
 
 import pytest
@@ -26,7 +27,8 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
 GAUX = ["--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.1",
         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "0.01"]
-UNTIED = ["--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--normalization", "RMSNorm"]
+UNTIED = ["--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+          "--mtp-num-layers", "1", "--calculate-per-token-loss"]
 
 RUNS = {
     # name: (ranks, flags); "ref" runs are the unpipelined references
@@ -49,7 +51,7 @@ RUNS = {
     "pp2-gaux-recompute": (2, MOE + GAUX + ["--use-mfsdp", "--pipeline-model-parallel-size", "2",
                                             "--recompute-granularity", "full"]),
     "pp2-vp2-layout-untied": (2, UNTIED + ["--use-mfsdp", "--pipeline-model-parallel-size", "2",
-                                           "--pipeline-model-parallel-layout", "Et|t|t|tL"]),
+                                           "--pipeline-model-parallel-layout", "Et|t|t|tmL"]),
 }
 
 
@@ -75,6 +77,9 @@ def test_pipeline_layouts_give_the_unpipelined_losses(runs, name):
 
 def test_untied_interleaved_layout_gives_the_unpipelined_losses(runs):
     _same_curve(runs, "pp2-vp2-layout-untied", "ref-untied")
+    train, ref_train = runs["pp2-vp2-layout-untied"][0], runs["ref-untied"][0]
+    for it in range(1, ITERS + 1):  # the MTP depth on the last stage, logged by rank 0
+        assert train[it]["mtp_1_loss"] == pytest.approx(ref_train[it]["mtp_1_loss"], rel=1e-5), it
     assert "pipeline parallel 2 x 2 virtual stages (interleaved 1F1B)" in runs["pp2-vp2-layout-untied"][2]
 
 

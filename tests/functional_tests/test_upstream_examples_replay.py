@@ -13,9 +13,9 @@ import replay_upstream_examples as examples  # noqa: E402
 
 # Scripts whose line parses at its own layout (9: the SC21 paper's, with --DDP-impl and
 # --activations-checkpoint-method; 12 with the Llama-3 and Megatron-FSDP flags and Mixtral's
-# --no-position-embedding). Not yet: GPT-3 175B (as upstream), DeepSeek-V3 (MTP with
-# --calculate-per-token-loss), GPT-OSS (its blocks).
-ACCEPTED = 12
+# --no-position-embedding; 13 with DeepSeek-V3's MTP under --calculate-per-token-loss).
+# Not yet: GPT-3 175B (as upstream), GPT-OSS (its blocks).
+ACCEPTED = 13
 # Refused by upstream's own parser too: --step-batch-size-schedule with --global-batch-size.
 UPSTREAM_REFUSES = {"gpt3_175b": "--step-batch-size-schedule and --global-batch-size"}
 

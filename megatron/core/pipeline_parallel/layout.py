@@ -15,8 +15,14 @@ Four ways to say how many layers a chunk gets, as Megatron's flags do:
 * ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``:
   the embedding (the loss) counts as one layer of the first (last) chunk;
 * ``--pipeline-model-parallel-layout``: an explicit string, chunks separated by ``|``,
-  ``E`` the embedding, ``t`` a transformer layer, ``L`` the loss, ``X*n`` and ``(...)*n``
-  repeat, commas are cosmetic (e.g. ``"Et|(tt|)*2tL"``).
+  ``E`` the embedding, ``t`` a transformer layer, ``m`` a multi-token prediction depth,
+  ``L`` the loss, ``X*n`` and ``(...)*n`` repeat, commas are cosmetic (e.g.
+  ``"Et|(tt|)*2tL"``, ``"Et*3|t*3|mL"``).
+
+Multi-token prediction (``--mtp-num-layers``) runs on the last chunk, after its decoder
+layers and before the loss (upstream's default placement). A layout string must then name
+its depths there, ``m`` once per depth right before ``L``; upstream's other placement (the
+depths on an earlier stage, "standalone") is not built here.
 """
 
 from __future__ import annotations
@@ -71,11 +77,12 @@ def parse_layout_string(layout: str) -> List[str]:
     text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
     chunks = text.split("|")
     for chunk in chunks:
-        bad = set(chunk) - set("EtL")
+        bad = set(chunk) - set("EtmL")
         if bad:
             raise ValueError(
                 f"--pipeline-model-parallel-layout {layout!r} has {''.join(sorted(bad))!r}: only E (embedding), "
-                "t (transformer layer), L (loss), '|' between chunks, X*n and (...)*n are understood here."
+                "t (transformer layer), m (multi-token prediction depth), L (loss), '|' between chunks, X*n and "
+                "(...)*n are understood here."
             )
     return chunks
 
@@ -83,10 +90,10 @@ def parse_layout_string(layout: str) -> List[str]:
 def build_pipeline_layout(num_layers: int, pp_size: int, vp_size: int = 1, *,
                           first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None,
                           account_for_embedding: bool = False, account_for_loss: bool = False,
-                          layout: Optional[str] = None) -> PipelineLayout:
+                          layout: Optional[str] = None, mtp_num_layers: Optional[int] = None) -> PipelineLayout:
     """The layout for these flags, or a ValueError that names the flag to change."""
     if layout is not None:
-        return _from_string(layout, num_layers, pp_size)
+        return _from_string(layout, num_layers, pp_size, mtp_num_layers or 0)
     uneven = first_stage_layers is not None or last_stage_layers is not None
     if uneven and (account_for_embedding or account_for_loss):
         raise ValueError("--decoder-first/last-pipeline-num-layers already place every layer; drop "
@@ -137,7 +144,7 @@ def _uneven(num_layers: int, pp_size: int, vp_size: int, first: Optional[int], l
     return _assign(counts, pp_size, vp_size)
 
 
-def _from_string(layout: str, num_layers: int, pp_size: int) -> PipelineLayout:
+def _from_string(layout: str, num_layers: int, pp_size: int, mtp_num_layers: int = 0) -> PipelineLayout:
     chunks = parse_layout_string(layout)
     if len(chunks) % pp_size:
         raise ValueError(f"--pipeline-model-parallel-layout {layout!r} has {len(chunks)} chunks, which is not a "
@@ -149,4 +156,10 @@ def _from_string(layout: str, num_layers: int, pp_size: int) -> PipelineLayout:
     if flat.count("t") != num_layers:
         raise ValueError(f"--pipeline-model-parallel-layout {layout!r} places {flat.count('t')} transformer layers, "
                          f"--num-layers is {num_layers}; make them agree.")
+    if flat.count("m") != mtp_num_layers:
+        raise ValueError(f"--pipeline-model-parallel-layout {layout!r} places {flat.count('m')} multi-token "
+                         f"prediction depths (m), --mtp-num-layers is {mtp_num_layers}; make them agree.")
+    if mtp_num_layers and not chunks[-1].endswith("m" * mtp_num_layers + "L"):
+        raise ValueError(f"--pipeline-model-parallel-layout {layout!r}: the multi-token prediction depths run on the "
+                         f"last chunk here, right before the loss; end the layout with {'m' * mtp_num_layers + 'L'!r}.")
     return _assign([c.count("t") for c in chunks], pp_size, len(chunks) // pp_size)

@@ -105,6 +105,7 @@ def forward_backward_no_pipelining(
     dp_group: Optional[dist.ProcessGroup] = None,
     count_loss_tokens_func: Callable = count_loss_tokens,
     timers: Optional[Callable] = None,
+    token_scale_hook: Optional[Callable[[float], None]] = None,
 ) -> List[Dict[str, torch.Tensor]]:
     """Run ``num_microbatches`` forward (and backward, unless ``forward_only``) passes.
 
@@ -117,7 +118,10 @@ def forward_backward_no_pipelining(
     last microbatch run under ``model.no_sync()``. ``seq_length`` and ``micro_batch_size``
     are accepted for Megatron compatibility and unused. ``timers(name, log_level)``, when
     given, is a context manager factory that times ``batch-generator``, ``forward-compute``
-    and ``backward-compute`` (Megatron's level-2 timers).
+    and ``backward-compute`` (Megatron's level-2 timers). ``token_scale_hook(factor)``, when
+    given, is called before the first forward of a step with backward with the factor
+    every loss sum gets (``dp_size / global_token_count``), for losses that join the
+    backward by other paths (multi-token prediction's, with per-token loss).
 
     Returns the ``report`` dicts of every microbatch, detached.
     """
@@ -130,6 +134,8 @@ def forward_backward_no_pipelining(
     timers = timers or _no_timer
     batches, scale = _read_microbatches(data_iterator, num_microbatches, forward_only, dp_group,
                                         count_loss_tokens_func, timers)
+    if token_scale_hook is not None and scale is not None:
+        token_scale_hook(scale)
     reports: List[Dict[str, torch.Tensor]] = []
     for i, batch in enumerate(batches):
         with _microbatch_context(model, context, i, num_microbatches, forward_only):
@@ -277,6 +283,7 @@ def _forward_backward_pipelined(
     timers: Optional[Callable] = None,
     microbatch_group_size: Optional[int] = None,
     p2p=None,
+    token_scale_hook: Optional[Callable[[float], None]] = None,
 ) -> List[Dict[str, torch.Tensor]]:
 
     state = parallel_state.get_parallel_state()
@@ -301,6 +308,8 @@ def _forward_backward_pipelined(
         data_iterator = data_iterator[0]  # every chunk reads the same microbatches
     timers = timers or _no_timer
     batches, scale = _read_microbatches(data_iterator, m, forward_only, dp_group, count_loss_tokens_func, timers)
+    if token_scale_hook is not None and scale is not None:
+        token_scale_hook(scale)
     order = pipeline_order(m, p, r, v, microbatch_group_size, forward_only)
 
     def first(c):

@@ -14,10 +14,19 @@ the last decoder layer's kind (MoE or dense) using the main sequence's rotary ta
 The losses ``scaling_factor / D * L^k`` join the backward through the main hidden states
 (``MoEAuxLossAutoScaler``, the router losses' mechanism) with the factor the trainer sets
 per step (``set_mtp_loss_backward_scale``: 1/num_microbatches times the fp16 loss scale),
-so they are per micro-batch per rank like upstream's. Each depth's L^k is recorded for the
-log line (``collect_mtp_metrics``: ``mtp_{k} loss``, the mean over the data-parallel
-ranks and the interval's forwards). Evaluation computes no MTP loss (it would not change
-the language-model loss).
+so they are per micro-batch per rank like upstream's.
+
+With ``calculate_per_token_loss`` (upstream's semantics) the language-model loss is a sum
+over tokens that the schedule divides by the global batch's token count; a depth's term
+is then ``scaling_factor / D * sum(mask_k * CE_k) * N / N_k`` (N the micro-batch's loss
+tokens, N_k those left after k rolls: each depth weighs as much as the main loss per
+token), and the backward factor is the one the loss sums get (the trainer passes the
+schedule's ``dp / global tokens`` times the fp16 loss scale).
+
+Each depth's L^k (the masked mean, in both modes) is recorded for the log line
+(``collect_mtp_metrics``: ``mtp_{k} loss``, the mean over the ranks that run MTP and
+the interval's forwards). Evaluation computes no MTP loss (it would not change the
+language-model loss).
 """
 
 from __future__ import annotations
@@ -81,15 +90,20 @@ class MultiTokenPredictionBlock(nn.Module):
         hidden, ids, positions = main_hidden, input_ids, position_ids
         labels = labels.clone()
         mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
+        tokens = mask.sum()  # before the rolls: the count the main loss is normalized with
         losses = []
         for layer in self.layers:
             ids, positions = roll_left(ids), roll_left(positions)
             labels, mask = roll_left(labels), roll_left(mask)
             hidden = layer(hidden, embedding(ids, positions), attention_mask, rotary_pos_emb)
-            per_token = loss_of_hidden(hidden, labels)
-            loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
-            losses.append(loss.detach())
-            main_hidden = MoEAuxLossAutoScaler.apply(main_hidden, scale * loss, self.loss_backward_scale)
+            loss_sum = (loss_of_hidden(hidden, labels) * mask).sum()
+            depth_tokens = mask.sum().clamp(min=1)
+            losses.append((loss_sum / depth_tokens).detach())
+            if self.config.calculate_per_token_loss:
+                term = scale * loss_sum * (tokens / depth_tokens)  # a sum, weighted as the main loss's tokens
+            else:
+                term = scale * loss_sum / depth_tokens
+            main_hidden = MoEAuxLossAutoScaler.apply(main_hidden, term, self.loss_backward_scale)
         self.loss_sums += torch.stack(losses).to("cpu", torch.float64)
         self.records += 1
         return main_hidden
@@ -101,23 +115,38 @@ def mtp_blocks(model: nn.Module):
 
 def set_mtp_loss_backward_scale(model: nn.Module, scale: float) -> None:
     """The factor the MTP losses' gradients get in the next backward passes (the one each
-    micro-batch's language-model loss gets); the trainer calls it at the start of every step."""
+    micro-batch's language-model loss gets); the trainer sets it every step (with
+    ``calculate_per_token_loss``, once the schedule has counted the step's tokens)."""
     for block in mtp_blocks(model):
         block.loss_backward_scale = float(scale)
 
 
-def collect_mtp_metrics(model: nn.Module, device: torch.device = torch.device("cpu"), group=None) -> Dict[str, float]:
+def mtp_token_scale_hook(model: nn.Module, loss_scale: float = 1.0):
+    """The schedules' ``token_scale_hook`` with ``calculate_per_token_loss``: the MTP sums'
+    backward factor becomes the loss sums' (``dp / global tokens``) times ``loss_scale``
+    (the fp16 loss scale)."""
+    return lambda factor: set_mtp_loss_backward_scale(model, loss_scale * factor)
+
+
+def collect_mtp_metrics(model: nn.Module, device: torch.device = torch.device("cpu"), group=None,
+                        depths: Optional[int] = None) -> Dict[str, float]:
     """``{"mtp_1 loss": ..., ...}``: each depth's loss, the mean over the forwards recorded
-    since the last call and over ``group`` (the data-parallel ranks; None: the default
-    group; every rank of it calls this), then reset. ``{}`` without MTP or records."""
+    since the last call and over the ranks of ``group`` that run MTP (None: the default
+    group; every rank of it calls this, so under pipeline parallelism the stages without
+    MTP pass ``depths``, the number of depths, and add nothing), then reset. ``{}``
+    without MTP or records."""
     blocks = mtp_blocks(model)
-    if not blocks:
+    if blocks:
+        block = blocks[0]
+        row = torch.cat([block.loss_sums, torch.tensor([float(block.records)], dtype=torch.float64)])
+        block.reset_metrics()
+    elif depths:
+        row = torch.zeros(depths + 1, dtype=torch.float64)
+    else:
         return {}
-    block = blocks[0]
-    row = torch.cat([block.loss_sums, torch.tensor([float(block.records)], dtype=torch.float64)]).to(device)
+    row = row.to(device)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(row, group=group)
-    block.reset_metrics()
     row = row.cpu()
     if row[-1] == 0:
         return {}

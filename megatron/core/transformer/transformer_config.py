@@ -229,6 +229,9 @@ class TransformerConfig:
     mup_attn_scale_power: float = 1.0
     # The attention's softmax scale; None: 1 / sqrt(kv_channels) (SDPA's default).
     softmax_scale: Optional[float] = None
+    # Megatron's --calculate-per-token-loss: the losses are sums over tokens, normalized by
+    # the global batch's token count (the schedule); read by multi-token prediction.
+    calculate_per_token_loss: bool = False
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):

@@ -154,6 +154,8 @@ def test_uneven_and_accounted_layouts():
 def test_layout_strings():
     assert parse_layout_string("Et*3|(tt|)*2tL") == ["Ettt", "tt", "tt", "tL"]
     assert spans(build_pipeline_layout(8, 2, layout="Et*3|(tt|)*2tL")) == [[[0, 1, 2], [5, 6]], [[3, 4], [7]]]
+    # Upstream's MTP depths ('m') close the last chunk; they are not decoder layers.
+    assert spans(build_pipeline_layout(6, 2, layout="Et*3|t*3mmL", mtp_num_layers=2)) == [[[0, 1, 2]], [[3, 4, 5]]]
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -167,7 +169,9 @@ def test_layout_strings():
     (dict(num_layers=4, pp_size=2, layout="Et|tt|tL"), "not a multiple of --pipeline-model-parallel-size"),
     (dict(num_layers=4, pp_size=2, layout="tE|ttL"), "must begin with E"),
     (dict(num_layers=5, pp_size=2, layout="Ett|ttL"), "places 4 transformer layers, --num-layers is 5"),
-    (dict(num_layers=4, pp_size=2, layout="Ett|tmL"), "only E .*, t .*, L"),
+    (dict(num_layers=4, pp_size=2, layout="Ett|txL"), "only E .*, t .*, m .*, L"),
+    (dict(num_layers=3, pp_size=2, layout="Ett|tmL"), r"places 1 multi-token prediction depths \(m\), --mtp-num-layers is 0"),
+    (dict(num_layers=3, pp_size=2, layout="Ettm|tL", mtp_num_layers=1), "end the layout with 'mL'"),
 ])
 def test_layout_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -25,6 +25,11 @@ def test_pipeline_sizes_and_virtual_stages():
     args = parse("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Ettt|t|tt|ttL --global-batch-size 4")
     assert args.virtual_pipeline_model_parallel_size == 2
     assert pipeline_layout_from_args(args).layers_of(0, 1) == (4, 5)
+    # Upstream's MTP symbol: the depths close the last chunk (they are not decoder layers).
+    args = parse("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*4|t*3|t|mmL --mtp-num-layers 2 "
+                 "--position-embedding-type rope --global-batch-size 4")
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert [pipeline_layout_from_args(args).layers_of(r, 1) for r in (0, 1)] == [(7,), ()]
     # Accepted for upstream's command lines; the p2p streams always post receives ahead.
     args = parse("--pipeline-model-parallel-size 4 --no-overlap-p2p-communication "
                  "--overlap-p2p-communication-warmup-flush", world_size=4)
@@ -52,6 +57,12 @@ def test_pipeline_sizes_and_virtual_stages():
      r"must lie in \[pipeline size 2, microbatches 1\]"),
     ("--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 "
      "--num-virtual-stages-per-pipeline-rank 4", 4, "disagree"),
+    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Etttt|ttttmL", 4,
+     r"places 1 multi-token prediction depths \(m\), --mtp-num-layers is 0"),
+    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Etttt|ttttmL --mtp-num-layers 2 "
+     "--position-embedding-type rope", 4, r"places 1 multi-token prediction depths \(m\), --mtp-num-layers is 2"),
+    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Ettttm|ttttL --mtp-num-layers 1 "
+     "--position-embedding-type rope", 4, "end the layout with 'mL'"),
 ])
 def test_pipeline_parse_errors(extra, world, match):
     with pytest.raises(ValueError, match=match):

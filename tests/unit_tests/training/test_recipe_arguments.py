@@ -73,7 +73,6 @@ def test_yarn_flags_reach_the_config():
      "mla_up_proj needs --multi-latent-attention"),
     ("--recompute-granularity selective --recompute-modules moe_act" + MOE, "--moe-grouped-gemm"),
     ("--mtp-num-layers 0", "--mtp-num-layers must be positive"),
-    ("--mtp-num-layers 1 --calculate-per-token-loss", "--calculate-per-token-loss is not built yet"),
     ("--logging-level -1", "--logging-level must be a logging level"),
 ])
 def test_bad_recipe_flags_are_refused_with_the_fix(extra, message):
@@ -107,13 +106,19 @@ def test_logging_level_sets_the_root_logger(monkeypatch):
         root.setLevel(before)
 
 
-def test_mtp_flags_reach_the_config_and_pipelines_are_refused():
+def test_mtp_flags_reach_the_config_and_what_is_refused():
     from pretrain_gpt import core_transformer_config_from_args
 
-    config = core_transformer_config_from_args(parse("--mtp-num-layers 2 --mtp-loss-scaling-factor 0.3"))
-    assert (config.mtp_num_layers, config.mtp_loss_scaling_factor) == (2, 0.3)
-    with pytest.raises(ValueError, match="under pipeline parallelism is not built yet"):
-        parse_args((BASE + " --mtp-num-layers 1 --pipeline-model-parallel-size 2").split(), world_size=2,
+    config = core_transformer_config_from_args(parse("--mtp-num-layers 2 --mtp-loss-scaling-factor 0.3 "
+                                                     "--calculate-per-token-loss"))
+    assert (config.mtp_num_layers, config.mtp_loss_scaling_factor, config.calculate_per_token_loss) == (2, 0.3, True)
+    pipelined = BASE + " --mtp-num-layers 1 --pipeline-model-parallel-size 2 --global-batch-size 2"
+    args = parse_args((pipelined + " --position-embedding-type rope").split(), world_size=2, cuda_available=False)
+    assert args.mtp_num_layers == 1
+    with pytest.raises(ValueError, match="holds no copy of the learned position table"):
+        parse_args(pipelined.split(), world_size=2, cuda_available=False)
+    with pytest.raises(ValueError, match="with --use-mfsdp needs --untie-embeddings-and-output-weights"):
+        parse_args((pipelined + " --position-embedding-type rope --use-mfsdp").split(), world_size=2,
                    cuda_available=False)
     with pytest.raises(ValueError, match="under context parallelism is not built yet"):
         parse_args((BASE + " --mtp-num-layers 1 --context-parallel-size 2").split(), world_size=2,

@@ -7,7 +7,11 @@ import torch
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.multi_token_prediction import collect_mtp_metrics, set_mtp_loss_backward_scale
+from megatron.core.transformer.multi_token_prediction import (
+    collect_mtp_metrics,
+    mtp_token_scale_hook,
+    set_mtp_loss_backward_scale,
+)
 
 S, V = 16, 64
 ARCHS = {
@@ -40,19 +44,26 @@ def masked_mean(per_token, mask):
     return (per_token * mask).sum() / mask.sum()
 
 
-def reference_loss(model, tokens, positions, labels, mask):
-    """The objective written out: prefixes instead of rolled tensors, the model's modules."""
+def reference_sums(model, tokens, positions, labels, mask):
+    """The objective's pieces written out: prefixes instead of rolled tensors, the model's
+    modules. [(masked loss sum, loss tokens)] of the main head, then of each depth."""
     rotary = model.rotary_pos_emb(positions) if model.rotary_pos_emb is not None else None
     hidden = model.decoder(model.embedding(tokens, positions), None, rotary)
-    total = masked_mean(model._output(hidden, labels), mask)
-    depths = model.mtp.layers
-    losses = []
-    for k, layer in enumerate(depths, start=1):
+    sums = [((model._output(hidden, labels) * mask).sum(), mask.sum())]
+    for k, layer in enumerate(model.mtp.layers, start=1):
         n = S - k
         table = None if rotary is None else tuple(t[:, :n] for t in rotary)
         hidden = layer(hidden[:, :n], model.embedding(tokens[:, k:], positions[:, k:]), None, table)
-        losses.append(masked_mean(model._output(hidden, labels[:, k:]), mask[:, k:]))
-    return total + model.config.mtp_loss_scaling_factor / len(depths) * sum(losses), [float(x.detach()) for x in losses]
+        sums.append(((model._output(hidden, labels[:, k:]) * mask[:, k:]).sum(), mask[:, k:].sum()))
+    return sums
+
+
+def reference_loss(model, tokens, positions, labels, mask):
+    """Per micro-batch means: main + factor / D * sum of the depths' means."""
+    (main, count), *depths = reference_sums(model, tokens, positions, labels, mask)
+    losses = [total / n for total, n in depths]
+    return main / count + model.config.mtp_loss_scaling_factor / len(depths) * sum(losses), \
+        [float(x.detach()) for x in losses]
 
 
 @pytest.mark.parametrize("arch, tied", [("llama", False), ("gpt2", True), ("moe", True)])
@@ -113,5 +124,47 @@ def test_bad_mtp_configs_are_refused():
     with pytest.raises(ValueError, match="mtp_num_layers must be a positive integer"):
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, mtp_num_layers=0)
     config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, mtp_num_layers=1)
-    with pytest.raises(ValueError, match="not built for pipeline parallelism"):
-        GPTModel(config, vocab_size=V, max_sequence_length=S, post_process=False)
+    with pytest.raises(ValueError, match="needs rotary positions"):  # a last pipeline stage, learned positions
+        GPTModel(config, vocab_size=V, max_sequence_length=S, pre_process=False)
+    assert GPTModel(config, vocab_size=V, max_sequence_length=S, post_process=False).mtp is None  # not the last stage
+
+
+def test_per_token_loss_weighs_each_depth_like_the_main_loss():
+    """--calculate-per-token-loss (upstream's semantics), through the schedule: the step's
+    gradient is that of [sum over micro-batches of (main sum + factor / D * sum_k depth
+    sum_k * N / N_k)] / (the step's loss tokens), N and N_k a micro-batch's tokens before
+    and after k rolls; the logged depth losses stay the mean of the micro-batches' means."""
+    import dataclasses  # only this test rebuilds a config
+
+    from megatron.core.pipeline_parallel import forward_backward_no_pipelining  # only this test runs the schedule
+
+    model = _model("llama", depths=2, factor=0.3)
+    model.config = dataclasses.replace(model.config, calculate_per_token_loss=True)
+    model.mtp.config = model.config
+    tokens, positions, labels, mask = _batch()
+    mask[0, :5] = 0  # micro-batches with different token counts
+    micro = [dict(tokens=tokens[i:i + 1], position_ids=positions[i:i + 1], labels=labels[i:i + 1],
+                  loss_mask=mask[i:i + 1]) for i in range(3)]
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"])
+        loss_sum = (out * batch["loss_mask"]).sum()
+        return out, lambda _: (loss_sum, batch["loss_mask"].sum(), {"lm loss": torch.stack([loss_sum.detach()])})
+
+    forward_backward_no_pipelining(forward_step, iter(micro), model, 3,
+                                   token_scale_hook=mtp_token_scale_hook(model))  # the trainer's hook
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    metrics = collect_mtp_metrics(model)
+    model.zero_grad()
+    objective, means = 0.0, [[], []]
+    for b in micro:
+        (main, count), *depths = reference_sums(model, b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
+        objective = objective + main + 0.3 / 2 * sum(total * count / n for total, n in depths)
+        for k, (total, n) in enumerate(depths):
+            means[k].append(float(total.detach() / n))
+    (objective / mask.sum()).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+    assert grads["mtp.layers.1.eh_proj.weight"].abs().sum() > 0
+    assert [metrics["mtp_1 loss"], metrics["mtp_2 loss"]] == pytest.approx([sum(m) / 3 for m in means], rel=1e-5)

@@ -13,6 +13,9 @@ end returns hidden states. With tied embeddings the last stage keeps its own cop
 word-embedding weight under the same name, ``embedding.word_embeddings.weight``, built as
 the output projection: both copies start equal (they are initialized from the same name),
 and the trainer sums their gradients over the first and last stage before each step.
+Multi-token prediction runs on the last chunk, and its depths embed tokens: that chunk
+then holds the whole embedding module (the same names as the first chunk's, tied to the
+output layer as there or not), a copy kept equal in the same way.
 """
 
 from typing import Optional, Sequence
@@ -140,11 +143,18 @@ class GPTModel(nn.Module):
         self.pre_process = bool(pre_process)
         self.post_process = bool(post_process)
         self._input_tensor: Optional[torch.Tensor] = None
+        # Multi-token prediction (multi_token_prediction.py): after the decoder, on the last chunk.
+        has_mtp = bool(getattr(config, "mtp_num_layers", None)) and self.post_process
+        if has_mtp and not self.pre_process and position_embedding_type == "learned_absolute":
+            raise ValueError("multi-token prediction on a pipeline stage that does not embed needs rotary "
+                             "positions (the learned position table would need a synchronized copy); use "
+                             "position_embedding_type='rope' or pipeline size 1.")
         # The output projection of a last stage that does not also embed, with tied weights:
         # it owns the stage's copy of the word embedding (see the module docstring).
-        self._tied_copy = share_embeddings_and_output_weights and self.post_process and not self.pre_process
+        self._tied_copy = share_embeddings_and_output_weights and self.post_process and not self.pre_process \
+            and not has_mtp
         self.embedding = None
-        if self.pre_process:
+        if self.pre_process or has_mtp:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length, position_embedding_type)
         elif self._tied_copy:
             self.embedding = nn.Module()
@@ -163,15 +173,7 @@ class GPTModel(nn.Module):
         self.output_layer = None
         if self.post_process and not self._tied_copy:
             self.output_layer = _output_projection(config, vocab_size, tied=share_embeddings_and_output_weights)
-        # Multi-token prediction (multi_token_prediction.py): after the decoder, on the stage
-        # that both embeds and computes the loss (the trainer refuses it under PP).
-        self.mtp = None
-        if getattr(config, "mtp_num_layers", None):
-            if not (self.pre_process and self.post_process):
-                raise ValueError("multi-token prediction needs the embedding and the output layer in one model "
-                                 "chunk; it is not built for pipeline parallelism yet (use PP size 1).")
-
-            self.mtp = MultiTokenPredictionBlock(config, expert_parallel)
+        self.mtp = MultiTokenPredictionBlock(config, expert_parallel) if has_mtp else None
 
     def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
         """The weight the output layer multiplies with (Megatron's name for it); under
