@@ -181,3 +181,39 @@ def test_flags_override_and_a_corrupt_copy_is_refused(tmp_path, capsys):
                     else [load, "--verify"]) == 2
         err = capsys.readouterr().err
         assert "the checkpoint's tokenizer: checkpoint file" in err and "tokenizer.json has" in err
+
+
+def test_resuming_takes_the_recorded_tokenizer_and_checks_given_flags(tmp_path, capsys):
+    """pretrain_gpt.py --load: no tokenizer flag -> the checkpoint's recorded tokenizer (its
+    copy); flags naming the same tokenizer pass; flags naming another are one clear error,
+    unless --no-use-tokenizer-model-from-checkpoint-args (upstream's: the command line wins)."""
+    load = _checkpoint(tmp_path, _hf_tokenizer(str(tmp_path / "tok")))  # the original moved to tok_moved
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+             "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2", "--load", load]
+
+    def parse(*flags):
+        return parse_args(model + list(flags), world_size=1, cuda_available=False)
+
+    args = parse()
+    assert args.tokenizer_type == "HuggingFaceTokenizer"
+    assert args.tokenizer_model == os.path.join(checkpoint_dir(load, 1), "tokenizer")
+    assert "the checkpoint's tokenizer (HuggingFaceTokenizer" in capsys.readouterr().out
+    same = parse("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tok_moved"))
+    assert same.tokenizer_model == str(tmp_path / "tok_moved")
+
+    other = str(tmp_path / "other")
+    shutil.copytree(tmp_path / "tok_moved", other)
+    with open(os.path.join(other, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"}, f)  # no chat template
+    for flags, says in ((["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", other],
+                         f"--tokenizer-model {other} is not the file the checkpoint was trained with"),
+                        (["--tokenizer-type", "NullTokenizer", "--vocab-size", "300"],
+                         "--tokenizer-type NullTokenizer, the checkpoint's is HuggingFaceTokenizer")):
+        with pytest.raises(ValueError, match="was trained with another tokenizer") as error:
+            parse(*flags)
+        assert says in str(error.value) and "--no-use-tokenizer-model-from-checkpoint-args" in str(error.value)
+    assert parse("--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
+                 "--no-use-tokenizer-model-from-checkpoint-args").tokenizer_type == "NullTokenizer"
+    # A fresh run (nothing at --load yet) keeps GPT-2's BPE as the default.
+    assert parse_args(model[:-1] + [str(tmp_path / "empty")], world_size=1,
+                      cuda_available=False).tokenizer_type == "GPT2BPETokenizer"
