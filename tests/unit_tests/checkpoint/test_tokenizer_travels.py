@@ -27,7 +27,8 @@ PROMPT = "ROMEO: to be"
 NEW_TOKENS = 8
 CORPUS = ("ROMEO: to be or not to be, that is the question.\nJULIET: the quick brown fox jumps over the lazy dog.\n"
           * 20)
-TEXTS = ["  JULIET:\n\tthe  quick   fox ", "\ufb01ne \uff21 caf\u00e9 {x} 42", "", " "]
+TEXTS = ["  JULIET:\n\tthe  quick   fox ", "\ufb01ne \uff21 caf\u00e9 {x} 42", "", " ",
+         "ROMEO: to be or not to be, that is the question.\r\n\n  JULIET's 12345"]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
 
@@ -71,8 +72,29 @@ def _gpt2_bpe(directory):
             "--merge-file", os.path.join(directory, "vocab.bpe")]
 
 
+def _tiktoken(directory):
+    """Upstream's tiktoken file of a byte-level BPE trained on the corpus (its merges as ranks)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from megatron.core.tokenizer.gpt2_bpe import bytes_to_unicode
+    from megatron.core.tokenizer.tiktoken_tokenizer import write_ranks
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator([CORPUS], trainers.BpeTrainer(vocab_size=330, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    merges = json.loads(bpe.to_str())["model"]["merges"]
+    merged = [bytes(byte_of[c] for c in "".join(m if isinstance(m, list) else m.split(" "))) for m in merges]
+    os.makedirs(directory)
+    ranks = write_ranks(os.path.join(directory, "ranks.json"), merged)
+    special = 16
+    return ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", os.path.join(directory, "ranks.json"),
+            "--vocab-size", str(special + ranks), "--tiktoken-num-special-tokens", str(special),
+            "--tiktoken-pattern", "v1"]
+
+
 TOKENIZERS = {"GPT2BPETokenizer": _gpt2_bpe, "HuggingFaceTokenizer": _hf_tokenizer,
-              "GPTSentencePieceTokenizer": _sentencepiece}
+              "GPTSentencePieceTokenizer": _sentencepiece, "TikTokenizer": _tiktoken}
 # SentencePiece drops its control pieces (<s>, </s>) when decoding; the others print every token.
 SKIP_SPECIAL = {"GPTSentencePieceTokenizer": True}
 
@@ -145,6 +167,8 @@ def test_tokenizer_travels_from_training_to_hugging_face_and_back(kind, tmp_path
     assert hf_tokenizer.decode(hf_ids, skip_special_tokens=SKIP_SPECIAL.get(kind, False)) == text
     if kind == "HuggingFaceTokenizer":
         assert hf_tokenizer.chat_template == CHAT_TEMPLATE
+    if kind == "TikTokenizer":  # its special tokens in text are their ids (upstream's allowed_special="all")
+        assert hf_tokenizer("the</s><SPECIAL_9>")["input_ids"] == ours.tokenize("the</s><SPECIAL_9>")
 
     # Hugging Face -> MFSDP keeps the tokenizer: generate.py needs no flag on the import either.
     imported = str(tmp_path / "imported")
