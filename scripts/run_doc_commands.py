@@ -20,6 +20,8 @@ Assertions (``shlex`` words, repeatable):
     loss-falls      the training log lines it prints ("lm loss: X") fall: last < first
     loss-below=X    the last lm loss it prints (training or validation line) is below X nats
     hf-loads=DIR    transformers' AutoModelForCausalLM loads DIR and its logits are finite
+    agree="T% ; A ; B"  the numbers the regexes A and B capture (group 1, first match of each)
+                    differ by at most T percent of B (an estimate A against a measurement B)
     timeout=S       seconds before the block counts as hung (default 300)
     skip=REASON     not run (hardware this machine lacks, a fragment): listed with the reason
 
@@ -60,7 +62,7 @@ DEFAULT_MAX_TRAIN_ITERS = "20"
 DEFAULT_TIMEOUT_S = 300
 COMMAND_FENCE = re.compile(r"^```(bash|sh|shell|console)\s*$")
 MARKER_START = "<!-- doctest:"
-ASSERTION_KEYS = {"exit", "output", "file", "loss-falls", "loss-below", "hf-loads", "timeout", "skip"}
+ASSERTION_KEYS = {"exit", "output", "file", "loss-falls", "loss-below", "hf-loads", "agree", "timeout", "skip"}
 # A training log line's loss ("| lm loss: 6.1E+00 |") and a validation box's ("lm loss value: ...").
 TRAIN_LOSS = re.compile(r"\| lm loss: ([0-9.eE+-]+) \|")
 ANY_LOSS = re.compile(r"lm loss(?: value)?: ([0-9.eE+-]+) \|")
@@ -246,9 +248,32 @@ def run_block(block: Block, work: str, env: Dict[str, str], log_path: str) -> Li
         losses = [float(x) for x in ANY_LOSS.findall(output)]
         if not losses or not losses[-1] < float(bound):
             failures.append(f"the last lm loss printed ({losses[-1] if losses else 'none'}) is not below {bound}")
+    for spec in block.marker.get("agree", []):
+        failures += check_agree(spec, output)
     for rel in block.marker.get("hf-loads", []):
         failures += check_hf_loads(os.path.join(work, rel), work, env)
     return failures
+
+
+def check_agree(spec: str, output: str) -> List[str]:
+    """``agree="T% ; A ; B"``: the numbers A and B capture are within T percent of B."""
+    try:
+        tolerance, *patterns = [part.strip() for part in spec.split(" ; ")]
+        percent = float(tolerance.rstrip("%"))
+    except ValueError:
+        return [f'agree={spec!r} is not "T% ; REGEX ; REGEX"']
+    if len(patterns) != 2 or not tolerance.endswith("%"):
+        return [f'agree={spec!r} is not "T% ; REGEX ; REGEX"']
+    values = []
+    for pattern in patterns:
+        match = re.search(pattern, output)
+        if not match:
+            return [f"output has no match for {pattern!r} (agree=)"]
+        values.append(float(match.group(1)))
+    estimate, measured = values
+    if abs(estimate - measured) > percent / 100 * abs(measured):
+        return [f"{estimate} ({patterns[0]!r}) is not within {tolerance} of {measured} ({patterns[1]!r})"]
+    return []
 
 
 HF_LOAD = """import sys, torch
