@@ -30,8 +30,8 @@ would have them (tracked and untracked-but-not-ignored: the working tree as it i
 document order: README.md, docs/*.md, examples/README.md, like a user who follows them.
 Its `.venv` is a fresh virtual environment that sees this interpreter's packages (the test
 extras) without installing anything, so `source scripts/setup_env.sh` in a block only
-activates it. A block identical to one already run (same commands, comments aside, and the same marker)
-is not run again: it is listed as the same as the first.
+activates it. A block identical to one already run (same commands, comments and the environment's
+activation aside, and the same marker) is not run again: it is listed as the same as the first.
 
 Long runs are shortened by one environment variable, MEGATRON_MAX_TRAIN_ITERS (default here
 20): pretrain_gpt.py stops every run after at most that many iterations, saying so in one
@@ -62,6 +62,7 @@ DEFAULT_MAX_TRAIN_ITERS = "20"
 DEFAULT_TIMEOUT_S = 300
 COMMAND_FENCE = re.compile(r"^```(bash|sh|shell|console)\s*$")
 MARKER_START = "<!-- doctest:"
+ACTIVATE = "source scripts/setup_env.sh"
 ASSERTION_KEYS = {"exit", "output", "file", "loss-falls", "loss-below", "hf-loads", "agree", "timeout", "skip"}
 # A training log line's loss ("| lm loss: 6.1E+00 |") and a validation box's ("lm loss value: ...").
 TRAIN_LOSS = re.compile(r"\| lm loss: ([0-9.eE+-]+) \|")
@@ -93,9 +94,11 @@ class Block:
         return self.marker[key][0] if key in self.marker else default
 
     def commands_only(self) -> str:
-        """The command without its comments (a comment after the command, or a comment line)."""
+        """The command without its comments (a comment after the command, or a comment line)
+        and without `source scripts/setup_env.sh` (in the runner's shell it only activates
+        the environment every block already runs in)."""
         lines = (re.sub(r"\s+#[^'\"]*$", "", s).rstrip() for s in self.command.splitlines())
-        return "\n".join(s for s in lines if s and not s.lstrip().startswith("#"))
+        return "\n".join(s for s in lines if s and not s.lstrip().startswith("#") and s != ACTIVATE)
 
     def summary(self) -> str:
         lines = [s for s in self.command.strip().splitlines() if not s.startswith(("#", "source "))]

@@ -87,3 +87,7 @@ def test_a_block_repeated_with_other_comments_is_the_same_command():
     b = rdc.Block("b.md", 9, "# the example\nbash examples/x.sh\n")
     assert a.commands_only() == b.commands_only() == "bash examples/x.sh"
     assert rdc.Block("c.md", 1, "echo '# not a comment'\n").commands_only() == "echo '# not a comment'"
+    # Activating the environment changes nothing in the runner's shell: README's and docs/'s
+    # run of the same example is one run.
+    assert rdc.Block("d.md", 1, "source scripts/setup_env.sh\nbash examples/x.sh\n").commands_only() == \
+        "bash examples/x.sh"
