@@ -27,6 +27,7 @@ export WANDB_MODE="${WANDB_MODE:-offline}"
 rm -rf "$OUT"
 
 start=$(date +%s)
+load_at_start=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo unknown)
 python tools/prepare_shakespeare.py --vocab-size "$VOCAB" >/dev/null
 tokenizer="data/cache/shakespeare_bpe$VOCAB"
 prepared=$(date +%s)
@@ -47,5 +48,7 @@ train_end=$(date +%s)
 
 python tools/generate.py --load "$OUT/checkpoints" --prompt "ROMEO:" --max-new-tokens 120 --top-k 20 --temperature 0.8 --seed 1234
 end=$(date +%s)
-bpc=$(python -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print('%.3f' % [x for x in r if x['kind']=='validation'][-1]['bits_per_character'])" "$OUT/logs/metrics.jsonl")
-echo "> validation loss ${bpc} bits per character; corpus and tokenizer $((prepared - start)) s, training $((train_end - prepared)) s, whole example $((end - start)) s; metrics in $OUT/logs/metrics.jsonl"
+# The run's result (what README.md and examples/README.md quote, through scripts/doc_figures.py).
+python tools/example_result.py --metrics "$OUT/logs/metrics.jsonl" --output "$OUT/result.json" \
+    --nproc "$NPROC" --load-average "$load_at_start" --seconds "prepare=$((prepared - start))" \
+    --seconds "training=$((train_end - prepared))" --seconds "whole=$((end - start))"

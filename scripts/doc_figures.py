@@ -10,7 +10,9 @@ A figure sits in the Markdown between two HTML comments, which GitHub does not r
     lines<!-- /figure --> parse at ...
 
 and its text is whatever FIGURES[name] renders from its source: a result file under
-benchmarks/results/ (with the date and the engine commit the file records), or a count the
+benchmarks/results/ (with the date and the engine commit the file records; the quickstart's
+is the result.json examples/train_tiny_shakespeare.sh writes, tools/example_result.py,
+copied there), or a count the
 project computes from a snapshot it carries (the upstream replay, computed live: the code at
 hand is its commit). tests/unit_tests/test_doc_figures.py and
 tests/functional_tests/test_upstream_replay.py fail when the docs and the sources disagree;
@@ -128,12 +130,53 @@ def largest_model() -> str:
             f"{best['ddp'] / 1e9:.2f}B for\nDDP (`benchmarks/results/largest_model.json`: {date}, commit {commit}")
 
 
+def _quickstart() -> dict:
+    """The result file examples/train_tiny_shakespeare.sh wrote (tools/example_result.py)."""
+    return _load("tiny_shakespeare.json")
+
+
+def _load_note(data: dict) -> str:
+    load, cores = data.get("load_average_at_start"), data.get("cores")
+    if load is None:
+        return f"{cores} cores"
+    return f"{cores} cores at load average {load:.1f}" if load >= 0.5 else f"{cores} idle cores"
+
+
+def quickstart() -> str:
+    data = _quickstart()
+    minutes = data["seconds"]["training"] / 60
+    return (f"{data['iterations']} iterations: {minutes:.1f} minutes on {_load_note(data)}, to "
+            f"{data['bits_per_character']:.2f} bits per character on the validation split "
+            f"(`benchmarks/results/tiny_shakespeare.json`: {data['date']}, commit {data['commit']})")
+
+
+def quickstart_curve() -> str:
+    data = _quickstart()
+    curve = data["validation_bits_per_character"]
+    iterations = sorted(curve, key=int)
+    last = iterations[-1]
+    seconds = data["seconds"]
+    head = "| iteration | " + " | ".join(f"**{i}**" if i == last else i for i in iterations) + " |"
+    rule = "|---|" + "---|" * len(iterations)
+    row = "| validation bits per character | " + " | ".join(
+        f"**{curve[i]:.3f}**" if i == last else f"{curve[i]:.3f}" for i in iterations) + " |"
+    return (f"Measured with {data['nproc']} ranks on {_load_note(data)} "
+            f"(`benchmarks/results/tiny_shakespeare.json`: {data['date']}, commit {data['commit']}; "
+            f"the run is deterministic, so a rerun prints the same bits per character, not the same times):\n\n"
+            f"{head}\n{rule}\n{row}\n\n"
+            f"Training took {seconds['training']:.0f} s of the example's {seconds['whole']:.0f} s "
+            f"({seconds['training'] / data['iterations']:.2f} s per iteration, evaluations included), "
+            f"{seconds['prepare']:.0f} s went to the corpus and the tokenizer.")
+
+
 FIGURES: Dict[str, Callable[[], str]] = {
     "replay-gpt": replay_gpt,
     "replay-gpt-flags-doc": replay_gpt_flags_doc,
     "replay-moe-flags-doc": replay_moe_flags_doc,
     "compare-50m": compare_50m,
     "largest-model": largest_model,
+    "quickstart": quickstart,
+    "quickstart-curve": quickstart_curve,
 }
 # Figures computed by running code rather than reading a file: their test runs where that code
 # already runs (tests/functional_tests/test_upstream_replay.py).

@@ -20,6 +20,8 @@ Assertions (``shlex`` words, repeatable):
     loss-falls      the training log lines it prints ("lm loss: X") fall: last < first
     loss-below=X    the last lm loss it prints (training or validation line) is below X nats
     hf-loads=DIR    transformers' AutoModelForCausalLM loads DIR and its logits are finite
+    agree="T% ; A ; B"  the numbers the regexes A and B capture (group 1, first match of each)
+                    differ by at most T percent of B (an estimate A against a measurement B)
     timeout=S       seconds before the block counts as hung (default 300)
     skip=REASON     not run (hardware this machine lacks, a fragment): listed with the reason
 
@@ -28,8 +30,8 @@ would have them (tracked and untracked-but-not-ignored: the working tree as it i
 document order: README.md, docs/*.md, examples/README.md, like a user who follows them.
 Its `.venv` is a fresh virtual environment that sees this interpreter's packages (the test
 extras) without installing anything, so `source scripts/setup_env.sh` in a block only
-activates it. A block identical to one already run (same commands, comments aside, and the same marker)
-is not run again: it is listed as the same as the first.
+activates it. A block identical to one already run (same commands, comments and the environment's
+activation aside, and the same marker) is not run again: it is listed as the same as the first.
 
 Long runs are shortened by one environment variable, MEGATRON_MAX_TRAIN_ITERS (default here
 20): pretrain_gpt.py stops every run after at most that many iterations, saying so in one
@@ -60,7 +62,8 @@ DEFAULT_MAX_TRAIN_ITERS = "20"
 DEFAULT_TIMEOUT_S = 300
 COMMAND_FENCE = re.compile(r"^```(bash|sh|shell|console)\s*$")
 MARKER_START = "<!-- doctest:"
-ASSERTION_KEYS = {"exit", "output", "file", "loss-falls", "loss-below", "hf-loads", "timeout", "skip"}
+ACTIVATE = "source scripts/setup_env.sh"
+ASSERTION_KEYS = {"exit", "output", "file", "loss-falls", "loss-below", "hf-loads", "agree", "timeout", "skip"}
 # A training log line's loss ("| lm loss: 6.1E+00 |") and a validation box's ("lm loss value: ...").
 TRAIN_LOSS = re.compile(r"\| lm loss: ([0-9.eE+-]+) \|")
 ANY_LOSS = re.compile(r"lm loss(?: value)?: ([0-9.eE+-]+) \|")
@@ -91,9 +94,11 @@ class Block:
         return self.marker[key][0] if key in self.marker else default
 
     def commands_only(self) -> str:
-        """The command without its comments (a comment after the command, or a comment line)."""
+        """The command without its comments (a comment after the command, or a comment line)
+        and without `source scripts/setup_env.sh` (in the runner's shell it only activates
+        the environment every block already runs in)."""
         lines = (re.sub(r"\s+#[^'\"]*$", "", s).rstrip() for s in self.command.splitlines())
-        return "\n".join(s for s in lines if s and not s.lstrip().startswith("#"))
+        return "\n".join(s for s in lines if s and not s.lstrip().startswith("#") and s != ACTIVATE)
 
     def summary(self) -> str:
         lines = [s for s in self.command.strip().splitlines() if not s.startswith(("#", "source "))]
@@ -246,9 +251,32 @@ def run_block(block: Block, work: str, env: Dict[str, str], log_path: str) -> Li
         losses = [float(x) for x in ANY_LOSS.findall(output)]
         if not losses or not losses[-1] < float(bound):
             failures.append(f"the last lm loss printed ({losses[-1] if losses else 'none'}) is not below {bound}")
+    for spec in block.marker.get("agree", []):
+        failures += check_agree(spec, output)
     for rel in block.marker.get("hf-loads", []):
         failures += check_hf_loads(os.path.join(work, rel), work, env)
     return failures
+
+
+def check_agree(spec: str, output: str) -> List[str]:
+    """``agree="T% ; A ; B"``: the numbers A and B capture are within T percent of B."""
+    try:
+        tolerance, *patterns = [part.strip() for part in spec.split(" ; ")]
+        percent = float(tolerance.rstrip("%"))
+    except ValueError:
+        return [f'agree={spec!r} is not "T% ; REGEX ; REGEX"']
+    if len(patterns) != 2 or not tolerance.endswith("%"):
+        return [f'agree={spec!r} is not "T% ; REGEX ; REGEX"']
+    values = []
+    for pattern in patterns:
+        match = re.search(pattern, output)
+        if not match:
+            return [f"output has no match for {pattern!r} (agree=)"]
+        values.append(float(match.group(1)))
+    estimate, measured = values
+    if abs(estimate - measured) > percent / 100 * abs(measured):
+        return [f"{estimate} ({patterns[0]!r}) is not within {tolerance} of {measured} ({patterns[1]!r})"]
+    return []
 
 
 HF_LOAD = """import sys, torch

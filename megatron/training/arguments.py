@@ -23,6 +23,7 @@ from megatron.core.tokenizer.factory import TOKENIZER_TYPES
 from megatron.core.transformer.transformer_config import check_recompute
 from megatron.training.batch_size_schedule import validate_batch_size_schedule, validate_step_schedule_batch
 from megatron.training.checkpoint_retention import check_retain_interval
+from megatron.training.checkpointing import COMMON_FILENAME, TRACKER_FILENAME, load_common
 from megatron.training.compile_layers import add_compile_args, validate_compile_args
 from megatron.training.context_parallel_arguments import (
     add_context_parallel_args,
@@ -53,6 +54,7 @@ from megatron.training.packed_document_arguments import add_packed_document_args
 from megatron.training.pipeline_arguments import add_pipeline_args, validate_pipeline_args, validate_pipeline_size
 from megatron.training.recipe_arguments import add_recipe_args, validate_recipe_args
 from megatron.training.resilience_arguments import add_resilience_args, validate_resilience_args
+from megatron.training.tokenizer_record import TOKENIZER_FLAGS, mismatch, tokenizer_args
 from megatron.training.torch_fsdp2_arguments import add_torch_fsdp2_args, validate_torch_fsdp2_args
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -161,7 +163,10 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     add_fim_args(g)
 
     g = parser.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")
+    # Default None: left out, a resumed run (--load) takes the checkpoint's recorded tokenizer,
+    # a fresh one GPT2BPETokenizer (_resume_tokenizer).
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                   help="default: the tokenizer a --load checkpoint records, else GPT2BPETokenizer")
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
     g.add_argument("--tokenizer-model", type=str, default=None)
@@ -372,7 +377,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _validate_batch(args)
     _validate_schedule(args)
     _validate_data(args)
+    recorded = _resume_tokenizer(args)
     _validate_tokenizer(args)
+    _check_tokenizer_against_record(args, recorded)
     _validate_tensor_parallel_model(args)
     validate_context_parallel_args(args)
     _validate_activation(args)
@@ -704,6 +711,53 @@ def _validate_tensor_parallel_model(args) -> None:
     if args.transformer_impl != "local":
         raise ValueError("--tensor-model-parallel-size > 1 uses the local layers; --transformer-impl "
                          "transformer_engine with tensor parallelism is not supported yet.")
+
+
+def _resume_tokenizer(args):
+    """With --load at a checkpoint that records its tokenizer (tokenizer_record.py): no
+    tokenizer flag given -> the recorded tokenizer (its copies in the checkpoint, checked by
+    sha256), said in one line; returns (checkpoint path, record) when flags were given, for
+    _check_tokenizer_against_record. Without a record, the flags or GPT-2's BPE as before."""
+    given = [flag for flag in TOKENIZER_FLAGS if getattr(args, flag, None) is not None
+             and not (flag == "tiktoken_num_special_tokens" and args.tokenizer_type != "TikTokenizer")]
+    # Upstream's --no-use-tokenizer-model-from-checkpoint-args: the command line's tokenizer, unchecked.
+    use_record = not args.no_use_tokenizer_model_from_checkpoint_args
+    found = _recorded_tokenizer(args.load) if args.load and use_record else None
+    if found and not given:
+        path, record = found
+        for flag, value in tokenizer_args(path, record).items():
+            setattr(args, flag, value)
+        _note(f"--load {args.load}: the checkpoint's tokenizer ({record['type']}, recorded in "
+              f"{os.path.join(path, 'tokenizer')}); pass --tokenizer-* flags to check another against it.")
+        found = None
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "GPT2BPETokenizer"
+    return found
+
+
+def _recorded_tokenizer(load: str):
+    """(checkpoint path, tokenizer record) of --load's tracked checkpoint, or None (no
+    checkpoint yet, one without a record, or one the loader will refuse with its own message)."""
+    if not os.path.isfile(os.path.join(load, COMMON_FILENAME)) and not os.path.isfile(
+            os.path.join(load, TRACKER_FILENAME)):
+        return None
+    try:
+        path, common = load_common(load)
+    except RuntimeError:
+        return None
+    return (path, common["tokenizer"]) if common.get("tokenizer") else None
+
+
+def _check_tokenizer_against_record(args, found) -> None:
+    """Tokenizer flags given with --load: they must name the tokenizer the checkpoint records."""
+    if not found:
+        return
+    path, record = found
+    difference = mismatch(vars(args), path, record)
+    if difference:
+        raise ValueError(f"--load {args.load} was trained with another tokenizer: {difference}. Drop the "
+                         "tokenizer flags to resume with the checkpoint's own (it carries a copy), or add "
+                         "--no-use-tokenizer-model-from-checkpoint-args to go on with the flags' tokenizer.")
 
 
 def _validate_tokenizer(args):

@@ -61,8 +61,9 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
     "--no-async-tensor-model-parallel-allreduce": (dict(action="store_true"),
                                                    "always: the TP all-reduces run synchronously"),
     "--ddp-average-in-collective": (dict(action="store_true"), "always: gradients are averaged in the collective"),
-    "--no-use-tokenizer-model-from-checkpoint-args": (dict(action="store_true"),
-                                                      "always: the tokenizer comes from the command line"),
+    "--no-use-tokenizer-model-from-checkpoint-args": (
+        dict(action="store_true"),
+        "with --load, the tokenizer flags (or GPT-2's default) win over the checkpoint's recorded tokenizer, unchecked"),
     "--empty-unused-memory-level": (dict(type=int, choices=(0, 1, 2), default=0),
                                     "no effect: the caching allocator keeps its blocks"),
     "--log-learning-rate-to-tensorboard": (dict(action="store_true"), "always logged"),

@@ -52,6 +52,7 @@ from megatron.training.fault_tolerance_arguments import fault_tolerance_enabled
 from megatron.training.fim_arguments import fim_transform_from_args
 from megatron.training.initialize import initialize_distributed, set_deterministic_mode, set_random_seed
 from megatron.training.log_utils import MetricsWriter, jsonable_config, print_rank_0
+from megatron.training.memory_report import memory_line
 from megatron.training.loss_reports import mean_loss, reduce_reports
 from megatron.training.model_builder import (
     BuiltModel,
@@ -328,6 +329,7 @@ class _Trainer:
         self.profiler = StepProfiler(args, dist.get_rank() if dist.is_initialized() else 0)
         self.built = built
         self.optimizer = optimizer
+        self.memory_reported = False  # memory_report.py's line, once after the first iteration run
         self.scheduler = scheduler
         self.forward_step_func = forward_step_func
         self.device = device
@@ -530,6 +532,9 @@ class _Trainer:
         self._check_weight_hashes(iteration)
         self.consumed += args.global_batch_size
         self.log.record_step(iteration, loss, grad_norm, skipped, self.consumed)
+        if not self.memory_reported:  # upstream's first memory report; rank 0's bytes, as the planner's
+            print_rank_0(memory_line(self.built, self.optimizer, self.device, iteration))
+            self.memory_reported = True
         if self.ft is not None and iteration % args.log_interval == 0:
             self.ft.log_weights(iteration)
         if args.eval_iters > 0 and self.valid_ds is not None and iteration % args.eval_interval == 0:

@@ -27,6 +27,9 @@ MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
          "--mock-data --tokenizer-type NullTokenizer --vocab-size 100 --log-interval 1 --eval-iters 0 "
          "--num-workers 0 --use-mfsdp").split()
 TIMEOUT = 600
+# A resumed run without tokenizer flags takes the checkpoint's recorded one (NullTokenizer, 100 ids).
+MODEL_WITHOUT_TOKENIZER = [a for i, a in enumerate(MODEL) if a not in ("--tokenizer-type", "--vocab-size")
+                           and MODEL[i - 1] not in ("--tokenizer-type", "--vocab-size")]
 
 
 def _env(**extra):
@@ -35,17 +38,17 @@ def _env(**extra):
     return env
 
 
-def _command(nproc, *args):
+def _command(nproc, *args, model=MODEL):
     if nproc == 1:
-        return [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *MODEL, *args]
+        return [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *model, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            os.path.join(REPO, "pretrain_gpt.py"), *MODEL, *args]
+            os.path.join(REPO, "pretrain_gpt.py"), *model, *args]
 
 
-def _train(tmp, name, nproc, *args, expect=0):
+def _train(tmp, name, nproc, *args, expect=0, model=MODEL):
     log = tmp / f"{name}.log"
     with open(log, "w") as out:
-        rc = subprocess.run(_command(nproc, "--log-dir", str(tmp / name), *args), cwd=tmp, env=_env(),
+        rc = subprocess.run(_command(nproc, "--log-dir", str(tmp / name), *args, model=model), cwd=tmp, env=_env(),
                             stdout=out, stderr=subprocess.STDOUT, timeout=TIMEOUT).returncode
     text = log.read_text()
     assert rc == expect, f"{name}: exit status {rc}\n{text[-4000:]}"
@@ -80,7 +83,8 @@ def resumed(tmp_path_factory):
     ckpt = tmp / "ckpt"
     _train(tmp, "uninterrupted", 2, "--train-iters", "20")
     first = _train(tmp, "first", 2, "--train-iters", "10", "--save", str(ckpt), "--async-save")
-    second = _train(tmp, "second", 2, "--train-iters", "20", "--load", str(ckpt), "--save", str(ckpt))
+    second = _train(tmp, "second", 2, "--train-iters", "20", "--load", str(ckpt), "--save", str(ckpt),
+                    model=MODEL_WITHOUT_TOKENIZER)
     return tmp, ckpt, first, second
 
 
@@ -89,6 +93,7 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(resumed):
     reference, a, b = _losses(tmp, "uninterrupted"), _losses(tmp, "first"), _losses(tmp, "second")
     assert sorted(a) == list(range(1, 11)) and sorted(b) == list(range(11, 21))
     assert "resumed from" in second and "at iteration 10" in second
+    assert "the checkpoint's tokenizer (NullTokenizer" in second  # no tokenizer flags on the resumed run
     for iteration in range(1, 21):
         got = a[iteration] if iteration <= 10 else b[iteration]
         assert got == reference[iteration], f"iteration {iteration}: {got!r} != {reference[iteration]!r}"

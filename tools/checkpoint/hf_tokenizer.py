@@ -7,14 +7,15 @@ the files and returns the ``tokenizer_config.json`` entries that name its class 
 tokens. The EOD id is the EOS token (``config.json``'s ``eos_token_id`` too). A new
 tokenizer type plugs in by adding its writer to ``HF_WRITERS``; a type without one (and
 NullTokenizer, whose text is its ids) is exported as the model alone, said in one line.
+Every type the trainer has (GPT-2 BPE, Hugging Face, SentencePiece, tiktoken) has a writer.
 """
 
 import json
 import os
 import shutil
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from megatron.training.tokenizer_record import HF_TOKENIZER_FILES
+from megatron.training.tokenizer_record import HF_TOKENIZER_FILES, SETTINGS
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
@@ -104,11 +105,61 @@ def sentencepiece_to_tokenizers(model_file: str):
     return tokenizer
 
 
+def _tiktoken(tokenizer, tokenizer_args, out_dir) -> Dict[str, Any]:
+    """A ``tokenizer.json`` that encodes and decodes as the tiktoken BPE does (equal ids on
+    the tests' strings): the same pre-tokenization regex, byte-level BPE whose merges are
+    read off the ranks, and the special tokens (upstream's seven and the ``<SPECIAL_i>``
+    fillers) at ids 0..num_special_tokens-1."""
+    tiktoken_to_tokenizers(tokenizer).save(os.path.join(out_dir, "tokenizer.json"))
+    special = tokenizer.special_tokens
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": special[tokenizer.bos],
+            "unk_token": "<unk>", "pad_token": "<pad>"}
+
+
+def tiktoken_merges(ranks: Dict[bytes, int]) -> List[Tuple[bytes, bytes]]:
+    """BPE merges equivalent to tiktoken's ``ranks``, in rank order: for each token of 2+
+    bytes, every split into two tokens of lower rank (tiktoken merges any adjacent pair
+    whose concatenation is a token, lowest rank first, so each such split is a merge)."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if ranks.get(left, rank) < rank and ranks.get(right, rank) < rank:
+                merges.append((left, right))
+    return merges
+
+
+def tiktoken_to_tokenizers(tokenizer):
+    """A ``tokenizers.Tokenizer`` equivalent to ``tokenizer`` (our TikTokenizer)."""
+    # Imported here: exporting needs the tokenizers package, the trainer's TikTokenizer does not.
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from megatron.core.tokenizer.gpt2_bpe import bytes_to_unicode
+
+    byte_char = bytes_to_unicode()
+
+    def text(token: bytes) -> str:  # the byte-level alphabet's spelling of ``token``
+        return "".join(byte_char[b] for b in token)
+
+    offset = tokenizer.num_special_tokens
+    vocab = {text(token): offset + rank for token, rank in tokenizer.ranks.items()}
+    vocab.update({token: i for i, token in enumerate(tokenizer.special_tokens)})  # their ids, not appended ones
+    merges = [(text(a), text(b)) for a, b in tiktoken_merges(tokenizer.ranks)]
+    result = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    result.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(tokenizer.pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    result.decoder = decoders.ByteLevel()
+    # Special tokens at their vocabulary ids 0..num_special_tokens-1, matched before BPE.
+    result.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in tokenizer.special_tokens])
+    return result
+
+
 # One writer per tokenizer type: (tokenizer, tokenizer_args, out_dir) -> tokenizer_config entries.
 HF_WRITERS: Dict[str, Callable[..., Dict[str, Any]]] = {
     "GPT2BPETokenizer": _gpt2_bpe,
     "HuggingFaceTokenizer": _huggingface,
     "GPTSentencePieceTokenizer": _sentencepiece,
+    "TikTokenizer": _tiktoken,
 }
 
 
@@ -125,7 +176,8 @@ def export_tokenizer(tokenizer_args: Optional[Dict[str, Any]], out_dir: str) -> 
         tokenizer = build_tokenizer(kind, vocab_file=tokenizer_args.get("vocab_file"),
                                     merge_file=tokenizer_args.get("merge_file"),
                                     tokenizer_model=tokenizer_args.get("tokenizer_model"),
-                                    vocab_size=tokenizer_args.get("vocab_size"))
+                                    vocab_size=tokenizer_args.get("vocab_size"),
+                                    **{k: tokenizer_args[k] for k in SETTINGS.get(kind, ()) if k in tokenizer_args})
     except (FileNotFoundError, ValueError) as e:  # a checkpoint from before the record, its files gone
         return None, f"no tokenizer exported: the checkpoint's {kind} cannot be rebuilt ({e})"
     eod = int(tokenizer.eod)
@@ -143,7 +195,8 @@ def export_tokenizer(tokenizer_args: Optional[Dict[str, Any]], out_dir: str) -> 
         with open(config_file, encoding="utf-8") as f:
             config = json.load(f)
     config.update(entries)
-    config.setdefault("eos_token", tokenizer.inv_vocab[eod])
+    if "eos_token" not in config:
+        config["eos_token"] = tokenizer.special_tokens[eod] if kind == "TikTokenizer" else tokenizer.inv_vocab[eod]
     with open(config_file, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True, ensure_ascii=False)
         f.write("\n")

@@ -84,8 +84,10 @@ class TikTokenizer(MegatronTokenizer):
         self.num_special_tokens = num_special_tokens
         self._vocab_size = vocab_size
         ranks = read_ranks(path, vocab_size - num_special_tokens)
+        self.pattern = PATTERNS[pattern]
+        self.ranks = ranks  # token bytes -> BPE rank (its id is num_special_tokens + rank)
         self.encoding = tiktoken.Encoding(
-            name=os.path.basename(path), pat_str=PATTERNS[pattern],
+            name=os.path.basename(path), pat_str=self.pattern,
             mergeable_ranks={token: rank + num_special_tokens for token, rank in ranks.items()},
             special_tokens={token: i for i, token in enumerate(special)})
         self._eod = special.index("</s>")

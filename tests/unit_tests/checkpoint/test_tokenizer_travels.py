@@ -27,7 +27,8 @@ PROMPT = "ROMEO: to be"
 NEW_TOKENS = 8
 CORPUS = ("ROMEO: to be or not to be, that is the question.\nJULIET: the quick brown fox jumps over the lazy dog.\n"
           * 20)
-TEXTS = ["  JULIET:\n\tthe  quick   fox ", "\ufb01ne \uff21 caf\u00e9 {x} 42", "", " "]
+TEXTS = ["  JULIET:\n\tthe  quick   fox ", "\ufb01ne \uff21 caf\u00e9 {x} 42", "", " ",
+         "ROMEO: to be or not to be, that is the question.\r\n\n  JULIET's 12345"]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
 
@@ -71,8 +72,29 @@ def _gpt2_bpe(directory):
             "--merge-file", os.path.join(directory, "vocab.bpe")]
 
 
+def _tiktoken(directory):
+    """Upstream's tiktoken file of a byte-level BPE trained on the corpus (its merges as ranks)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from megatron.core.tokenizer.gpt2_bpe import bytes_to_unicode
+    from megatron.core.tokenizer.tiktoken_tokenizer import write_ranks
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator([CORPUS], trainers.BpeTrainer(vocab_size=330, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    merges = json.loads(bpe.to_str())["model"]["merges"]
+    merged = [bytes(byte_of[c] for c in "".join(m if isinstance(m, list) else m.split(" "))) for m in merges]
+    os.makedirs(directory)
+    ranks = write_ranks(os.path.join(directory, "ranks.json"), merged)
+    special = 16
+    return ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", os.path.join(directory, "ranks.json"),
+            "--vocab-size", str(special + ranks), "--tiktoken-num-special-tokens", str(special),
+            "--tiktoken-pattern", "v1"]
+
+
 TOKENIZERS = {"GPT2BPETokenizer": _gpt2_bpe, "HuggingFaceTokenizer": _hf_tokenizer,
-              "GPTSentencePieceTokenizer": _sentencepiece}
+              "GPTSentencePieceTokenizer": _sentencepiece, "TikTokenizer": _tiktoken}
 # SentencePiece drops its control pieces (<s>, </s>) when decoding; the others print every token.
 SKIP_SPECIAL = {"GPTSentencePieceTokenizer": True}
 
@@ -145,6 +167,8 @@ def test_tokenizer_travels_from_training_to_hugging_face_and_back(kind, tmp_path
     assert hf_tokenizer.decode(hf_ids, skip_special_tokens=SKIP_SPECIAL.get(kind, False)) == text
     if kind == "HuggingFaceTokenizer":
         assert hf_tokenizer.chat_template == CHAT_TEMPLATE
+    if kind == "TikTokenizer":  # its special tokens in text are their ids (upstream's allowed_special="all")
+        assert hf_tokenizer("the</s><SPECIAL_9>")["input_ids"] == ours.tokenize("the</s><SPECIAL_9>")
 
     # Hugging Face -> MFSDP keeps the tokenizer: generate.py needs no flag on the import either.
     imported = str(tmp_path / "imported")
@@ -181,3 +205,39 @@ def test_flags_override_and_a_corrupt_copy_is_refused(tmp_path, capsys):
                     else [load, "--verify"]) == 2
         err = capsys.readouterr().err
         assert "the checkpoint's tokenizer: checkpoint file" in err and "tokenizer.json has" in err
+
+
+def test_resuming_takes_the_recorded_tokenizer_and_checks_given_flags(tmp_path, capsys):
+    """pretrain_gpt.py --load: no tokenizer flag -> the checkpoint's recorded tokenizer (its
+    copy); flags naming the same tokenizer pass; flags naming another are one clear error,
+    unless --no-use-tokenizer-model-from-checkpoint-args (upstream's: the command line wins)."""
+    load = _checkpoint(tmp_path, _hf_tokenizer(str(tmp_path / "tok")))  # the original moved to tok_moved
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+             "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2", "--load", load]
+
+    def parse(*flags):
+        return parse_args(model + list(flags), world_size=1, cuda_available=False)
+
+    args = parse()
+    assert args.tokenizer_type == "HuggingFaceTokenizer"
+    assert args.tokenizer_model == os.path.join(checkpoint_dir(load, 1), "tokenizer")
+    assert "the checkpoint's tokenizer (HuggingFaceTokenizer" in capsys.readouterr().out
+    same = parse("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tok_moved"))
+    assert same.tokenizer_model == str(tmp_path / "tok_moved")
+
+    other = str(tmp_path / "other")
+    shutil.copytree(tmp_path / "tok_moved", other)
+    with open(os.path.join(other, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"}, f)  # no chat template
+    for flags, says in ((["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", other],
+                         f"--tokenizer-model {other} is not the file the checkpoint was trained with"),
+                        (["--tokenizer-type", "NullTokenizer", "--vocab-size", "300"],
+                         "--tokenizer-type NullTokenizer, the checkpoint's is HuggingFaceTokenizer")):
+        with pytest.raises(ValueError, match="was trained with another tokenizer") as error:
+            parse(*flags)
+        assert says in str(error.value) and "--no-use-tokenizer-model-from-checkpoint-args" in str(error.value)
+    assert parse("--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
+                 "--no-use-tokenizer-model-from-checkpoint-args").tokenizer_type == "NullTokenizer"
+    # A fresh run (nothing at --load yet) keeps GPT-2's BPE as the default.
+    assert parse_args(model[:-1] + [str(tmp_path / "empty")], world_size=1,
+                      cuda_available=False).tokenizer_type == "GPT2BPETokenizer"

@@ -55,6 +55,9 @@ def test_an_unmarked_block_and_a_bad_marker_are_errors(tmp_path):
     ("echo hello", {"output": ["hel+o"], "file": ["out.txt"]}, "out.txt does not exist"),
     ("echo hello > out.txt", {"output": ["goodbye"], "file": ["out.txt"]}, "no match for 'goodbye'"),
     ("sleep 30", {"timeout": ["1"]}, "still running after 1 s"),
+    ("echo 'est 10.4'; echo 'got 10.0'", {"agree": ["5% ; est ([0-9.]+) ; got ([0-9.]+)"]}, None),
+    ("echo 'est 10.6'; echo 'got 10.0'", {"agree": ["5% ; est ([0-9.]+) ; got ([0-9.]+)"]}, "not within 5%"),
+    ("echo 'est 10.4'", {"agree": ["5% ; est ([0-9.]+) ; got ([0-9.]+)"]}, "no match for 'got ([0-9.]+)'"),
 ])
 def test_each_assertion_fails_when_its_promise_is_broken(tmp_path, command, marker, broken):
     env = dict(os.environ, VIRTUAL_ENV=os.path.dirname(os.path.dirname(sys.executable)))
@@ -84,3 +87,7 @@ def test_a_block_repeated_with_other_comments_is_the_same_command():
     b = rdc.Block("b.md", 9, "# the example\nbash examples/x.sh\n")
     assert a.commands_only() == b.commands_only() == "bash examples/x.sh"
     assert rdc.Block("c.md", 1, "echo '# not a comment'\n").commands_only() == "echo '# not a comment'"
+    # Activating the environment changes nothing in the runner's shell: README's and docs/'s
+    # run of the same example is one run.
+    assert rdc.Block("d.md", 1, "source scripts/setup_env.sh\nbash examples/x.sh\n").commands_only() == \
+        "bash examples/x.sh"
