@@ -15,7 +15,7 @@ is the result.json examples/train_tiny_shakespeare.sh writes, tools/example_resu
 copied there), or a count the
 project computes from a snapshot it carries (the upstream replay, computed live: the code at
 hand is its commit). tests/unit_tests/test_doc_figures.py and
-tests/functional_tests/test_upstream_replay.py fail when the docs and the sources disagree;
+tests/upstream_lines/test_upstream_replay.py fail when the docs and the sources disagree;
 `--write` is the one command that brings the docs back in step.
 """
 
@@ -179,7 +179,7 @@ FIGURES: Dict[str, Callable[[], str]] = {
     "quickstart-curve": quickstart_curve,
 }
 # Figures computed by running code rather than reading a file: their test runs where that code
-# already runs (tests/functional_tests/test_upstream_replay.py).
+# already runs (tests/upstream_lines/test_upstream_replay.py).
 LIVE = {"replay-gpt", "replay-gpt-flags-doc", "replay-moe-flags-doc"}
 
 

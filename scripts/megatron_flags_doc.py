@@ -24,12 +24,12 @@ Counts: **{honoured} honoured**, **{mapped} mapped**, **{rejected} rejected**.
 
 Upstream command lines: `python scripts/replay_upstream_configs.py` parses every GPT
 functional-test configuration of upstream (from the mirror, or from its snapshot
-`tests/functional_tests/upstream_gpt_configs.json`) after the CPU substitutions (nccl ->
+`tests/upstream_lines/upstream_gpt_configs.json`) after the CPU substitutions (nccl ->
 gloo, transformer_engine -> local, FP8 / NCCL user-buffer / TP-comm-overlap flags dropped,
 tiny model, mock data or, for --fim-data, a tiny text dataset) at each line's own TP/PP/CP sizes, and prints the accepted count and
 the remaining rejections by flag. <!-- figure: replay-gpt-flags-doc -->x<!-- /figure -->
-(`tests/functional_tests/test_upstream_replay.py` keeps this count from dropping); two
-train on 2 ranks (`tests/functional_tests/test_megatron_command_lines.py`). With `--suite
+(`tests/upstream_lines/test_upstream_replay.py` keeps this count from dropping); two
+train on 2 ranks (`tests/upstream_lines/test_megatron_command_lines.py`). With `--suite
 moe` it replays upstream's MoE recipes (`test_cases/moe`, snapshot
 `upstream_moe_configs.json`): <!-- figure: replay-moe-flags-doc -->x<!-- /figure --> (16 before the
 GPU-only flags, YaRN, `--recompute-modules`, MTP and EP without `--use-mfsdp`; 32 before
@@ -40,7 +40,7 @@ GPT and MoE lines 3 iterations each at their own TP/PP/CP/EP on 2-8 CPU ranks
 
 Upstream launch scripts: `python scripts/replay_upstream_examples.py` runs each
 `pretrain_gpt.py` script of upstream's `examples/` under bash with stub launchers, records
-its argv (snapshot `tests/functional_tests/upstream_example_scripts.json`) and parses it with
+its argv (snapshot `tests/upstream_lines/upstream_example_scripts.json`) and parses it with
 the same substitutions at the script's own TP/PP/CP/EP; `--train` also trains each accepted
 line 3 iterations on 8 CPU ranks (docs/design.md, "Upstream's launch scripts").
 

@@ -2,7 +2,7 @@
 
 Reads every ``tests/functional_tests/test_cases/gpt/*/model_config.yaml`` of the upstream
 mirror (a bare git repository, read with ``git show``), or, without the mirror, the
-snapshot of their MODEL_ARGS in tests/functional_tests/upstream_gpt_configs.json
+snapshot of their MODEL_ARGS in tests/upstream_lines/upstream_gpt_configs.json
 (``--write-snapshot`` refreshes it from the mirror). Inference and RL configurations
 (MODE inference/rl) are skipped: they do not run pretrain_gpt.py.
 
@@ -40,12 +40,12 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, REPO)
 MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
 CASES = "tests/functional_tests/test_cases/gpt"
-SNAPSHOT = os.path.join(REPO, "tests", "functional_tests", "upstream_gpt_configs.json")
+SNAPSHOT = os.path.join(REPO, "tests", "upstream_lines", "upstream_gpt_configs.json")
 # Upstream's MoE recipes (DeepSeek-V3, Qwen-MoE, Mixtral) live in their own folder: --suite moe.
 SUITES = {
     "gpt": (CASES, SNAPSHOT),
     "moe": ("tests/functional_tests/test_cases/moe",
-            os.path.join(REPO, "tests", "functional_tests", "upstream_moe_configs.json")),
+            os.path.join(REPO, "tests", "upstream_lines", "upstream_moe_configs.json")),
 }
 SKIPPED_MODES = ("inference", "rl")
 

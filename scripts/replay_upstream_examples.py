@@ -3,7 +3,7 @@
 Each script is executed by bash exactly as upstream ships it (its own variables, defaults,
 arrays and sourced files), with stub ``torchrun``/``python``/``srun``/``sbatch`` commands that
 record the argv handed to pretrain_gpt.py instead of starting anything. The argv lands in
-tests/functional_tests/upstream_example_scripts.json (``--write-snapshot``, needs the mirror),
+tests/upstream_lines/upstream_example_scripts.json (``--write-snapshot``, needs the mirror),
 so CI replays it without the mirror.
 
 Each argv then gets the CPU substitutions of scripts/replay_upstream_configs.py (gloo, local
@@ -33,7 +33,7 @@ import replay_upstream_configs as lines  # noqa: E402  (scripts/ is not a packag
 
 REPO = lines.REPO
 MIRROR = lines.MIRROR
-SNAPSHOT = os.path.join(REPO, "tests", "functional_tests", "upstream_example_scripts.json")
+SNAPSHOT = os.path.join(REPO, "tests", "upstream_lines", "upstream_example_scripts.json")
 SC21 = "examples/academic_paper_scripts/sc21"
 
 # name -> (script run by bash, files it sources (copied next to it), environment, positional

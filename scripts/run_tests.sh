@@ -80,10 +80,11 @@ stage "distributed tests: gloo, 4 ranks" distributed 4 4
 if [ -d tests/functional_tests ] && ls tests/functional_tests/test_*.py >/dev/null 2>&1; then
     stage "functional tests" timeout 1800 python -m pytest -q -p no:cacheprovider tests/functional_tests
 fi
-# 24 of upstream's functional-test lines, 3 iterations each at their own TP/PP/CP/EP on 2-8
-# ranks (tests/upstream_lines). 30 minutes, a hang guard (each line also has its own 300 s):
-# the stage took 18 at a load of 20 on this 2-core box, for 8.2 CPU-minutes.
-stage "upstream lines trained at their own layouts" \
+# Upstream's command lines (tests/upstream_lines): the parse replay of all its GPT and MoE
+# functional-test lines and examples/ scripts, and 24 of those lines trained 3 iterations
+# each at their own TP/PP/CP/EP on 2-8 ranks. 30 minutes, a hang guard (each line also has
+# its own 300 s): the training took 18 at a load of 20 on this 2-core box, 8.2 CPU-minutes.
+stage "upstream's command lines (replayed, 24 trained at their own layouts)" \
     timeout 1800 python -m pytest -q -p no:cacheprovider --durations=0 tests/upstream_lines
 stage "distributed tests: gloo, 2 ranks, $next_torch" distributed_next_torch
 # 25 minutes, a hang guard (each block also has its own, its marker's timeout=): on this 2-core

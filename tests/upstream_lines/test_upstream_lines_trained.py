@@ -2,13 +2,13 @@
 
 scripts/replay_upstream_configs.py's TRAINED_SAMPLE (lines of upstream's
 tests/functional_tests/test_cases/{gpt,moe}, read from the snapshots in
-tests/functional_tests/, so no mirror is needed) each runs pretrain_gpt.py for 3 iterations
+this directory, so no mirror is needed) each runs pretrain_gpt.py for 3 iterations
 with the replay's CPU substitutions and tiny model, at the line's own TP/PP/CP/EP sizes on
 the fewest CPU ranks that hold them (the data-parallel size shrinks). Each must exit 0,
 print 3 iteration lines with finite losses, and report its layout in the "> model:" line.
 
 About 15-40 s a line on 2 cores: scripts/run_tests.sh runs this directory as a stage of its
-own ("upstream lines trained at their own layouts"), not with tests/functional_tests.
+own (upstream's command lines), not with tests/functional_tests.
 """
 
 import math

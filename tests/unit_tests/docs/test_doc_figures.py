@@ -1,6 +1,6 @@
 """scripts/doc_figures.py: the figures the docs quote match the result files that measured
 them (the upstream replay counts are checked where the replay runs:
-tests/functional_tests/test_upstream_replay.py)."""
+tests/upstream_lines/test_upstream_replay.py)."""
 
 import os
 import sys
