@@ -209,6 +209,7 @@ def main() -> None:
     config.validator.enable = False
     config.metrics.log_freq = 1
     config.compile.enable = opts.compile
+    config.debug.seed = 1234  # the same initial weights in every run (torchtitan draws a seed otherwise)
 
     titan_dist_utils.set_pg_timeouts = _barrier_only
     trainer = CpuTrainer(config)
