@@ -55,6 +55,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -170,6 +171,7 @@ def run_titan(python, opts, shape, tokens, tokenizer, compiled, env, tag):
 
 def run_ours(opts, shape, tokenizer, prefix, compiled, env, tag):
     log_dir = os.path.join(opts.work, tag)
+    shutil.rmtree(log_dir, ignore_errors=True)  # metrics.jsonl is appended to
     flags = ours_flags(shape, opts.nproc, opts.steps, tokenizer, prefix, log_dir, compiled)
     wall = torchrun(sys.executable, opts.nproc, ["pretrain_gpt.py"] + flags, env, os.path.join(opts.work, f"{tag}.log"))
     records = [json.loads(line) for line in open(os.path.join(log_dir, "metrics.jsonl"))]
@@ -202,6 +204,7 @@ def main_run(opts) -> None:
     if our_params != shape["params"]:
         raise RuntimeError(f"pretrain_gpt.py builds {our_params:,} parameters for '{opts.shape}', "
                            f"expected {shape['params']:,}")
+    opts.work = os.path.join(opts.work, f"n{opts.nproc}_{opts.shape}")
     os.makedirs(opts.work, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=REPO)
     titan_env = {k: v for k, v in env.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
