@@ -255,9 +255,9 @@ def report(results_dir: str) -> str:
              "the method is in the docstring of `benchmarks/torchtitan_peer.py`. A step's time is the "
              "median over all measured steps of all rounds (p25-p75 in brackets); ratios are ours / torchtitan. "
              "Final loss: the global loss of the last step (both sides see the same sequences at every step).", ""]
-    lines += ["| ranks | shape | variant | trainer | median step (s) | tokens/s | peak RSS per rank (MB) | "
-              "final loss | step ratio (per-round ratios) | RSS ratio | final loss rel. diff |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| ranks | shape | steps (warm-up) x rounds | variant | trainer | median step (s) | tokens/s | peak RSS per rank (MB) | "
+              "final loss | launch, whole run (s) | step ratio (per-round ratios) | RSS ratio | final loss rel. diff |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     commands = []
     for path in sorted(glob.glob(os.path.join(results_dir, "torchtitan_peer_n*_*.json"))):
         with open(path) as f:
@@ -273,9 +273,12 @@ def report(results_dir: str) -> str:
                     extra = [f"**{ratio['step_ours_over_torchtitan']:.2f}** ({per_round})",
                              f"{ratio['rss_ours_over_torchtitan']:.2f}", f"{100 * ratio['final_loss_rel_diff']:+.2f}%"]
                 label = "torchtitan (FSDP2)" if side == "torchtitan" else "ours (MFSDP ZeRO-3)"
-                lines.append(f"| {data['nproc']} | {data['shape']} | {variant} | {label} | {s['median_step_s']:.3f} "
+                walls = [run["wall_s"] for run in data["runs"][f"{side}_{variant}"]]
+                launch = sum(walls) / len(walls)
+                lines.append(f"| {data['nproc']} | {data['shape']} | {data['steps']} ({data['warmup']}) x "
+                             f"{data['rounds']} | {variant} | {label} | {s['median_step_s']:.3f} "
                              f"[{lo:.3f}-{hi:.3f}] | {s['tokens_per_s']:.0f} | {s['peak_rss_mb']:.0f} | "
-                             f"{s['final_loss']:.4f} | " + " | ".join(extra) + " |")
+                             f"{s['final_loss']:.4f} | {launch:.0f} | " + " | ".join(extra) + " |")
     lines += ["", "Read with care: these runs shared a 2-core box with other jobs (the load average of each "
               "run is with its command below), so absolute times are several times an idle box's; the ratio "
               "of one interleaved run is the figure to quote. Both trainers see the same sequences at every "
@@ -283,7 +286,11 @@ def report(results_dir: str) -> str:
               "draws its embeddings with std 1.0, Megatron with 0.02, so torchtitan's first loss is ~8.1 "
               "against ~7.7): over a few steps the final-loss difference is that head start, not a "
               "difference in what the trainers compute; the same-loss check needs a run of a few hundred "
-              "steps (`--steps 300 --rounds 1`).", "", "Loss curves (global loss per step, last round):", ""]
+              "steps (`--steps 300 --rounds 1`). Launch: the whole `torch.distributed.run` launch, start-up "
+              "and compilation included (the compiled variants compile in their first steps, which the "
+              "step times leave out). torchtitan's `--compile.enable` works on CPU; inductor warns that it "
+              "does not generate code for complex operators, so torchtitan's complex-number RoPE stays "
+              "eager inside its compiled blocks.", "", "Loss curves (global loss per step, last round):", ""]
     for path in sorted(glob.glob(os.path.join(results_dir, "torchtitan_peer_n*_*.json"))):
         with open(path) as f:
             data = json.load(f)
