@@ -61,8 +61,19 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+import torch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+import pretrain_gpt  # noqa: E402
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.batch_size_schedule import train_samples_needed  # noqa: E402
+from megatron.training.training import build_tokenizer_from_args  # noqa: E402
+from tools.prepare_shakespeare import prepare_shakespeare_bpe  # noqa: E402
+
 VENV = os.path.join(REPO, ".venv-titan")
 RESULTS = os.path.join(HERE, "results")
 CACHE = os.path.join(REPO, "data", "cache")
@@ -89,8 +100,6 @@ def setup_venv() -> str:
 
 def shakespeare():
     """(tokenizer directory, dataset prefix) of the quickstart corpus at vocabulary 2048."""
-    from tools.prepare_shakespeare import prepare_shakespeare_bpe  # project venv only; tokenizers import
-
     return prepare_shakespeare_bpe(VOCAB, CACHE)
 
 
@@ -115,14 +124,6 @@ def ours_flags(shape: dict, world: int, steps: int, tokenizer: str, prefix: str,
 def dump_tokens(shape_name: str, world: int, steps: int, tokenizer: str, prefix: str) -> tuple:
     """The samples pretrain_gpt.py trains on, in its order, as [samples, seq + 1] int32 in a
     .npy file (built once per shape, world size and step count); and our parameter count."""
-    import numpy as np  # project venv; heavy imports only for this step
-    import torch
-
-    import pretrain_gpt
-    from megatron.training.arguments import parse_args
-    from megatron.training.batch_size_schedule import train_samples_needed
-    from megatron.training.training import build_tokenizer_from_args
-
     shape = SHAPES[shape_name]
     args = parse_args(ours_flags(shape, world, steps, tokenizer, prefix, "/tmp/unused", False), world_size=world,
                       cuda_available=False)
@@ -194,7 +195,6 @@ def summarize(runs: list, warmup: int, tokens_per_step: int) -> dict:
 
 
 def main_run(opts) -> None:
-    sys.path.insert(0, REPO)
     python = setup_venv()
     if opts.setup_venv:
         return
@@ -255,7 +255,8 @@ def report(results_dir: str) -> str:
              "the method is in the docstring of `benchmarks/torchtitan_peer.py`. A step's time is the "
              "median over all measured steps of all rounds (p25-p75 in brackets); ratios are ours / torchtitan. "
              "Final loss: the global loss of the last step (both sides see the same sequences at every step).", ""]
-    lines += ["| ranks | shape | steps (warm-up) x rounds | variant | trainer | median step (s) | tokens/s | peak RSS per rank (MB) | "
+    lines += ["| ranks | shape | steps (warm-up) x rounds | variant | trainer | median step (s) | tokens/s | "
+              "peak RSS per rank (MB) | "
               "final loss | launch, whole run (s) | step ratio (per-round ratios) | RSS ratio | final loss rel. diff |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     commands = []
