@@ -259,11 +259,13 @@ def report(results_dir: str) -> str:
               "peak RSS per rank (MB) | "
               "final loss | launch, whole run (s) | step ratio (per-round ratios) | RSS ratio | final loss rel. diff |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    commands = []
+    commands, notes = [], []
     for path in sorted(glob.glob(os.path.join(results_dir, "torchtitan_peer_n*_*.json"))):
         with open(path) as f:
             data = json.load(f)
         commands.append(f"{data['command']}   # {data['date']}, load average {data['load_average'][0]:.1f}")
+        if data.get("note"):  # a remark added to the JSON by hand, e.g. what differed in that run
+            notes.append(f"* {os.path.basename(path)}: {data['note']}")
         for variant, ratio in data["ratios"].items():
             for side in ("torchtitan", "ours"):
                 s = data["summary"][f"{side}_{variant}"]
@@ -299,6 +301,8 @@ def report(results_dir: str) -> str:
             lines.append(f"* {data['nproc']} ranks, {data['shape']}, {name}: "
                          + " ".join(f"{x:.3f}" for x in s["losses"]))
     lines += ["", "Commands:", "", "```bash"] + commands + ["```", ""]
+    if notes:
+        lines += ["Notes:", ""] + notes + [""]
     text = "\n".join(lines)
     with open(os.path.join(results_dir, "torchtitan_peer.md"), "w") as f:
         f.write(text)
