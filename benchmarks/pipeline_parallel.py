@@ -1,6 +1,18 @@
 """Pipeline layouts at 4 ranks (CPU, gloo): DP=4 vs PP=2 x DP=2 vs PP=4, 1F1B vs interleaved.
 
-One layout per torchrun launch (each has its processes, and their peak RSS, to itself)::
+At 2 ranks (two cores, one rank per core: the bubble is not blurred by time-slicing),
+DP=2 vs PP=2 (1F1B) vs PP=2 x 2 virtual stages (interleaved)::
+
+    for m in 2 4 8 16; do
+        for layout in dp2 pp2 pp2_vp2; do
+            python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/pipeline_parallel.py \\
+                --layout $layout --microbatches-per-rank $m --out /tmp/pp_bench2
+        done
+    done
+    python benchmarks/pipeline_parallel.py --report-2rank /tmp/pp_bench2 \\
+        --json benchmarks/results/pipeline_parallel_n2.json > benchmarks/results/pipeline_parallel_n2.md
+
+At 4 ranks, one layout per torchrun launch (each has its processes, and their peak RSS, to itself)::
 
     for layout in dp4 pp2_dp2 pp4 pp4_vp2; do
         for m in 4 8 16; do
@@ -34,11 +46,14 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-LAYOUTS = {"dp4": (1, 1), "pp2_dp2": (2, 1), "pp4": (4, 1), "pp4_vp2": (4, 2)}  # (pp, virtual stages)
+# (pp, virtual stages); the first three run at 2 ranks (the table of --report-2rank).
+LAYOUTS = {"dp2": (1, 1), "pp2": (2, 1), "pp2_vp2": (2, 2),
+           "dp4": (1, 1), "pp2_dp2": (2, 1), "pp4": (4, 1), "pp4_vp2": (4, 2)}
 MODEL = ("--num-layers 8 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "
          "--lr 1e-4 --train-iters 100 --mock-data --tokenizer-type NullTokenizer --vocab-size 2048 "
          "--hidden-dropout 0 --attention-dropout 0 --use-mfsdp")
 WARMUP, STEPS = 2, 4
+TWO_RANK = ("dp2", "pp2", "pp2_vp2")
 
 
 def run(layout: str, microbatches: int, out: str) -> None:
@@ -55,6 +70,8 @@ def run(layout: str, microbatches: int, out: str) -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     pp, vp = LAYOUTS[layout]
+    if (layout in TWO_RANK) != (world == 2):
+        raise SystemExit(f"layout {layout} is for {'2' if layout in TWO_RANK else '4'} ranks, not {world}.")
     dp = world // pp
     flags = MODEL + f" --global-batch-size {2 * microbatches * dp} --pipeline-model-parallel-size {pp}"
     if vp > 1:
@@ -137,14 +154,68 @@ def report(out: str) -> None:
               f"| {rss} |")
 
 
+def report_2rank(out: str, json_path: str | None) -> None:
+    """The 2-rank table: per m, DP=2 vs PP=2 1F1B vs PP=2 interleaved (v=2): time per sample,
+    each stage's measured idle fraction next to the bubble formula."""
+    rows = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "*.json")))]
+    runs = {}
+    for r in rows:
+        if r["layout"] in TWO_RANK:
+            runs.setdefault((r["layout"], r["microbatches"]), []).append(r)
+
+    def cell(layout, m):
+        rs = runs.get((layout, m))
+        if not rs:
+            return None
+        step = max(r["step_s"] for r in rs)  # the slowest rank's median step
+        samples = 2 * m * rs[0]["dp"]
+        idle = [max(r["idle_fraction"] for r in rs if r["stage"] == s) for s in sorted({r["stage"] for r in rs})]
+        pp, vp = rs[0]["pp"], rs[0]["vp"]
+        return dict(step_s=step, ms_per_sample=1000 * step / samples, idle_per_stage=idle,
+                    idle_mean=sum(idle) / len(idle), bubble=bubble(pp, vp, m),
+                    peak_rss_mb=max(r["peak_rss_mb"] for r in rs))
+
+    table = {}
+    for m in sorted({m for _, m in runs}):
+        table[m] = {layout: cell(layout, m) for layout in TWO_RANK}
+    print("| m | DP=2 ms/sample | 1F1B ms/sample | 1F1B / DP=2 | 1F1B idle per stage | 1F1B idle, mean of stages "
+          "| (p-1)/(m+p-1) | mean / formula | interleaved v=2 ms/sample | interleaved idle per stage | "
+          "interleaved idle, mean | (p-1)/(vm+p-1) | mean / formula | interleaved / 1F1B step |")
+    print("|---" * 14 + "|")
+
+    def fmt(x, spec=".2f"):
+        return "-" if x is None else format(x, spec)
+
+    def idle_columns(x):
+        if x is None:
+            return ["-"] * 4
+        return [" / ".join(f"{i:.3f}" for i in x["idle_per_stage"]), f"{x['idle_mean']:.3f}", f"{x['bubble']:.3f}",
+                f"{x['idle_mean'] / x['bubble']:.2f}"]
+
+    for m, c in table.items():
+        dp, one, inter = c["dp2"], c["pp2"], c["pp2_vp2"]
+        parts = ([str(m), fmt(dp and dp["ms_per_sample"], ".1f"), fmt(one and one["ms_per_sample"], ".1f"),
+                  fmt(one and dp and one["ms_per_sample"] / dp["ms_per_sample"])] + idle_columns(one)
+                 + [fmt(inter and inter["ms_per_sample"], ".1f")] + idle_columns(inter)
+                 + [fmt(one and inter and inter["step_s"] / one["step_s"])])
+        print("| " + " | ".join(parts) + " |")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"model": MODEL, "warmup": WARMUP, "steps": STEPS, "table": table, "ranks": rows}, f, indent=1)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=LAYOUTS)
     parser.add_argument("--microbatches-per-rank", type=int, default=8)
     parser.add_argument("--out", default="/tmp/pp_bench")
     parser.add_argument("--report", metavar="DIR")
+    parser.add_argument("--report-2rank", metavar="DIR", help="the 2-rank table (dp2, pp2, pp2_vp2) of DIR's files")
+    parser.add_argument("--json", metavar="FILE", help="with --report-2rank: also write the table as JSON")
     options = parser.parse_args()
-    if options.report:
+    if options.report_2rank:
+        report_2rank(options.report_2rank, options.json)
+    elif options.report:
         report(options.report)
     else:
         run(options.layout, options.microbatches_per_rank, options.out)

@@ -1,0 +1,246 @@
+"""torchtitan 0.3.0 on CPU/gloo, for the peer benchmark (``benchmarks/torchtitan_peer.py``).
+
+Runs under ``torch.distributed.run`` with the interpreter of torchtitan's own virtual
+environment (``.venv-titan``; ``torchtitan_peer.py --setup-venv`` creates it), never the
+project's. Nothing here is imported by the project: every adjustment that torchtitan needs
+on a CPU-only box is made at run time in this file, through torchtitan's own config objects
+where they allow it:
+
+* device: ``torchtitan.tools.utils`` picks ``device_type = "cuda"`` when no accelerator
+  exists; its ``device_type`` / ``device_module`` are set to CPU before any other torchtitan
+  module reads them (they are imported by name elsewhere, hence first).
+* attention: the Llama config's inner attention is FlexAttention, which has no CPU backward;
+  each layer's ``inner_attention`` config is replaced by ``ScaledDotProductAttention.Config()``
+  (causal, the same attention as the project's trainer, which does not mask per document).
+* gradient reduction: torchtitan sets FSDP2's gradient divide factor to 1.0 (it divides by
+  the global token count itself), which makes FSDP2 reduce with ``PREMUL_SUM``; gloo has
+  none. FSDP2's public ``set_force_sum_reduction_for_comms(True)`` on every FSDP module makes
+  it a plain sum followed by a multiply by 1.0: exact.
+* SPMD backend: ``parallelism.spmd_backend = "partial_dtensor"`` (torch 2.13).
+* timeouts: after the first step torchtitan calls ``torch.distributed.set_timeout``, which
+  torch 2.13 lacks; torchtitan's ``set_pg_timeouts`` is replaced by a barrier (the timeout
+  only matters for hung collectives, which a benchmark of a few steps does not wait out).
+* data: a token file (``.npy``, ``[samples, seq + 1]`` int32, written by the peer benchmark
+  from the project's own Shakespeare dataset in the order the project's trainer reads it);
+  rank ``r`` of ``n`` takes samples ``step * b * n + r * b ... + b - 1`` of every step,
+  which is Megatron's pretraining sampler. Positions are ``0 .. seq - 1`` (no per-document
+  reset: the project's default).
+
+Per step the launcher records the wall time of ``train_step`` (barrier before it, as the
+project's benchmarks do) and torchtitan's logged global loss; at the end each rank's peak
+RSS (``ru_maxrss``). Rank 0 writes them to ``--out`` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import time
+
+import torch
+
+import torchtitan.tools.utils as titan_utils
+
+
+class CpuDeviceModule:
+    """What torchtitan calls on its ``device_module`` (``torch.cuda`` by default), for the CPU:
+    one device, no caching allocator (memory stats empty: torchtitan then logs -1), the
+    machine's RAM as the device's capacity."""
+
+    class Properties:
+        name = "cpu"
+        total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    set_device = staticmethod(torch.cpu.set_device)
+    current_device = staticmethod(torch.cpu.current_device)
+    synchronize = staticmethod(torch.cpu.synchronize)
+
+    @staticmethod
+    def device_count():
+        return 1
+
+    @staticmethod
+    def get_device_name(device=None):
+        return "cpu"
+
+    @classmethod
+    def get_device_properties(cls, device=None):
+        return cls.Properties()
+
+    @staticmethod
+    def memory_stats(device=None):
+        return {}
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None):
+        pass
+
+    @staticmethod
+    def empty_cache():
+        pass
+
+
+# CPU before torchtitan's other modules import device_type / device_module by name.
+titan_utils.device_type = "cpu"
+titan_utils.device_module = CpuDeviceModule
+
+import numpy as np  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from torch.utils.data import IterableDataset  # noqa: E402
+
+import torchtitan.distributed.utils as titan_dist_utils  # noqa: E402
+from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
+from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.models import llama3  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim  # noqa: E402
+from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+
+class TokenFileDataset(IterableDataset):
+    """This rank's samples of a ``[samples, seq + 1]`` token file, in Megatron's sampler order."""
+
+    def __init__(self, path: str, dp_rank: int, dp_size: int, batch: int, seq_len: int):
+        self.tokens = np.load(path, mmap_mode="r")
+        if self.tokens.shape[1] != seq_len + 1:
+            raise ValueError(f"{path} holds sequences of {self.tokens.shape[1] - 1} tokens, the run needs {seq_len}.")
+        self.dp_rank, self.dp_size, self.batch, self.seq_len = dp_rank, dp_size, batch, seq_len
+
+    def __iter__(self):
+        chunk = self.batch * self.dp_size
+        positions = torch.arange(self.seq_len)
+        for start in range(0, len(self.tokens) - chunk + 1, chunk):
+            for i in range(start + self.dp_rank * self.batch, start + (self.dp_rank + 1) * self.batch):
+                sample = torch.from_numpy(np.asarray(self.tokens[i], dtype=np.int64))
+                yield {"input": sample[:-1], "positions": positions}, sample[1:]
+
+
+class TokenFileDataLoader(ParallelAwareDataloader):
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(ParallelAwareDataloader.Config):
+        pass
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
+                 local_batch_size: int, **kwargs):
+        dataset = TokenFileDataset(config.dataset_path, dp_rank, dp_world_size, local_batch_size, seq_len)
+        super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size)
+
+
+def model_config(dim: int, layers: int, heads: int, vocab: int):
+    """torchtitan's Llama-3 config (as its "debugmodel" flavor builds it) at another size,
+    with SDPA attention and plain RoPE (base 500000, no Llama-3.1 frequency scaling: the
+    project's trainer has none)."""
+    config = llama3.Llama3Model.Config(
+        dim=dim,
+        vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                        param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
+        layers=llama3._build_llama3_layers(
+            fuse_qkv=True, n_layers=layers, dim=dim, n_heads=heads,
+            hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
+            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=131072, theta=500000, scaling="none"),
+            attn_backend="flex"),
+    )
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
+
+
+class CpuTrainer(Trainer):
+    """torchtitan's Trainer, each train_step timed (after a barrier) and its loss kept."""
+
+    step_seconds: list
+    losses: list
+
+    def train_step(self, data_iterator):
+        dist.barrier()
+        start = time.perf_counter()
+        super().train_step(data_iterator)
+        self.step_seconds.append(time.perf_counter() - start)
+
+
+def _barrier_only(timeout, parallel_dims):
+    dist.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", required=True, help=".npy token file [samples, seq + 1]")
+    parser.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer directory (tokenizer.json)")
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--local-batch-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=8e-4)
+    parser.add_argument("--compile", action="store_true", help="torchtitan's --compile.enable (model and loss)")
+    parser.add_argument("--dump-folder", default="/tmp/titan_peer_outputs")
+    parser.add_argument("--out", required=True, help="JSON result (rank 0)")
+    opts = parser.parse_args()
+
+    config = ConfigManager().parse_args([
+        "--module", "llama3", "--config", "llama3_debugmodel",
+        "--parallelism.spmd-backend", "partial_dtensor",
+    ])
+    config.model_spec = dataclasses.replace(config.model_spec, model=model_config(opts.dim, opts.layers, opts.heads,
+                                                                                     opts.vocab))
+    config.hf_assets_path = opts.tokenizer
+    config.dump_folder = opts.dump_folder
+    config.dataloader = TokenFileDataLoader.Config(dataset_path=opts.tokens)
+    config.training.local_batch_size = opts.local_batch_size
+    config.training.seq_len = opts.seq_len
+    config.training.steps = opts.steps
+    config.training.dtype = "float32"
+    config.training.mixed_precision_param = "float32"
+    config.training.max_norm = 1.0
+    config.optimizer = default_adamw(lr=opts.lr)  # betas (0.9, 0.95), eps 1e-8, weight decay 0.1
+    config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0)  # constant LR
+    config.activation_checkpoint = None
+    config.checkpoint.enable = False
+    config.validator.enable = False
+    config.metrics.log_freq = 1
+    config.compile.enable = opts.compile
+    config.debug.seed = 1234  # the same initial weights in every run (torchtitan draws a seed otherwise)
+
+    titan_dist_utils.set_pg_timeouts = _barrier_only
+    trainer = CpuTrainer(config)
+    trainer.step_seconds = []
+    for part in trainer.model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    params = sum(p.numel() for part in trainer.model_parts for p in part.parameters())  # DTensors: global numel
+    losses = []
+    log = trainer.metrics_processor.log
+
+    def keep_loss(step, global_avg_loss, *args, **kwargs):
+        losses.append(float(global_avg_loss))
+        return log(step, global_avg_loss, *args, **kwargs)
+
+    trainer.metrics_processor.log = keep_loss
+    trainer.train()
+
+    seconds = torch.tensor(trainer.step_seconds, dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # a step's time is the slowest rank's
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+    gathered = [torch.zeros_like(rss) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, rss)
+    if dist.get_rank() == 0:
+        with open(opts.out, "w") as f:
+            json.dump({"params": params, "step_s": seconds.tolist(), "losses": losses,
+                       "peak_rss_mb_per_rank": [float(x) for x in gathered]}, f, indent=1)
+    trainer.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""The same Llama trained by torchtitan 0.3.0 (FSDP2) and by ``pretrain_gpt.py --use-mfsdp``
+(ZeRO-3), side by side on CPU/gloo: step time, tokens/s, peak RSS per rank, loss curve.
+
+    python benchmarks/torchtitan_peer.py --nproc 2 --shape small --steps 10 --rounds 2
+    python benchmarks/torchtitan_peer.py --nproc 4 --shape small --steps 10 --rounds 2
+    python benchmarks/torchtitan_peer.py --nproc 2 --shape small --variants eager,compiled
+    python benchmarks/torchtitan_peer.py --nproc 2 --shape large --steps 4 --rounds 1
+    python benchmarks/torchtitan_peer.py --report          # results/torchtitan_peer.md from the JSON files
+
+Run with the project's environment. torchtitan lives in a virtual environment of its own,
+``.venv-titan`` at the repository root, created on first use (``--setup-venv`` does only
+that)::
+
+    python3.11 -m venv .venv-titan
+    .venv-titan/bin/pip install -c constraints.txt torch==2.13.0 torchtitan==0.3.0 triton==3.8.0
+
+(torchtitan imports triton without declaring it; ``constraints.txt`` pins the CPU torch.)
+torchtitan runs through ``benchmarks/torchtitan_cpu_launcher.py``, which holds every
+run-time adjustment it needs on CPU (see its docstring); the project's code is not touched.
+
+What is the same on both sides:
+
+* **model**: Llama-3, untied embeddings, RoPE base 500000 (no frequency scaling), RMSNorm,
+  SwiGLU, no biases, no dropout, causal SDPA. ``small`` is torchtitan's "debugmodel" (dim 256,
+  6 layers, 16 heads, SwiGLU 768, vocab 2048: 6,163,712 parameters), sequence 512;
+  ``large`` is dim 512, 8 layers, 8 heads, SwiGLU 1536, vocab 2048 (29,368,832 parameters),
+  sequence 1024. Both parameter counts are checked on both sides before anything is timed.
+* **tokens**: the quickstart's Shakespeare corpus (``tools/prepare_shakespeare.py
+  --vocab-size 2048``: a 2048-entry byte-level BPE trained on the works), read once through
+  the project's dataset builder exactly as ``pretrain_gpt.py`` reads it (same seed and
+  split), written to a ``.npy`` file that torchtitan's launcher reads in Megatron's sampler
+  order: every step both trainers see the same sequences on the same ranks.
+* **recipe**: fp32, AdamW (lr 8e-4 constant, betas 0.9/0.95, eps 1e-8, weight decay 0.1;
+  Megatron exempts the norm weights from decay, torchtitan does not), gradient clipping at
+  1.0, 2 sequences per rank, no gradient accumulation, no recompute, one data-parallel
+  dimension over all ranks (torchtitan: FSDP2 with its defaults; ours: ZeRO-3,
+  ``--data-parallel-sharding-strategy optim_grads_params``), loss logged every step.
+* **variant** ``compiled``: torchtitan ``--compile.enable`` (each block and the loss) against
+  ``--compile-layers inductor`` (each transformer layer).
+
+Each run is one ``torch.distributed.run`` launch; runs are interleaved
+(torchtitan, ours, torchtitan, ours, ... per variant, ``--rounds`` times), so drift of
+the machine hits both alike. A step's time: torchtitan's ``train_step`` wall time after a
+barrier, slowest rank (the launcher); ours: ``elapsed_time_per_iteration_ms`` of
+``metrics.jsonl`` at ``--log-interval 1`` (rank 0's clock from one step's end to the next;
+the ranks leave a step together at its last collective). The first ``--warmup`` steps of
+every run are left out (the compiled variants compile there). Peak RSS per rank: each
+process's ``ru_maxrss``, largest over the ranks (torchtitan: gathered by the launcher;
+ours: ``peak_memory_mb`` of ``metrics.jsonl``, the same quantity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+import pretrain_gpt  # noqa: E402
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.batch_size_schedule import train_samples_needed  # noqa: E402
+from megatron.training.training import build_tokenizer_from_args  # noqa: E402
+from tools.prepare_shakespeare import prepare_shakespeare_bpe  # noqa: E402
+
+VENV = os.path.join(REPO, ".venv-titan")
+RESULTS = os.path.join(HERE, "results")
+CACHE = os.path.join(REPO, "data", "cache")
+
+SHAPES = {
+    "small": dict(dim=256, layers=6, heads=16, ffn=768, vocab=2048, seq=512, params=6_163_712),
+    "large": dict(dim=512, layers=8, heads=8, ffn=1536, vocab=2048, seq=1024, params=29_368_832),
+}
+MICRO_BATCH = 2
+LR = 8e-4
+VOCAB = 2048
+
+
+def setup_venv() -> str:
+    """torchtitan's interpreter, the virtual environment created if missing."""
+    python = os.path.join(VENV, "bin", "python")
+    if not os.path.exists(python):
+        print(f"creating {VENV} (torch 2.13.0 CPU, torchtitan 0.3.0, triton 3.8.0) ...", flush=True)
+        subprocess.run(["python3.11", "-m", "venv", VENV], check=True)
+        subprocess.run([os.path.join(VENV, "bin", "pip"), "install", "-q", "-c", os.path.join(REPO, "constraints.txt"),
+                        "torch==2.13.0", "torchtitan==0.3.0", "triton==3.8.0"], check=True)
+    return python
+
+
+def shakespeare():
+    """(tokenizer directory, dataset prefix) of the quickstart corpus at vocabulary 2048."""
+    return prepare_shakespeare_bpe(VOCAB, CACHE)
+
+
+def ours_flags(shape: dict, world: int, steps: int, tokenizer: str, prefix: str, log_dir: str, compiled: bool):
+    flags = (f"--num-layers {shape['layers']} --hidden-size {shape['dim']} --num-attention-heads {shape['heads']} "
+             f"--ffn-hidden-size {shape['ffn']} --swiglu --normalization RMSNorm --position-embedding-type rope "
+             f"--rotary-base 500000 --untie-embeddings-and-output-weights --disable-bias-linear "
+             f"--seq-length {shape['seq']} --max-position-embeddings {shape['seq']} "
+             f"--micro-batch-size {MICRO_BATCH} --global-batch-size {MICRO_BATCH * world} "
+             f"--hidden-dropout 0 --attention-dropout 0 "
+             f"--optimizer adam --lr {LR} --lr-decay-style constant --lr-warmup-iters 0 --weight-decay 0.1 "
+             f"--adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 "
+             f"--train-iters {steps} --log-interval 1 --eval-iters 0 --eval-interval {steps + 1} "
+             f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tokenizer} --data-path {prefix} "
+             f"--split 100,0,0 --num-workers 0 --seed 1234 "
+             f"--use-mfsdp --data-parallel-sharding-strategy optim_grads_params --log-dir {log_dir}").split()
+    if compiled:
+        flags += ["--compile-layers", "inductor"]
+    return flags
+
+
+def dump_tokens(shape_name: str, world: int, steps: int, tokenizer: str, prefix: str) -> tuple:
+    """The samples pretrain_gpt.py trains on, in its order, as [samples, seq + 1] int32 in a
+    .npy file (built once per shape, world size and step count); and our parameter count."""
+    shape = SHAPES[shape_name]
+    args = parse_args(ours_flags(shape, world, steps, tokenizer, prefix, "/tmp/unused", False), world_size=world,
+                      cuda_available=False)
+    tok = build_tokenizer_from_args(args)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in pretrain_gpt.model_provider(args).parameters())
+    path = os.path.join(CACHE, f"titan_peer_{shape_name}_n{world}_s{steps}.npy")
+    if not os.path.exists(path):
+        train, _, _ = pretrain_gpt.train_valid_test_datasets_provider(args, tok, [train_samples_needed(args), 0, 0])
+        rows = []
+        for i in range(train_samples_needed(args)):
+            tokens, labels = (np.asarray(train[i][k]) for k in ("tokens", "labels"))
+            rows.append(np.concatenate([tokens[:1], labels]).astype(np.int32))
+            if not np.array_equal(tokens[1:], labels[:-1]):
+                raise RuntimeError("labels are not the tokens shifted by one; the dump would not be what we train on")
+        np.save(path, np.stack(rows))
+    return path, params
+
+
+def torchrun(python: str, nproc: int, script_and_args: list, env: dict, log: str) -> float:
+    command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] + script_and_args
+    start = time.time()
+    with open(log, "w") as f:
+        result = subprocess.run(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        with open(log) as f:
+            tail = f.read()[-4000:]
+        raise RuntimeError(f"{' '.join(command[:8])} ... failed ({result.returncode}); log {log}:\n{tail}")
+    return time.time() - start
+
+
+def run_titan(python, opts, shape, tokens, tokenizer, compiled, env, tag):
+    out = os.path.join(opts.work, f"{tag}.json")
+    args = [os.path.join(HERE, "torchtitan_cpu_launcher.py"), "--tokens", tokens, "--tokenizer", tokenizer,
+            "--dim", str(shape["dim"]), "--layers", str(shape["layers"]), "--heads", str(shape["heads"]),
+            "--vocab", str(shape["vocab"]), "--seq-len", str(shape["seq"]), "--local-batch-size", str(MICRO_BATCH),
+            "--steps", str(opts.steps), "--lr", str(LR), "--dump-folder", os.path.join(opts.work, tag), "--out", out]
+    if compiled:
+        args.append("--compile")
+    wall = torchrun(python, opts.nproc, args, env, os.path.join(opts.work, f"{tag}.log"))
+    with open(out) as f:
+        record = json.load(f)
+    return dict(step_s=record["step_s"], losses=record["losses"], peak_rss_mb=max(record["peak_rss_mb_per_rank"]),
+                params=record["params"], wall_s=wall)
+
+
+def run_ours(opts, shape, tokenizer, prefix, compiled, env, tag):
+    log_dir = os.path.join(opts.work, tag)
+    shutil.rmtree(log_dir, ignore_errors=True)  # metrics.jsonl is appended to
+    flags = ours_flags(shape, opts.nproc, opts.steps, tokenizer, prefix, log_dir, compiled)
+    wall = torchrun(sys.executable, opts.nproc, ["pretrain_gpt.py"] + flags, env, os.path.join(opts.work, f"{tag}.log"))
+    records = [json.loads(line) for line in open(os.path.join(log_dir, "metrics.jsonl"))]
+    train = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["iteration"])
+    return dict(step_s=[r["elapsed_time_per_iteration_ms"] / 1000.0 for r in train],
+                losses=[r["lm_loss"] for r in train], peak_rss_mb=max(r["peak_memory_mb"] for r in train),
+                wall_s=wall)
+
+
+def summarize(runs: list, warmup: int, tokens_per_step: int) -> dict:
+    measured = [t for run in runs for t in run["step_s"][warmup:]]
+    median = statistics.median(measured)
+    losses = runs[-1]["losses"]
+    tail = losses[-min(3, len(losses)):]
+    return dict(median_step_s=median, p25_p75_step_s=statistics.quantiles(measured, n=4)[::2] if len(measured) > 1
+                else [median, median], tokens_per_s=tokens_per_step / median,
+                peak_rss_mb=max(run["peak_rss_mb"] for run in runs), final_loss=losses[-1],
+                final_loss_mean_last3=sum(tail) / len(tail), losses=losses,
+                run_medians_s=[statistics.median(run["step_s"][warmup:]) for run in runs])
+
+
+def main_run(opts) -> None:
+    python = setup_venv()
+    if opts.setup_venv:
+        return
+    shape = SHAPES[opts.shape]
+    tokenizer, prefix = shakespeare()
+    tokens, our_params = dump_tokens(opts.shape, opts.nproc, opts.steps, tokenizer, prefix)
+    if our_params != shape["params"]:
+        raise RuntimeError(f"pretrain_gpt.py builds {our_params:,} parameters for '{opts.shape}', "
+                           f"expected {shape['params']:,}")
+    opts.work = os.path.join(opts.work, f"n{opts.nproc}_{opts.shape}")
+    os.makedirs(opts.work, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=REPO)
+    titan_env = {k: v for k, v in env.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    variants = opts.variants.split(",")
+    runs = {f"{side}_{v}": [] for v in variants for side in ("torchtitan", "ours")}
+    for r in range(opts.rounds):
+        for v in variants:
+            compiled = v == "compiled"
+            tag = f"torchtitan_{v}"
+            result = run_titan(python, opts, shape, tokens, tokenizer, compiled, titan_env, f"{tag}_r{r}")
+            if result["params"] != shape["params"]:
+                raise RuntimeError(f"torchtitan builds {result['params']:,} parameters, expected {shape['params']:,}")
+            runs[tag].append(result)
+            runs[f"ours_{v}"].append(run_ours(opts, shape, tokenizer, prefix, compiled, env, f"ours_{v}_r{r}"))
+            for name in (tag, f"ours_{v}"):
+                last = runs[name][-1]
+                print(f"round {r} {name}: median step {statistics.median(last['step_s'][opts.warmup:]):.3f} s, "
+                      f"final loss {last['losses'][-1]:.4f}, peak RSS {last['peak_rss_mb']:.0f} MB, "
+                      f"launch {last['wall_s']:.0f} s", flush=True)
+    tokens_per_step = MICRO_BATCH * opts.nproc * shape["seq"]
+    summary = {name: summarize(rs, opts.warmup, tokens_per_step) for name, rs in runs.items()}
+    ratios = {}
+    for v in variants:
+        ours, titan = summary[f"ours_{v}"], summary[f"torchtitan_{v}"]
+        # Each round's ours against the torchtitan run just before it: robust to drifting load.
+        pairs = [statistics.median(o["step_s"][opts.warmup:]) / statistics.median(t["step_s"][opts.warmup:])
+                 for o, t in zip(runs[f"ours_{v}"], runs[f"torchtitan_{v}"])]
+        ratios[v] = dict(step_ours_over_torchtitan=ours["median_step_s"] / titan["median_step_s"],
+                         per_round_step_ratios=pairs,
+                         rss_ours_over_torchtitan=ours["peak_rss_mb"] / titan["peak_rss_mb"],
+                         final_loss_rel_diff=(ours["final_loss"] - titan["final_loss"]) / titan["final_loss"],
+                         final_loss_last3_rel_diff=(ours["final_loss_mean_last3"] - titan["final_loss_mean_last3"])
+                         / titan["final_loss_mean_last3"])
+    result = dict(command=" ".join(["python", os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]), nproc=opts.nproc,
+                  shape=opts.shape, shape_config=shape, steps=opts.steps, warmup=opts.warmup, rounds=opts.rounds,
+                  tokens_per_step=tokens_per_step, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  load_average=os.getloadavg(), summary=summary, ratios=ratios, runs=runs)
+    out = opts.out or os.path.join(RESULTS, f"torchtitan_peer_n{opts.nproc}_{opts.shape}.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(ratios, indent=1))
+    print(f"-> {out}; python benchmarks/torchtitan_peer.py --report")
+
+
+def report(results_dir: str) -> str:
+    lines = ["# torchtitan 0.3.0 (FSDP2) against `pretrain_gpt.py --use-mfsdp` (ZeRO-3), CPU, gloo", "",
+             "Written by `python benchmarks/torchtitan_peer.py --report` from `torchtitan_peer_n*_*.json`; "
+             "the method is in the docstring of `benchmarks/torchtitan_peer.py`. A step's time is the "
+             "median over all measured steps of all rounds (p25-p75 in brackets); ratios are ours / torchtitan. "
+             "Final loss: the global loss of the last step (both sides see the same sequences at every step).", ""]
+    lines += ["| ranks | shape | steps (warm-up) x rounds | variant | trainer | median step (s) | tokens/s | "
+              "peak RSS per rank (MB) | "
+              "final loss | launch, whole run (s) | step ratio (per-round ratios) | RSS ratio | final loss rel. diff |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    commands, notes = [], []
+    for path in sorted(glob.glob(os.path.join(results_dir, "torchtitan_peer_n*_*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        commands.append(f"{data['command']}   # {data['date']}, load average {data['load_average'][0]:.1f}")
+        if data.get("note"):  # a remark added to the JSON by hand, e.g. what differed in that run
+            notes.append(f"* {os.path.basename(path)}: {data['note']}")
+        for variant, ratio in data["ratios"].items():
+            for side in ("torchtitan", "ours"):
+                s = data["summary"][f"{side}_{variant}"]
+                lo, hi = s["p25_p75_step_s"]
+                extra = ["", "", ""]
+                if side == "ours":
+                    per_round = ", ".join(f"{x:.2f}" for x in ratio["per_round_step_ratios"])
+                    extra = [f"**{ratio['step_ours_over_torchtitan']:.2f}** ({per_round})",
+                             f"{ratio['rss_ours_over_torchtitan']:.2f}", f"{100 * ratio['final_loss_rel_diff']:+.2f}%"]
+                label = "torchtitan (FSDP2)" if side == "torchtitan" else "ours (MFSDP ZeRO-3)"
+                walls = [run["wall_s"] for run in data["runs"][f"{side}_{variant}"]]
+                launch = sum(walls) / len(walls)
+                lines.append(f"| {data['nproc']} | {data['shape']} | {data['steps']} ({data['warmup']}) x "
+                             f"{data['rounds']} | {variant} | {label} | {s['median_step_s']:.3f} "
+                             f"[{lo:.3f}-{hi:.3f}] | {s['tokens_per_s']:.0f} | {s['peak_rss_mb']:.0f} | "
+                             f"{s['final_loss']:.4f} | {launch:.0f} | " + " | ".join(extra) + " |")
+    lines += ["", "Read with care: these runs shared a 2-core box with other jobs (the load average of each "
+              "run is with its command below), so absolute times are several times an idle box's; the ratio "
+              "of one interleaved run is the figure to quote. Both trainers see the same sequences at every "
+              "step, but they start from different initial weights (each trainer's own init: torchtitan "
+              "draws its embeddings with std 1.0, Megatron with 0.02, so torchtitan's first loss is ~8.1 "
+              "against ~7.7): over a few steps the final-loss difference is that head start, not a "
+              "difference in what the trainers compute; the same-loss check needs a run of a few hundred "
+              "steps (`--steps 300 --rounds 1`). Launch: the whole `torch.distributed.run` launch, start-up "
+              "and compilation included (the compiled variants compile in their first steps, which the "
+              "step times leave out). torchtitan's `--compile.enable` works on CPU; inductor warns that it "
+              "does not generate code for complex operators, so torchtitan's complex-number RoPE stays "
+              "eager inside its compiled blocks.", "", "Loss curves (global loss per step, last round):", ""]
+    for path in sorted(glob.glob(os.path.join(results_dir, "torchtitan_peer_n*_*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        for name, s in data["summary"].items():
+            lines.append(f"* {data['nproc']} ranks, {data['shape']}, {name}: "
+                         + " ".join(f"{x:.3f}" for x in s["losses"]))
+    lines += ["", "Commands:", "", "```bash"] + commands + ["```", ""]
+    if notes:
+        lines += ["Notes:", ""] + notes + [""]
+    text = "\n".join(lines)
+    with open(os.path.join(results_dir, "torchtitan_peer.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--shape", choices=SHAPES, default="small")
+    parser.add_argument("--steps", type=int, default=10, help="training steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the timing")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (torchtitan, ours) per variant")
+    parser.add_argument("--variants", default="eager", help="comma list of eager, compiled")
+    parser.add_argument("--work", default="/tmp/torchtitan_peer", help="logs and per-run outputs")
+    parser.add_argument("--out", default=None, help="JSON (default results/torchtitan_peer_n<N>_<shape>.json)")
+    parser.add_argument("--setup-venv", action="store_true", help="only create .venv-titan")
+    parser.add_argument("--report", nargs="?", const=RESULTS, metavar="DIR", help="render DIR's JSON files")
+    opts = parser.parse_args()
+    if opts.report:
+        print(report(opts.report))
+        return
+    if opts.warmup >= opts.steps:
+        parser.error(f"--warmup ({opts.warmup}) must be below --steps ({opts.steps}).")
+    main_run(opts)
+
+
+if __name__ == "__main__":
+    main()
