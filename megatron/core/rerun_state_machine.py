@@ -510,7 +510,7 @@ class RerunStateMachine:
                 "continue_requested": self.continue_requested,
                 "injector": self.injector.state_dict(),
                 "failed_call": list(self.failed_call) if self.failed_call is not None else None,
-                "initial_result": self.initial_result,
+                "initial_result": self.initial_result.cpu() if self.initial_result is not None else None,
                 "suspicious": list(self.suspicious) if self.suspicious is not None else None,
                 "data_iterator": data_iterator.state_dict() if pending else None,
                 "value_counts": dict(self.value_counts),

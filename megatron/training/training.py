@@ -62,7 +62,7 @@ from megatron.training.model_builder import (
 )
 from megatron.training.profiling import StepProfiler
 from megatron.training.shutdown import shutdown_distributed
-from megatron.training.step_counters import restore_step_counters, save_step_counters
+from megatron.training.step_counters import StepCounters, restore_step_counters
 from megatron.training.timers import Timers
 from megatron.training.training_log import TrainingLog
 from megatron.training.user_errors import user_errors
@@ -344,7 +344,7 @@ class _Trainer:
         self.iteration = 0  # the last completed step's number
         self.batch_schedule = batch_size_schedule_from_args(args)
         self.rerun = rerun if rerun is not None else rerun_state_machine_from_args(args)
-        self.rerun.extra_state = functools.partial(save_step_counters, built.unwrapped)
+        self.rerun.extra_state = StepCounters(built.unwrapped).save
         self.rerun.restore_extra_state = restore_step_counters
         # Fault tolerance (fault_tolerance.py): the torchft side, and how to read the data
         # from a given position again (after a step that did not commit, or a recovery).
