@@ -110,10 +110,10 @@ def build_generation_model(args: argparse.Namespace, path: str, device: torch.de
     """The model ``generate`` calls, loaded from the checkpoint directory ``path``: the whole
     model, or under pipeline parallelism (parallel_state's) this rank's stage in a
     PipelinedModel. Returns (what generate calls, the loaded iteration)."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import PipelinedModel
-    from megatron.training.checkpointing import load_checkpoint
-    from pretrain_gpt import model_provider
+    from megatron.core import parallel_state  # the trainer's modules load on use (the parser stays light)
+    from megatron.core.models.gpt import PipelinedModel  # idem
+    from megatron.training.checkpointing import load_checkpoint  # idem
+    from pretrain_gpt import model_provider  # idem
 
     state = parallel_state.get_parallel_state() if parallel_state.model_parallel_is_initialized() else None
     staged = state is not None and state.pp_size > 1
@@ -180,9 +180,9 @@ def main(argv=None) -> int:
 
 def _pipelined(opts, args, path, common, tokenizer, generate) -> int:
     """One pipeline stage per rank: the process groups around the sampling."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # only a pipelined run needs process groups
 
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # with the trainer's modules
     from megatron.training.initialize import initialize_distributed  # with the trainer's modules
 
     created = not dist.is_initialized()  # a caller's process group (tests) is left alone
