@@ -143,9 +143,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
 
-    from megatron.core.models.gpt import generate
-    from megatron.training.checkpointing import COMMON_FILENAME, load_common, read_tracker
-    from megatron.training.training import build_tokenizer_from_args
+    from megatron.core.models.gpt import generate  # the trainer's modules load on use
+    from megatron.training.checkpointing import COMMON_FILENAME, load_common, read_tracker  # idem
+    from megatron.training.training import build_tokenizer_from_args  # idem
 
     iteration_dir = os.path.isfile(os.path.join(opts.load, COMMON_FILENAME))
     if opts.iteration is None and not iteration_dir and read_tracker(opts.load) is None:
