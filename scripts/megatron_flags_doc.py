@@ -67,12 +67,16 @@ Deviations worth knowing:
   (default: the final global batch) throughout.
 - A user error under torchrun: ranks other than 0 wait (up to 30 s, through torchrun's
   store) until rank 0 has printed the one line, so torchrun cannot kill rank 0 first.
-- `--rerun-mode` defaults to `disabled` (upstream: `validate_results`): without it a NaN/Inf
-  gradient skips the step as before and no per-step collective is paid. Under
-  `validate_results` a fatal check (NaN/Inf loss) that a re-run reproduces saves a
-  checkpoint and exits 16, one it does not reproduce exits 17; resuming from that
-  checkpoint does not perform upstream's second re-run on other devices (the machine's state
-  is not checkpointed). `--error-injection-rate` needs `validate_results`.
+- `--rerun-mode` defaults to `validate_results`, as upstream (each step: one all-reduce of
+  an int and a copy of the RNG states); `disabled` skips a NaN/Inf step instead of stopping
+  (upstream raises), and with the ft flags the default turns into `disabled` (one note
+  line). A fatal check (NaN/Inf loss) that a re-run reproduces saves a checkpoint with the
+  machine's state (per rank: the failed call, its result, node and device, the step's
+  micro-batches) and exits 16; resumed, the step runs once more: on the same node and
+  device it exits 16 again, elsewhere 17 with upstream's verdict. Unlike upstream, a job
+  resumed with its optimizer state validates its first step and keeps the spike statistics
+  (a resumed run judges like an uninterrupted one). `--error-injection-rate` needs
+  `validate_results`.
 - `--check-weight-hash-across-dp-replicas-interval` also works under MFSDP ZeRO-3 (upstream
   refuses it): the ranks holding the same shard are compared (none under plain ZeRO-3, the
   outer replicas under HSDP), and under ZeRO-1/2 the replicated compute copies; a mismatch

@@ -11,7 +11,15 @@ tools/checkpoint/convert.py --to mfsdp record them), so no tokenizer flag is nee
 --tokenizer-* flags override it, or name one for a checkpoint older than the record. The model is
 rebuilt as a plain module in this single process and the checkpoint is read through the
 trainer's load_checkpoint, which reshards: a checkpoint written by any number of ranks,
-with MFSDP or DDP, can be sampled here. Greedy decoding unless --top-k > 1.
+with MFSDP or DDP, at any TP/PP layout, can be sampled here. Greedy decoding unless --top-k > 1.
+
+Pipeline parallel: under torchrun with --pipeline-model-parallel-size N (= the number of
+ranks), each rank builds and loads one stage of the model (layers split as the trainer
+splits them, whatever layout the checkpoint was saved at) and every token runs through the
+stages in turn (megatron/core/models/gpt/generation.py, PipelinedModel); the output is the
+one process's (same tokens), printed by rank 0:
+
+    torchrun --nproc-per-node 2 tools/generate.py --load ... --pipeline-model-parallel-size 2
 """
 
 import argparse
@@ -36,6 +44,8 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--stop-at-eod", action="store_true", help="stop at the end-of-document token")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="split the model over N pipeline stages, one per rank (run under torchrun with N ranks)")
     g = p.add_argument_group("tokenizer (default: the one the checkpoint records)")
     g.add_argument("--tokenizer-type", default=None)
     g.add_argument("--tokenizer-model", default=None)
@@ -71,15 +81,24 @@ def _model_args(saved: dict, opts, path: str = "", record=None) -> argparse.Name
     return args
 
 
-def _for_one_process(args: argparse.Namespace) -> argparse.Namespace:
-    # Rebuild for a world of one: one instance, no outer axis; the engine reshards on load.
-    args.world_size = 1
+def _for_generation(args: argparse.Namespace, pp_size: int = 1) -> argparse.Namespace:
+    # Rebuild for a world of ``pp_size`` pipeline stages, nothing else: one instance, no
+    # outer axis, an even split of the layers; the loader reshards whatever was saved.
+    args.world_size = pp_size
     args.data_parallel_size = 1
     args.dp_outer_size = 1
     args.dp_inner_size = 1
     args.tensor_model_parallel_size = 1  # checkpoints hold global tensors
     args.sequence_parallel = False
     args.context_parallel_size = 1  # CP holds no parameters: whole sequences in one process
+    args.pipeline_model_parallel_size = pp_size
+    args.virtual_pipeline_model_parallel_size = None
+    args.num_layers_per_virtual_pipeline_stage = None
+    args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
+    args.pipeline_model_parallel_layout = None
+    args.account_for_embedding_in_pipeline_split = args.account_for_loss_in_pipeline_split = False
+    args.expert_model_parallel_size = 1  # experts are saved globally: every stage holds all of its own
+    args.expert_tensor_parallel_size = None
     args.outer_dp_sharding_strategy = "no_shard"
     args.load = None
     args.params_dtype = torch.float32
@@ -87,16 +106,46 @@ def _for_one_process(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def build_generation_model(args: argparse.Namespace, path: str, device: torch.device):
+    """The model ``generate`` calls, loaded from the checkpoint directory ``path``: the whole
+    model, or under pipeline parallelism (parallel_state's) this rank's stage in a
+    PipelinedModel. Returns (what generate calls, the loaded iteration)."""
+    from megatron.core import parallel_state  # the trainer's modules load on use (the parser stays light)
+    from megatron.core.models.gpt import PipelinedModel  # idem
+    from megatron.training.checkpointing import load_checkpoint  # idem
+    from pretrain_gpt import model_provider  # idem
+
+    state = parallel_state.get_parallel_state() if parallel_state.model_parallel_is_initialized() else None
+    staged = state is not None and state.pp_size > 1
+    if staged:
+        module = model_provider(args, pre_process=state.is_first_stage, post_process=state.is_last_stage)
+    else:
+        module = model_provider(args)
+    module = module.to(device)
+    # --load may name an iteration directory itself: load exactly the one resolved.
+    iteration, _ = load_checkpoint(module, None, None, argparse.Namespace(load=path), load_optim=False, load_rng=False)
+    module.eval()
+    if staged:
+        return PipelinedModel(module, state.pp_group, args.hidden_size, args.padded_vocab_size), iteration
+    return module, iteration
+
+
 def main(argv=None) -> int:
     opts = get_parser().parse_args(argv)
     if opts.max_new_tokens < 0:
         print("generate.py: error: --max-new-tokens must be non-negative.", file=sys.stderr)
         return 2
+    pp = opts.pipeline_model_parallel_size
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if pp < 1 or world != pp:
+        print(f"generate.py: error: --pipeline-model-parallel-size {pp} needs exactly {pp} ranks (this run has "
+              f"{world}); launch with torchrun --nproc-per-node {pp}, or drop the flag for one process.",
+              file=sys.stderr)
+        return 2
 
-    from megatron.core.models.gpt import generate
-    from megatron.training.checkpointing import COMMON_FILENAME, load_checkpoint, load_common, read_tracker
-    from megatron.training.training import build_tokenizer_from_args
-    from pretrain_gpt import model_provider
+    from megatron.core.models.gpt import generate  # the trainer's modules load on use
+    from megatron.training.checkpointing import COMMON_FILENAME, load_common, read_tracker  # idem
+    from megatron.training.training import build_tokenizer_from_args  # idem
 
     iteration_dir = os.path.isfile(os.path.join(opts.load, COMMON_FILENAME))
     if opts.iteration is None and not iteration_dir and read_tracker(opts.load) is None:
@@ -107,8 +156,12 @@ def main(argv=None) -> int:
     path, common = load_common(opts.load, opts.iteration)
     saved = common["args"]
     try:
-        args = _for_one_process(_model_args(saved, opts, path, common.get("tokenizer")))
+        args = _for_generation(_model_args(saved, opts, path, common.get("tokenizer")), pp)
         tokenizer = build_tokenizer_from_args(args)
+        if pp > 1:
+            from megatron.training.pipeline_arguments import pipeline_layout_from_args  # with the trainer's modules
+
+            pipeline_layout_from_args(args)  # the layers split over pp stages, or a one-line error
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
@@ -119,16 +172,35 @@ def main(argv=None) -> int:
               "the model was trained with.", file=sys.stderr)
         return 2
 
+    if pp > 1:
+        return _pipelined(opts, args, path, common, tokenizer, generate)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return _sample(opts, args, path, common, tokenizer, generate, device)
+
+
+def _pipelined(opts, args, path, common, tokenizer, generate) -> int:
+    """One pipeline stage per rank: the process groups around the sampling."""
+    import torch.distributed as dist  # only a pipelined run needs process groups
+
+    from megatron.core import parallel_state  # with the trainer's modules
+    from megatron.training.initialize import initialize_distributed  # with the trainer's modules
+
+    created = not dist.is_initialized()  # a caller's process group (tests) is left alone
+    device = initialize_distributed("nccl" if torch.cuda.is_available() else "gloo")
+    parallel_state.initialize_model_parallel(1, 1, device.type, pipeline_model_parallel_size=args.world_size)
+    try:
+        return _sample(opts, args, path, common, tokenizer, generate, device, show=dist.get_rank() == 0)
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
+
+
+def _sample(opts, args, path, common, tokenizer, generate, device, show: bool = True) -> int:
     torch.manual_seed(opts.seed)
-    # A plain module in this process (no process group): the checkpoint loaders read any
-    # sharded layout into it. fp32 weights: bf16 gains nothing for sampling on a CPU.
-    model = model_provider(args).to(device)
-    # --load may name an iteration directory itself: load exactly the one resolved above.
-    iteration, _ = load_checkpoint(model, None, None, argparse.Namespace(load=path),
-                                   load_optim=False, load_rng=False)
+    # fp32 weights: bf16 gains nothing for sampling on a CPU.
+    model, iteration = build_generation_model(args, path, device)
     iteration = iteration or common.get("iteration", 0)
-    model.eval()
     prompt_ids = tokenizer.tokenize(opts.prompt)
     if not prompt_ids:
         prompt_ids = [tokenizer.eod]
@@ -140,9 +212,12 @@ def main(argv=None) -> int:
         eod=tokenizer.eod if opts.stop_at_eod else None,
         generator=torch.Generator(device=device).manual_seed(opts.seed),
     )
+    if not show:
+        return 0
     new_ids = out[0, len(prompt_ids):].tolist()
     mode = "greedy" if opts.top_k in (None, 1) else f"top-k {opts.top_k}, temperature {opts.temperature}"
-    print(f"> sample from {path} (iteration {iteration}, {mode}, "
+    stages = f", {args.pipeline_model_parallel_size} pipeline stages" if args.pipeline_model_parallel_size > 1 else ""
+    print(f"> sample from {path} (iteration {iteration}, {mode}{stages}, "
           f"{len(new_ids)} tokens in {time.time() - start:.1f} s):")
     print("-" * 80)
     # Detokenize prompt and continuation together: tokenizers own the spacing between ids.

@@ -10,6 +10,9 @@
                                                  checksums of the RNG files; self-checksummed
         rng/rank_00000.pt ...                    each rank's RNG states (tensors and lists;
                                                  read with weights_only=True)
+        rerun/rank_00000.pt ...                  each rank's part of the re-run state machine
+                                                 (--rerun-mode not disabled; its common part,
+                                                 mode, state and iteration, is in common.json)
 
 A save writes everything into ``iter_0000100.tmp``, renames it into place, then updates the
 tracker: a process killed at any point leaves the previous checkpoint intact and tracked.
@@ -57,6 +60,7 @@ from megatron.training.tokenizer_record import record_tokenizer
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.json"
 RNG_DIRNAME = "rng"
+RERUN_DIRNAME = "rerun"
 CHECKPOINT_VERSION = 2
 # Test hook: "SECONDS" or "SECONDS@ITERATION" to wait (on rank 0) after a checkpoint is
 # fully written and before it is renamed into place; lets tests kill a run in the middle of
@@ -211,6 +215,33 @@ def _rng_filename(rank: int) -> str:
     return os.path.join(RNG_DIRNAME, f"rank_{rank:05d}.pt")
 
 
+def _rerun_filename(rank: int) -> str:
+    return os.path.join(RERUN_DIRNAME, f"rank_{rank:05d}.pt")
+
+
+def _write_rank_file(tmp: str, name: str, content: Any) -> Dict[str, Dict[str, Any]]:
+    """Write one rank's file of the checkpoint (fsynced); its entry for common.json."""
+    path = os.path.join(tmp, name)
+    with open(path, "wb") as f:
+        torch.save(content, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return {name: dict(zip(("bytes", "sha256"), manifest.file_digest(path)))}
+
+
+def _read_rank_file(path: str, name: str, expected: Optional[Dict[str, Any]], flag: str) -> Tuple[Any, Optional[str]]:
+    """(content, None) or (None, error) for one rank's file, checked against its entry."""
+    if expected is None:
+        return None, None
+    message = manifest.check_file(path, name, expected)
+    if message:
+        return None, message
+    try:
+        return torch.load(os.path.join(path, name), map_location="cpu", weights_only=True), None
+    except Exception as e:  # a file that matches its checksum but does not parse
+        return None, f"{os.path.join(path, name)} cannot be read ({e}); load with {flag}."
+
+
 # ----------------------------------------------------------------------------------------
 # Distributed helpers
 # ----------------------------------------------------------------------------------------
@@ -332,11 +363,13 @@ def save_checkpoint(
     num_floating_point_operations_so_far: float = 0.0,
     *,
     consumed_train_samples: int = 0,
+    rerun_state: Optional[Dict[str, Any]] = None,
 ) -> str:
     """Write ``<args.save>/iter_XXXXXXX`` from every rank, atomically, then the tracker.
 
-    With ``args.async_save`` the state is staged in CPU memory and the write continues in
-    the background; the tracker is updated when it completes. Returns the final path."""
+    ``rerun_state``: the re-run state machine's ``state_dict`` (None: not saved). With
+    ``args.async_save`` the state is staged in CPU memory and the write continues in the
+    background; the tracker is updated when it completes. Returns the final path."""
     if not getattr(args, "save", None):
         raise ValueError("save_checkpoint needs --save DIR.")
     finalize_async_save()  # at most one save in flight
@@ -355,6 +388,8 @@ def save_checkpoint(
                 if name.startswith("iter_") and name.endswith(".tmp"):
                     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             os.makedirs(os.path.join(tmp, RNG_DIRNAME))
+            if rerun_state is not None:
+                os.makedirs(os.path.join(tmp, RERUN_DIRNAME))
         except OSError as e:
             error = f"cannot create the checkpoint directory {tmp!r}: {e}"
         if error is None:
@@ -364,14 +399,10 @@ def save_checkpoint(
                 error = f"cannot copy the tokenizer's files into the checkpoint {tmp!r}: {e}"
     _comm().agree(error, OSError)
 
-    # Per-rank RNG state, at the time of the call.
-    rng_name = _rng_filename(_rank())
-    rng_path = os.path.join(tmp, rng_name)
-    with open(rng_path, "wb") as f:
-        torch.save(rng_state(), f)
-        f.flush()
-        os.fsync(f.fileno())
-    rng_entry = {rng_name: dict(zip(("bytes", "sha256"), manifest.file_digest(rng_path)))}
+    # Per-rank RNG state, at the time of the call, and the re-run state machine's part.
+    rank_entries = _write_rank_file(tmp, _rng_filename(_rank()), rng_state())
+    if rerun_state is not None:
+        rank_entries.update(_write_rank_file(tmp, _rerun_filename(_rank()), rerun_state["rank"]))
 
     common = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -391,6 +422,7 @@ def save_checkpoint(
         "model_only": False,
         "tokenizer": tokenizer,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "rerun_state_machine": rerun_state["common"] if rerun_state is not None else None,
     }
     group = _async_group(getattr(args, "use_gloo_process_groups", True)) if use_async else None
     result = engine.save_checkpoint(
@@ -398,12 +430,12 @@ def save_checkpoint(
         async_save=use_async, extra_metadata={"iteration": int(iteration)},
     )
     if not use_async:
-        _commit(root, iteration, tmp, final, common, rng_entry, group=None, retain=_retain(args))
+        _commit(root, iteration, tmp, final, common, rank_entries, group=None, retain=_retain(args))
         return final
 
     def finish() -> str:
         result.result()
-        _commit(root, iteration, tmp, final, common, rng_entry, group=group, retain=_retain(args))
+        _commit(root, iteration, tmp, final, common, rank_entries, group=group, retain=_retain(args))
         return final
 
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-async-save")
@@ -428,15 +460,18 @@ def _retain(args) -> Optional[int]:
     return getattr(args, "save_retain_interval", None)
 
 
-def _commit(root: str, iteration: int, tmp: str, final: str, common: Dict[str, Any], rng_entry, group,
+def _commit(root: str, iteration: int, tmp: str, final: str, common: Dict[str, Any], rank_entries, group,
             retain: Optional[int] = None) -> None:
     """All data is in ``tmp``: write common.json, rename into place, update the tracker,
     then (--save-retain-interval) delete the previous checkpoint unless it is kept."""
-    entries = _comm(group).all_gather(rng_entry)
+    entries = {k: v for part in _comm(group).all_gather(rank_entries) for k, v in part.items()}
     if _rank() == 0:
-        common = dict(common, rng_files={k: v for part in entries for k, v in part.items()})
+        in_dir = lambda folder: {k: v for k, v in entries.items() if k.startswith(folder + os.sep)}
+        common = dict(common, rng_files=in_dir(RNG_DIRNAME), rerun_files=in_dir(RERUN_DIRNAME))
         write_common(os.path.join(tmp, COMMON_FILENAME), common)
         manifest.fsync_dir(os.path.join(tmp, RNG_DIRNAME))
+        if common["rerun_files"]:
+            manifest.fsync_dir(os.path.join(tmp, RERUN_DIRNAME))
         manifest.fsync_dir(tmp)
         delay = _commit_delay(iteration)
         if delay > 0:
@@ -474,6 +509,15 @@ def _model_mismatch(path: str, saved: Dict[str, Any], args: argparse.Namespace) 
             f"pass {ACTIVATION_FLAGS.get(theirs, theirs)} to build the checkpoint's model.")
 
 
+def _same_layout(common: Dict[str, Any], args: argparse.Namespace) -> bool:
+    """The checkpoint was saved by as many ranks in the same TP x PP layout (what the
+    re-run state's per-rank parts need, as upstream)."""
+    saved = common.get("args") or {}
+    return (int(common.get("world_size", -1)) == _world()
+            and all(saved.get(k, 1) == getattr(args, k, 1)
+                    for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")))
+
+
 # --dist-ckpt-strictness (choices: arguments.DIST_CKPT_STRICTNESS) -> (model tensor the
 # checkpoint lacks, checkpoint tensor the model lacks). Upstream's names: "unexpected" keys
 # are the ones the model asks for and the checkpoint lacks; "missing" keys the ones the
@@ -501,8 +545,12 @@ def load_checkpoint(
     *,
     load_optim: bool = True,
     load_rng: bool = True,
+    rerun_state_machine=None,
 ) -> Tuple[int, int]:
     """Load ``args.load``'s latest checkpoint; returns (iteration, consumed_train_samples).
+
+    ``rerun_state_machine``: restored from the checkpoint's state of it when the job has the
+    checkpoint's world size and TP/PP layout (as upstream: else it is ignored, with a line).
 
     A directory without a tracker file means "start from scratch" (Megatron's behaviour),
     so one command line serves both the first run and its resumption. ``args.finetune``
@@ -532,20 +580,22 @@ def load_checkpoint(
     if load_optim and not common.get("has_optimizer", True):
         _comm().agree(f"{path} holds no optimizer state; resume with --no-load-optim (or --finetune).", ValueError)
 
-    # This rank's RNG file, checked before anything changes.
-    rng_state, error = None, None
+    # This rank's RNG file and re-run state, checked before anything changes.
+    saved_rng, error = None, None
     if load_rng:
         rng_name = _rng_filename(_rank())
-        expected = common.get("rng_files", {}).get(rng_name)
-        if expected is not None:
-            message = manifest.check_file(path, rng_name, expected)
-            if message:
-                error = message
-            else:
-                try:
-                    rng_state = torch.load(os.path.join(path, rng_name), map_location="cpu", weights_only=True)
-                except Exception as e:  # a file that matches its checksum but does not parse
-                    error = f"{os.path.join(path, rng_name)} cannot be read ({e}); load with --no-load-rng."
+        saved_rng, error = _read_rank_file(path, rng_name, common.get("rng_files", {}).get(rng_name), "--no-load-rng")
+    _comm().agree(error)
+    rerun_state, error = None, None
+    if rerun_state_machine is not None and not model_only and common.get("rerun_state_machine"):
+        if _same_layout(common, args):
+            rerun_name = _rerun_filename(_rank())
+            mine, error = _read_rank_file(path, rerun_name, common.get("rerun_files", {}).get(rerun_name),
+                                          "--rerun-mode disabled")
+            rerun_state = {"common": common["rerun_state_machine"], "rank": mine} if mine is not None else None
+        else:
+            print_rank_0("> job sharding has changed (world size, TP or PP): the re-run state machine's state in "
+                         "the checkpoint is ignored")
     _comm().agree(error)
 
     module = _unwrap(model)
@@ -576,9 +626,11 @@ def load_checkpoint(
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     if load_optim and getattr(optimizer, "grad_scaler", None) is not None and common.get("grad_scaler"):
         optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
+    if rerun_state is not None:
+        rerun_state_machine.load_state_dict(rerun_state)
     if load_rng:
-        if rng_state is not None:
-            set_rng_state(rng_state)
+        if saved_rng is not None:
+            set_rng_state(saved_rng)
         saved_world = int(common.get("world_size", _world()))
         if saved_world != _world():
             print_rank_0(f"> the checkpoint was saved by {saved_world} ranks and this run has {_world()}: "

@@ -75,12 +75,16 @@ def validate_fault_tolerance_args(args: argparse.Namespace, note=print) -> None:
                (args.context_parallel_size != 1, "--context-parallel-size", "not yet supported"),
                (bool(getattr(args, "num_experts", None)), "--num-experts", "not yet supported"),
                (getattr(args, "rampup_batch_size", None) is not None, "--rampup-batch-size", "not yet supported"),
-               (getattr(args, "rerun_mode", "disabled") != "disabled", "--rerun-mode", "not yet supported"),
+               (getattr(args, "rerun_mode", "disabled") == "report_stats", "--rerun-mode", "not yet supported"),
                (bool(getattr(args, "fp16", False)), "--fp16", "not yet supported (use --bf16)")]
     for bad, flag, why in refused:
         if bad:
             raise ValueError(f"{flag} cannot be combined with the ft flags ({why}); run data parallel (MFSDP, "
                              "any --data-parallel-sharding-strategy) and tensor parallel inside each replica group.")
+    if getattr(args, "rerun_mode", "disabled") == "validate_results":
+        # The default: a re-run of a step is not built across replica groups (a NaN/Inf step is skipped).
+        args.rerun_mode = "disabled"
+        note("--rerun-mode validate_results is not built for the ft flags' replica groups: --rerun-mode disabled.")
     # Every group is its own job with the same command line: each keeps its checkpoints in a
     # directory of its own, or two groups would write the same files.
     for flag in ("save", "load"):

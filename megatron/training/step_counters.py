@@ -15,9 +15,20 @@ import torch.nn as nn
 COUNTER_ATTRIBUTES = ("local_tokens_per_expert", "metrics", "loss_sums", "records")
 
 
+class StepCounters:
+    """The counters of one model: which (module, attribute) hold them is found once (they are
+    set at construction), so that saving them at every step does not walk the model again."""
+
+    def __init__(self, model: nn.Module):
+        self.holders = [(module, name) for module in model.modules() for name in COUNTER_ATTRIBUTES
+                        if name in vars(module)]
+
+    def save(self) -> List[Tuple[nn.Module, str, Any]]:
+        return [(module, name, copy.deepcopy(getattr(module, name))) for module, name in self.holders]
+
+
 def save_step_counters(model: nn.Module) -> List[Tuple[nn.Module, str, Any]]:
-    return [(module, name, copy.deepcopy(getattr(module, name)))
-            for module in model.modules() for name in COUNTER_ATTRIBUTES if name in vars(module)]
+    return StepCounters(model).save()
 
 
 def restore_step_counters(saved: List[Tuple[nn.Module, str, Any]]) -> None:

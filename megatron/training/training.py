@@ -64,7 +64,7 @@ from megatron.training.model_builder import (
 )
 from megatron.training.profiling import StepProfiler
 from megatron.training.shutdown import shutdown_distributed
-from megatron.training.step_counters import restore_step_counters, save_step_counters
+from megatron.training.step_counters import StepCounters, restore_step_counters
 from megatron.training.timers import Timers
 from megatron.training.training_log import TrainingLog
 from megatron.training.user_errors import user_errors
@@ -162,10 +162,12 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
             if kernel_note:
                 print_rank_0(kernel_note)
 
+        # Before the load: a checkpoint may carry the re-run state machine's state.
+        rerun = rerun_state_machine_from_args(args)
         with user_errors(f"--load {args.load}"):
             iteration, consumed = load_checkpoint(
                 _checkpointed(built), optimizer, scheduler, args,
-                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, rerun_state_machine=rerun,
             )
         if iteration:
             print_rank_0(f"> resumed from {args.load} at iteration {iteration} ({consumed} samples consumed)")
@@ -195,7 +197,7 @@ def run_pretraining(args, start_time, train_valid_test_datasets_provider, model_
         print_rank_0(f"> initialization done in {time.time() - start_time:.1f} s")
 
         trainer = _Trainer(args, built, optimizer, scheduler, forward_step_func, device, writer,
-                           start_time=_earliest(start_time))
+                           start_time=_earliest(start_time), rerun=rerun)
         # A fault-tolerant group's data-parallel ranks are ranks R x dp .. of G x dp (fault_tolerance.py).
         groups, group_id = (args.ft_num_replica_groups, args.ft_replica_group_id) if ft else (1, 0)
         dp_rank, dp_size = group_id * parallel.dp_size + parallel.dp_rank, groups * parallel.dp_size
@@ -323,7 +325,7 @@ class _Trainer:
     the optimizer and LR steps), and between them the log, evaluation, checkpoints, the
     weight-hash check and the exit conditions."""
     def __init__(self, args, built: BuiltModel, optimizer, scheduler, forward_step_func, device, writer,
-                 start_time: float):
+                 start_time: float, rerun=None):
         self.args = args
         self.start_time = start_time  # the earliest rank's: --exit-duration-in-mins counts from it
         self.profiler = StepProfiler(args, dist.get_rank() if dist.is_initialized() else 0)
@@ -348,8 +350,8 @@ class _Trainer:
         self.consumed = 0
         self.iteration = 0  # the last completed step's number
         self.batch_schedule = batch_size_schedule_from_args(args)
-        self.rerun = rerun_state_machine_from_args(args)
-        self.rerun.extra_state = functools.partial(save_step_counters, built.unwrapped)
+        self.rerun = rerun if rerun is not None else rerun_state_machine_from_args(args)
+        self.rerun.extra_state = StepCounters(built.unwrapped).save
         self.rerun.restore_extra_state = restore_step_counters
         # Fault tolerance (fault_tolerance.py): the torchft side, and how to read the data
         # from a given position again (after a step that did not commit, or a recovery).
@@ -394,8 +396,8 @@ class _Trainer:
     def _validate_loss(self, loss: torch.Tensor) -> None:
         """Megatron's checks of a micro-batch's local loss (before any reduction), for the
         re-run state machine: NaN and Inf (fatal), and with --check-for-spiky-loss a spike."""
-        if not self.rerun.enabled:
-            return
+        if not self.rerun.enabled and self.rerun.tracker_filename is None:
+            return  # disabled, the checks only feed --result-rejected-tracker-filename
         loss = loss.detach().float()
         if not self.args.no_check_for_nan_in_loss_and_grad:
             self.rerun.validate_result(loss, torch.isnan, "found NaN in local forward loss calculation")
@@ -487,8 +489,10 @@ class _Trainer:
             return iteration
         self.built.unwrapped.train()
         if self.rerun.enabled:
-            train_iter = RerunDataIterator(train_iter)  # a step's micro-batches can be served again
+            # A step's micro-batches can be served again (or, resumed for a re-run, the saved ones).
+            train_iter = RerunDataIterator(train_iter, self.device)
         self.iteration = iteration
+        self.rerun.resume_at(iteration, optimizer_loaded=not (args.no_load_optim or args.finetune))
         self._check_weight_hashes(iteration, force=True)
         self.log.restart_interval()
         if args.manual_gc:
@@ -600,7 +604,7 @@ class _Trainer:
         with user_errors(f"--save {self.args.save}"):
             path = save_checkpoint(
                 iteration, _checkpointed(self.built), self.optimizer, self.scheduler, self.args,
-                consumed_train_samples=self.consumed,
+                consumed_train_samples=self.consumed, rerun_state=self.rerun.state_dict(self.train_iter),
             )
         self.last_saved_iteration = iteration
         print_rank_0(f"> saved checkpoint at iteration {iteration} to {path} in {time.time() - start:.1f} s")

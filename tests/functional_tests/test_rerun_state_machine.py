@@ -6,18 +6,25 @@ ZeRO-1, 2 micro-batches per rank per step), with injected faults:
   without injection (which also checks the weight hashes every iteration: they match), under
   MFSDP ZeRO-1 and ZeRO-3 and under DDP;
 * a persistent fault on the fatal NaN check is reproduced by the re-run: a checkpoint of the
-  step before is saved and the job stops with exit code 16 and upstream's message;
+  step before is saved, with the machine's pending re-run in it, and the job stops with exit
+  code 16 and upstream's message (and upstream's lines in --result-rejected-tracker-filename);
+  resumed on the same node and device, the step is re-run from the checkpoint and the job
+  asks to be resumed elsewhere (16 again);
+* a run resumed from a checkpoint (the default --rerun-mode validate_results, spikes
+  checked) has the losses and, saved again, the machine state of an uninterrupted one;
 * a transient fault on the fatal NaN check is not reproduced: the rank is flagged and the
   job stops with exit code 17;
 * report_stats runs every step twice, reports zero differences gathered from both ranks, and
   keeps the losses.
 """
 
+import json
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from test_pretrain_gpt import REPO, TIMEOUT, _env, read_metrics, run_torchrun
 
@@ -41,14 +48,43 @@ def launch(args):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """No injection, the weight hashes checked every iteration: (train metrics, stdout)."""
-    log_dir = tmp_path_factory.mktemp("reference") / "logs"
-    proc = run_torchrun(ARGS + ["--log-dir", str(log_dir), "--check-weight-hash-across-dp-replicas-interval", "1"])
-    return read_metrics(str(log_dir))[0], proc.stdout
+    """No injection (--rerun-mode validate_results by default, spikes checked), the weight
+    hashes checked every iteration, checkpoints at 2 and 4: (train metrics, stdout, save dir)."""
+    root = tmp_path_factory.mktemp("reference")
+    proc = run_torchrun(ARGS + ["--log-dir", str(root / "logs"), "--check-weight-hash-across-dp-replicas-interval", "1",
+                                "--check-for-spiky-loss", "--save", str(root / "ckpt"), "--save-interval", "2"])
+    return read_metrics(str(root / "logs"))[0], proc.stdout, root / "ckpt"
+
+
+def rerun_files(checkpoint):
+    """(the machine's common part, each rank's part) in a checkpoint directory."""
+    common = json.loads((checkpoint / "common.json").read_text())["content"]
+    ranks = [torch.load(checkpoint / "rerun" / f"rank_{r:05d}.pt", weights_only=True) for r in (0, 1)]
+    return common["rerun_state_machine"], ranks
+
+
+def test_resumed_run_has_the_losses_and_the_machine_state_of_an_uninterrupted_one(reference, tmp_path):
+    train_ref, out, ckpt = reference
+    assert "Result validation enabled (--rerun-mode validate_results)" in out  # the default
+    proc = run_torchrun(ARGS + ["--log-dir", str(tmp_path / "logs"), "--check-for-spiky-loss",
+                                "--load", str(ckpt / "iter_0000002"), "--save", str(tmp_path / "ckpt"),
+                                "--save-interval", "2"])
+    assert "resumed from" in proc.stdout
+    train = read_metrics(str(tmp_path / "logs"))[0]
+    assert sorted(train) == [3, 4]
+    for it in (3, 4):
+        assert train[it]["lm_loss"] == train_ref[it]["lm_loss"] and train[it]["grad_norm"] == train_ref[it]["grad_norm"]
+    common, ranks = rerun_files(tmp_path / "ckpt" / "iter_0000004")
+    common_ref, ranks_ref = rerun_files(ckpt / "iter_0000004")
+    assert common == common_ref == {"mode": "validate_results", "state": "NOT_RUNNING_YET", "iteration": 4}
+    for mine, ref in zip(ranks, ranks_ref):
+        # Steps 2-4 validated, 2 micro-batches each: the resumed run counted step 3 too.
+        assert mine["value_counts"] == ref["value_counts"] == {"loss": 6}
+        assert mine == ref
 
 
 def test_weight_hashes_match_every_iteration(reference):
-    _, out = reference
+    _, out, _ = reference
     for iteration in range(5):  # at the start, then after each step
         assert f"weight hashes match across data-parallel replicas after iteration {iteration} (" in out, out[-3000:]
 
@@ -78,8 +114,11 @@ def test_transient_fault_is_rerun_and_training_continues_with_the_right_loss(ref
         assert train[it]["grad_norm"] == pytest.approx(ref[it]["grad_norm"], rel=10 * rel), it
 
 
-def test_persistent_fault_saves_and_stops_with_code_16(tmp_path):
-    proc = launch(ARGS + INJECT + ["--error-injection-type", "persistent_error", "--save", str(tmp_path / "ckpt")])
+def test_persistent_fault_saves_and_stops_with_code_16_and_its_resumption_reruns_the_step(tmp_path):
+    tracker = tmp_path / "rejected.txt"
+    flags = ARGS + INJECT + ["--error-injection-type", "persistent_error", "--save", str(tmp_path / "ckpt"),
+                             "--result-rejected-tracker-filename", str(tracker)]
+    proc = launch(flags)
     out = proc.stdout
     assert proc.returncode != 0, out[-3000:]
     assert "exiting with code 16" in out, out[-3000:]
@@ -89,6 +128,31 @@ def test_persistent_fault_saves_and_stops_with_code_16(tmp_path):
     assert ("Saving a checkpoint and exiting now. Please resume the job from the checkpoint to rerun the last "
             "iteration and establish a diagnostic") in out
     assert "iteration        2/" not in out  # stopped before step 2's optimizer step
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    # The checkpoint holds the pending re-run: the failed call, its result, the step's batches.
+    common, ranks = rerun_files(tmp_path / "ckpt" / "iter_0000001")
+    assert common == {"mode": "validate_results", "state": "WILL_RERUN_FROM_CHECKPOINT", "iteration": 2}
+    for part in ranks:
+        assert part["failed_call"] == ["found NaN in local forward loss calculation", 1]
+        assert part["checkpoint_requested"] and part["injector"]["injected"] == "persistent_error"
+        assert len(part["data_iterator"]["replay"]) == 2  # 2 micro-batches per rank
+    # Both ranks' rejection and verdict, in upstream's format.
+    lines = tracker.read_text().splitlines()
+    for rank in (0, 1):
+        for status in ("INITIAL_RUN", "FIRST_RERUN_REPRODUCIBLE"):
+            assert sum(bool(re.fullmatch(
+                rf"ts=\S+ \S+ node=\S+ device=cpu jobID=\S+ rank={rank} iteration=2 status=RerunValidationStatus\."
+                rf"{status} result=\S+ message='found NaN in local forward loss calculation'", line))
+                for line in lines) == 1, lines
+    # Resumed on the same node and device: the step is re-run from the checkpoint, which
+    # asks for another device (exit 16 again, no new checkpoint).
+    out = launch(flags + ["--load", str(tmp_path / "ckpt")]).stdout
+    assert "Getting RerunStateMachine state from checkpoint. Will rerun step." in out, out[-3000:]
+    assert "iteration 2: re-running the step from the checkpoint to establish a diagnostic" in out
+    for rank in (0, 1):
+        assert re.search(rf"Rank {rank}, node \S+, device cpu, iteration #2: Got rescheduled on the same GPU", out)
+    assert "Exiting now. Please resume the job from the same checkpoint to rerun the last iteration" in out
+    assert "exiting with code 16" in out and "iteration        2/" not in out
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 

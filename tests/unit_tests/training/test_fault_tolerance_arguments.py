@@ -58,6 +58,8 @@ BAD = {
                           "--pipeline-model-parallel-size cannot be combined"),
     "context parallel": ("--ft-replica-group-id 0 --ft-num-replica-groups 2 --context-parallel-size 2",
                          "--context-parallel-size cannot be combined"),
+    "report_stats": ("--ft-replica-group-id 0 --ft-num-replica-groups 2 --rerun-mode report_stats",
+                     "--rerun-mode cannot be combined"),
     "batch": ("--ft-replica-group-id 0 --ft-num-replica-groups 2 --global-batch-size 6",
               "x --ft-num-replica-groups (2) = 8"),
 }
@@ -69,6 +71,12 @@ def test_bad_input_is_one_line(case, listening):
     with pytest.raises(ValueError) as error:
         parse(extra + f" --ft-lighthouse {listening}")
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_default_rerun_mode_is_turned_off_with_a_note(listening, capsys):
+    args = parse(f"--ft-replica-group-id 0 --ft-num-replica-groups 2 --ft-lighthouse {listening}")
+    assert args.rerun_mode == "disabled"
+    assert "--rerun-mode validate_results is not built for the ft flags' replica groups" in capsys.readouterr().out
 
 
 def test_needs_mfsdp(listening):

@@ -240,8 +240,6 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
      r"--moe-shared-expert-intermediate-size \(15\) must be divisible"),
     ("--num-experts 4 --tensor-model-parallel-size 2 --moe-grouped-gemm --moe-ffn-hidden-size 24", 2,
      "multiples of 8.*got --moe-ffn-hidden-size / TP 2 12"),
-    ("--num-experts 4 --tensor-model-parallel-size 2 --sequence-parallel --moe-expert-capacity-factor 1", 2,
-     "drop --sequence-parallel or the capacity factor"),
 ])
 def test_parse_time_errors(flags, world, message):
     with pytest.raises(ValueError, match=message):

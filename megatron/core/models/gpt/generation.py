@@ -4,11 +4,16 @@
 [b, s, vocab], so it works unchanged when the model is wrapped by the FSDP engine (whose
 hooks run inside that call). There is no KV cache: every step re-runs the whole context,
 which is simple and adequate for samples during training, not for serving.
+
+Under pipeline parallelism each rank holds one stage: :class:`PipelinedModel` wraps it so
+that ``model(input_ids)`` runs the stages in turn and hands every rank the last stage's
+logits (the tokens, hence every decision, are then the same on every stage).
 """
 
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.distributed.ranks import all_ranks
 
@@ -74,3 +79,49 @@ def _all_done(done: torch.Tensor, process_group) -> bool:
     finished = bool(done.all())
     # Stop only when every rank has finished.
     return all_ranks(finished, process_group) if process_group is not None else finished
+
+
+class PipelinedModel:
+    """This rank's pipeline stage of a GPT model (a chunk built with ``pre_process`` /
+    ``post_process``), called like the whole model by :func:`generate`: ``model(tokens)``
+    runs the stages in turn (each receives the previous stage's hidden states [b, s, h]
+    and sends its own to the next) and returns, on every rank, the last position's logits
+    [b, 1, vocab] of the last stage (broadcast over the pipeline group). Every rank holds
+    the same tokens, so greedy and seeded sampling pick the same token everywhere.
+
+    ``pp_group``: the pipeline's process group, stages in rank order (parallel_state's)."""
+
+    def __init__(self, chunk, pp_group, hidden_size: int, vocab_size: int):
+        self.chunk, self.group = chunk, pp_group
+        self.ranks = dist.get_process_group_ranks(pp_group)
+        self.stage = self.ranks.index(dist.get_rank())
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.max_sequence_length = getattr(chunk, "max_sequence_length", None)
+
+    @property
+    def training(self) -> bool:
+        return self.chunk.training
+
+    def eval(self):
+        self.chunk.eval()
+        return self
+
+    def train(self, mode: bool = True):
+        self.chunk.train(mode)
+        return self
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        first, last = self.stage == 0, self.stage == len(self.ranks) - 1
+        dtype = next(self.chunk.parameters()).dtype
+        if not first:
+            hidden = torch.empty(*tokens.shape, self.hidden_size, dtype=dtype, device=tokens.device)
+            dist.recv(hidden, src=self.ranks[self.stage - 1], group=self.group)
+            self.chunk.set_input_tensor(hidden)
+        out = self.chunk(tokens)
+        if not last:
+            dist.send(out.contiguous(), dst=self.ranks[self.stage + 1], group=self.group)
+            logits = torch.empty(tokens.shape[0], 1, self.vocab_size, dtype=torch.float32, device=tokens.device)
+        else:
+            logits = out[:, -1:, :].float().contiguous()
+        dist.broadcast(logits, src=self.ranks[-1], group=self.group)
+        return logits

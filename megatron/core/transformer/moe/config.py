@@ -245,8 +245,3 @@ def _check_moe_tensor_parallel(config) -> None:
                              "each TP rank holds an equal piece of every expert.")
     if tp == 1:
         return
-    if getattr(config, "sequence_parallel", False) and config.moe_expert_capacity_factor is not None:
-        raise ValueError(
-            "--moe-expert-capacity-factor with --sequence-parallel is not supported: each TP rank routes its own "
-            "sequence chunk, so capacity would be per chunk; drop --sequence-parallel or the capacity factor."
-        )

@@ -23,8 +23,11 @@ Megatron-LM's ``TopKRouter`` semantics (``megatron/core/transformer/moe/router.p
   parallelism every chunk's: the column sums are all-reduced), the weights sigmoid(logits) (k = 1)
   or the softmax over all experts, unnormalised; in evaluation the top-k of those weights;
 * with ``moe_expert_capacity_factor`` each expert keeps at most
-  ``ceil(tokens * topk / num_experts * factor)`` tokens of this micro-batch (by probability,
-  or by position), the rest are dropped (their weight is zero).
+  ``ceil(tokens * topk / num_experts * factor)`` of the tokens the router sees (by
+  probability, or by position), the rest are dropped (their weight is zero). Those are the
+  micro-batch's on this rank: under sequence parallelism this TP rank's chunk, as upstream
+  (its router runs on the chunk), so capacity and drops are per chunk; the logged count of
+  dropped assignments is summed over the chunks.
 
 The losses (``moe_router_load_balancing_type``: one type, or a list with one
 ``moe_aux_loss_coeff`` each), with scores p the softmax (sigmoid: normalised sigmoid) over
@@ -413,7 +416,7 @@ class TopKRouter(nn.Module):
                 probs, routing_map, self.topk, config.moe_expert_capacity_factor,
                 drop_policy=config.moe_token_drop_policy, pad_to_capacity=config.moe_pad_expert_input_to_capacity,
             )
-            self.last_stats["dropped_tokens"] = (chosen & ~routing_map).sum().detach()
+            self.last_stats["dropped_tokens"] = self._whole((chosen & ~routing_map).sum())
         if with_losses and self.aux_loss_coeffs:
             probs = self._attach_load_balancing_losses(probs, logits, num_sequences, chunks)
         if with_losses and self.expert_bias is not None and not recomputing():
