@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.gpt_oss import gated_activation, is_window_layer, sink_attention, window_allowed
@@ -112,3 +113,18 @@ def test_clamped_quick_geglu_matches_formula():
 def test_bad_settings_are_refused(fields, words):
     with pytest.raises(ValueError, match=words):
         _config(**fields)
+
+
+def test_hugging_face_export_refuses_gpt_oss_blocks():
+    """The converter writes no gpt_oss model: a checkpoint with the blocks is refused in one line."""
+    from tools.checkpoint.hf_conversion import ConversionError, config_from_tensors  # only this test converts
+
+    config = _config(softmax_type="learnable", gated_linear_unit=True, activation_func="quick_gelu",
+                     normalization="RMSNorm", position_embedding_type="rope", ffn_hidden_size=16)
+    shapes = {k: v.shape for k, v in GPTModel(config, vocab_size=64, max_sequence_length=8).state_dict().items()}
+    args = dict(num_attention_heads=4, num_query_groups=2)
+    with pytest.raises(ConversionError, match=r"GPT-OSS's blocks \(--softmax-type\)"):
+        config_from_tensors(shapes, args)
+    shapes = {k: v for k, v in shapes.items() if not k.endswith("softmax_offset")}
+    with pytest.raises(ConversionError, match=r"--window-size, --quick-geglu"):
+        config_from_tensors(shapes, dict(args, window_size=[127, 0], quick_geglu=True))
