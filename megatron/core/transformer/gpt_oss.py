@@ -13,7 +13,7 @@
   (Transformer Engine, upstream's path, forces it so for causal masks); L = -1: no left
   limit. ``window_attn_skip_freq`` picks the window layers as upstream's
   ``is_layer_window_attention``: None: every layer; an int N: all but every N-th layer
-  (layer numbers from 1); a 0/1 list per layer, 1 = window.
+  (layer numbers from 1); a 0/1 list per layer, 1 = window (full past its end: MTP layers).
 * Quick-GEGLU (``activation_func`` "quick_gelu" with a gated unit): ``quick_gelu(x) =
   x * sigmoid(1.702 x)`` on the gate; ``gated_activation`` adds ``glu_linear_offset`` to the
   linear half and, with ``activation_func_clamp_value`` c, first clamps the gate to
@@ -56,7 +56,8 @@ def is_window_layer(window_size: Optional[Tuple[int, int]], skip_freq: Union[Non
         return True
     if isinstance(skip_freq, int):
         return layer_number % skip_freq != 0
-    return bool(skip_freq[layer_number - 1])
+    # Past the list (a multi-token prediction layer): full attention.
+    return layer_number <= len(skip_freq) and bool(skip_freq[layer_number - 1])
 
 
 def window_allowed(q_len: int, k_len: int, window_size: Tuple[int, int], device) -> torch.Tensor:
