@@ -30,6 +30,7 @@ def core_transformer_config_from_args(args):
     from megatron.core.transformer import TransformerConfig
     from megatron.training.context_parallel_arguments import context_parallel_config_kwargs
     from megatron.training.model_builder import activation_from_args
+    from megatron.training.gpt_oss_arguments import gpt_oss_config_kwargs
     from megatron.training.linear_attention_arguments import linear_attention_config_kwargs
     from megatron.training.mla_arguments import mla_config_kwargs
     from megatron.training.moe_arguments import moe_config_kwargs
@@ -46,7 +47,7 @@ def core_transformer_config_from_args(args):
         attention_dropout=args.attention_dropout,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu,
+        gated_linear_unit=args.swiglu or getattr(args, "quick_geglu", False),
         activation_func=activation_from_args(vars(args)),
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=getattr(args, "add_qkv_bias", False),
@@ -74,6 +75,7 @@ def core_transformer_config_from_args(args):
         **moe_config_kwargs(args),
         **mla_config_kwargs(args),
         **linear_attention_config_kwargs(args),
+        **gpt_oss_config_kwargs(args),
         **recipe_config_kwargs(args),
         **mup_config_kwargs(args),
     )

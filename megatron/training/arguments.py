@@ -44,6 +44,7 @@ from megatron.training.launch_script_arguments import (
     validate_launch_script_args,
     validate_tiktoken_args,
 )
+from megatron.training.gpt_oss_arguments import add_gpt_oss_args, validate_gpt_oss_args
 from megatron.training.linear_attention_arguments import add_linear_attention_args, validate_linear_attention_args
 from megatron.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat, suggest_flags
 from megatron.training.mla_arguments import add_mla_args, validate_mla_args
@@ -392,6 +393,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     validate_moe_args(args)
     validate_mla_args(args)
     validate_linear_attention_args(args)
+    validate_gpt_oss_args(args)
     validate_packed_document_args(args)
     validate_fim_args(args)
     validate_recipe_args(args, _note)
@@ -858,6 +860,7 @@ def _add_fidelity_args(parser: argparse.ArgumentParser) -> None:
                         "multiplied by its sigmoid before linear_proj")
     add_mla_args(g)
     add_linear_attention_args(g)
+    add_gpt_oss_args(g)
     g.add_argument("--squared-relu", action="store_true", help="squared ReLU activation in the MLP")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                    help="linear layers return their weight gradient to autograd, which MFSDP then copies into "

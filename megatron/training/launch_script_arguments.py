@@ -8,6 +8,9 @@ upstream's names and meanings. scripts/replay_upstream_examples.py replays those
 * ``--tiktoken-*``, ``--tokenizer-special-tokens``: the TikTokenizer's options; without ``--tokenizer-type TikTokenizer``
   upstream ignores them (its Llama-3 scripts pass ``--tiktoken-pattern v2`` with NullTokenizer).
 * The SC21 scripts' 2021 flags: ``--DDP-impl`` and ``--activations-checkpoint-method``.
+* The GPT-OSS script's: ``--recompute-activations`` (upstream's old name of selective
+  recompute), ``--accumulate-allreduce-grads-in-fp32`` (this trainer's default),
+  ``--rope-type`` (upstream reads it for multi-latent attention only).
 """
 
 from __future__ import annotations
@@ -59,6 +62,13 @@ def add_launch_script_args(parser: argparse.ArgumentParser) -> None:
                    help="deprecated upstream: only with --position-embedding-type rope, where it changes nothing")
     g.add_argument("--DDP-impl", dest="ddp_impl", choices=("local", "torch"), default=None,
                    help="2021 Megatron's DDP choice: both run as this trainer's data parallelism")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="upstream's old name of --recompute-granularity selective")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="gradients accumulated and reduced in fp32: this trainer's default")
+    g.add_argument("--rope-type", choices=("rope", "yarn"), default=None,
+                   help="upstream's RoPE kind for multi-latent attention (plain RoPE here); other models take "
+                        "--position-embedding-type")
     g.add_argument("--activations-checkpoint-method", choices=("uniform", "block"), default=None,
                    help="2021 Megatron's name of --recompute-method (full-layer recomputation)")
 
@@ -71,6 +81,11 @@ def apply_launch_script_synonyms(args: argparse.Namespace, note) -> None:
         args.recompute_method = args.activations_checkpoint_method
         if args.recompute_granularity is None:
             args.recompute_granularity = "full"  # the 2021 flag recomputed whole layers
+    if args.recompute_activations:
+        if args.recompute_granularity not in (None, "selective"):
+            raise ValueError("--recompute-activations is upstream's old name of --recompute-granularity selective; "
+                             f"it contradicts --recompute-granularity {args.recompute_granularity}: pass one of them.")
+        args.recompute_granularity = "selective"
     if args.ddp_impl is not None:
         note(f"--DDP-impl {args.ddp_impl}: 2021 Megatron's choice of DDP wrapper; gradients are averaged "
              "over data-parallel ranks by this trainer's DDP (or MFSDP with --use-mfsdp) either way.")
@@ -99,6 +114,15 @@ def validate_launch_script_args(args: argparse.Namespace, note) -> None:
     if registration:
         note(f"{' and '.join(registration)}: NCCL user-buffer registration is CUDA-only; the buffers are "
              "ordinary allocations here (same results).")
+    if args.accumulate_allreduce_grads_in_fp32 and (args.grad_reduce_in_bf16 or args.main_grads_dtype != torch.float32):
+        raise ValueError("--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16 / a non-fp32 "
+                         "--megatron-fsdp-main-grads-dtype; pass one of them.")
+    if args.rope_type == "yarn" and args.position_embedding_type != "yarn":
+        if getattr(args, "multi_latent_attention", False):
+            raise ValueError("--rope-type yarn with --multi-latent-attention: MLA's rotary part is plain RoPE here; "
+                             "drop it or pass --rope-type rope.")
+        note("--rope-type yarn has no effect here (upstream reads it for multi-latent attention only): the position "
+             "embedding is --position-embedding-type's; pass --position-embedding-type yarn for YaRN.")
     _validate_profile(args, note)
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         # Upstream refuses it the same way (there is no 'no position embedding' type).

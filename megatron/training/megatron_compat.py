@@ -47,6 +47,8 @@ MAPPED: Dict[str, Tuple[dict, str]] = {
                                         "no effect: it rescales inside Megatron's fused fp16 softmax, "
                                         "the result is the same"),
     "--no-masked-softmax-fusion": (dict(action="store_true"), "no fused softmax kernel here"),
+    "--moe-per-layer-logging": (dict(action="store_true"),
+                                "always: the MoE metrics are logged per layer (moe/layer{n}/...) besides their means"),
     "--no-bias-gelu-fusion": (dict(action="store_true"), "no fused bias-GELU kernel here"),
     "--no-bias-swiglu-fusion": (dict(action="store_true"), "no fused bias-SwiGLU kernel here"),
     "--no-bias-dropout-fusion": (dict(action="store_true"), "no fused bias-dropout kernel here"),
@@ -139,6 +141,18 @@ ANNOUNCED: Dict[str, Tuple[dict, str]] = {
                          "upstream for CUDA graphs)"),
     "--async-ckpt-use-cpu-shm": (dict(action="store_true"),
                                  "--async-save stages the state in its own CPU memory; no shared-memory staging"),
+    "--disable-bf16-reduced-precision-matmul": (dict(action="store_true"),
+                                                "a cuBLAS setting (no reduced-precision reductions in bf16 GEMMs); "
+                                                "no effect on CPU"),
+    # Upstream's ModelOpt flags (megatron/post_training/arguments.py) in its GPT-OSS line;
+    # only its ModelOpt model builder (--modelopt-enabled, refused here) reads them.
+    "--enable-gpt-oss": (dict(action="store_true"),
+                         "no effect, as upstream without --modelopt-enabled (its ModelOpt builder alone turns it "
+                         "into GPT-OSS's YaRN RoPE); pass --position-embedding-type yarn and the --yarn-* flags "
+                         "for that"),
+    "--export-force-local-attention": (dict(action="store_true"),
+                                       "always: attention is the local implementation (ModelOpt export's choice "
+                                       "of local over TE attention)"),
 }
 MAPPED.update(ANNOUNCED)
 
@@ -159,14 +173,8 @@ REJECTED: Dict[str, str] = {
     "--straggler-minmax-count": "straggler detection is not implemented; drop it",
     "--log-progress": "not implemented; the iteration log line has the progress",
 }
-# Upstream's GPT-OSS example (examples/gptoss/02_train.sh) and ModelOpt's train.sh.
-_GPT_OSS = ("GPT-OSS's blocks (learnable-softmax attention sinks, sliding-window layers, clamped quick-GEGLU) "
-            "are not built here; drop it")
+# ModelOpt (upstream's post-training family), e.g. in its train.sh.
 _MODELOPT = "ModelOpt (quantization, distillation, export) is not built here; drop it"
-REJECTED.update({flag: _GPT_OSS for flag in (
-    "--enable-gpt-oss", "--softmax-type", "--window-size", "--window-attn-skip-freq", "--quick-geglu",
-    "--glu-linear-offset", "--activation-func-clamp-value",
-    "--export-force-local-attention")})  # upstream's GPT-OSS line asks for local attention (the sinks)
 REJECTED.update({flag: _MODELOPT for flag in (
     "--modelopt-enabled", "--export-te-mcore-model",
     # The rest of upstream's ModelOpt family (megatron/post_training/arguments.py): model

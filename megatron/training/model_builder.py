@@ -57,15 +57,18 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.training.compile_layers import compile_layers
 
 # The activation each flag combination builds, and the flags that select it.
-ACTIVATION_FLAGS = {"silu": "--swiglu", "gelu_tanh": "--openai-gelu", "gelu": "neither --swiglu nor --openai-gelu"}
+ACTIVATION_FLAGS = {"silu": "--swiglu", "quick_gelu": "--quick-geglu", "gelu_tanh": "--openai-gelu", "gelu": "neither --swiglu nor --openai-gelu"}
 
 
 def activation_from_args(args: dict) -> str:
-    """The MLP activation that saved (or parsed) arguments build: SwiGLU's silu, the tanh
+    """The MLP activation that saved (or parsed) arguments build: SwiGLU's silu, GPT-OSS's
+    quick GELU (--quick-geglu, gated too), the tanh
     GELU of ``--openai-gelu`` (GPT-2's ``gelu_new``), else the exact GELU. A checkpoint
     written by convert.py records the name itself as ``activation_func``."""
     if args.get("swiglu"):
         return "silu"
+    if args.get("quick_geglu"):
+        return "quick_gelu"
     if args.get("activation_func"):
         return args["activation_func"]
     return "gelu_tanh" if args.get("openai_gelu") else "gelu"

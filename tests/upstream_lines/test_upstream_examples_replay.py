@@ -14,10 +14,13 @@ import replay_upstream_examples as examples  # noqa: E402
 # Scripts whose line parses at its own layout (9: the SC21 paper's, with --DDP-impl and
 # --activations-checkpoint-method; 12 with the Llama-3 and Megatron-FSDP flags and Mixtral's
 # --no-position-embedding; 13 with DeepSeek-V3's MTP under --calculate-per-token-loss).
-# Not yet: GPT-3 175B (as upstream), GPT-OSS (its blocks).
+# Not: GPT-3 175B and GPT-OSS, refused as upstream refuses them.
 ACCEPTED = 13
-# Refused by upstream's own parser too: --step-batch-size-schedule with --global-batch-size.
-UPSTREAM_REFUSES = {"gpt3_175b": "--step-batch-size-schedule and --global-batch-size"}
+# Refused by upstream too: GPT-3 175B's --step-batch-size-schedule with --global-batch-size (its
+# parser); GPT-OSS's 12 layers on its 8 pipeline stages (get_num_layers_to_build asserts that
+# the layers divide by the stages; the script says to adjust its sizes).
+UPSTREAM_REFUSES = {"gpt3_175b": "--step-batch-size-schedule and --global-batch-size",
+                    "gptoss": "--num-layers = 12 and divisible"}
 
 
 def test_example_scripts_parse_at_their_layouts():
@@ -29,6 +32,17 @@ def test_example_scripts_parse_at_their_layouts():
     for name, words in UPSTREAM_REFUSES.items():
         error = results[name][2]
         assert error is None or all(w in error for w in words.split(" and ")), error
+
+
+def test_gptoss_line_parses_with_layers_for_its_stages():
+    """GPT-OSS's own flags (sinks, windows, clamped quick-GEGLU, its ModelOpt and logging
+    flags) all parse at its layout (PP8) once its layers divide by the stages (16)."""
+    _, scripts = examples.load_snapshot()
+    with tempfile.TemporaryDirectory() as tmp:
+        pairs = examples.to_pairs([a.replace("$WORK", tmp) for a in scripts["gptoss"]["argv"]])
+        pairs = [[flag, "16" if flag == "--num-layers" else value] for flag, value in pairs]
+        argv, world = examples.parse_line(pairs, tmp)
+        assert examples.lines.try_parse(argv, world) is None
 
 
 def test_modelopt_script_is_refused_in_one_line():

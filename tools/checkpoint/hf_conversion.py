@@ -310,6 +310,15 @@ def config_from_tensors(tensors_or_shapes: Dict[str, Any], args: Optional[Dict[s
     if args.get("attention_output_gate"):
         raise ConversionError("this checkpoint was trained with --attention-output-gate (gated attention), which "
                               "Hugging Face GPT-2/Llama/Qwen3 cannot express; convert it --to safetensors instead.")
+    gpt_oss = [flag for flag, on in (
+        ("--softmax-type", args.get("softmax_type") not in (None, "vanilla")
+         or any(k.endswith(".softmax_offset") for k in shapes)),
+        ("--window-size", args.get("window_size")), ("--quick-geglu", args.get("quick_geglu")),
+        ("--glu-linear-offset", args.get("glu_linear_offset")),
+        ("--activation-func-clamp-value", args.get("activation_func_clamp_value") is not None)) if on]
+    if gpt_oss:
+        raise ConversionError(f"this checkpoint uses GPT-OSS's blocks ({', '.join(gpt_oss)}), which the Hugging Face "
+                              "converter does not write (no gpt_oss export yet); convert it --to safetensors instead.")
     if float(args.get("rotary_percent", 1.0) or 1.0) != 1.0:
         raise ConversionError(f"this checkpoint uses --rotary-percent {args['rotary_percent']} (partial RoPE), "
                               "which Hugging Face Llama cannot express; convert a model trained with 1.0.")

@@ -58,10 +58,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
+from megatron.core.global_slices import partition
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from .context_parallel import context_parallel_attention
 from .document_mask import DocumentMask, per_document_attention, sdpa_mask_and_causal
+from .gpt_oss import is_window_layer, sink_attention, window_allowed
 from .layers import build_parallel_linear, output_init_std
 from .norms import build_norm
 from .recompute import recomputes
@@ -101,6 +103,30 @@ class SelfAttention(nn.Module):
         self.linear_proj = build_parallel_linear(config, config.query_projection_size, config.hidden_size,
                                                  bias=config.add_bias_linear, init_std=output_init_std(config),
                                                  split="row")
+        # GPT-OSS (gpt_oss.py): this layer's sliding window (None: full causal attention) and
+        # the attention sinks: "learnable" holds one logit per query head (this rank's heads,
+        # split over TP with them), "off-by-one" a fixed 0.
+        self.window_size = (config.window_size if is_window_layer(config.window_size, config.window_attn_skip_freq,
+                                                                   layer_number) else None)
+        self.softmax_type = config.softmax_type
+        if self.softmax_type == "learnable":
+            self.softmax_offset = nn.Parameter(torch.empty(self.num_heads, dtype=config.params_dtype))
+            if tp > 1:
+                rank = torch.distributed.get_rank(config.tp_group)
+                self.global_slices = {"softmax_offset": partition((config.num_attention_heads,), 0, rank, tp)}
+                self.tensor_parallel_split = ("softmax_offset",)  # finalize_grads: not summed over TP
+            self.reset_parameters()
+
+    def initialize_global_(self, attr: str, values: torch.Tensor, generator: torch.Generator) -> None:
+        # Upstream initializes the sinks with init_method: normal(0, init_method_std).
+        if attr != "softmax_offset":
+            raise ValueError(f"SelfAttention has no initialization rule for {attr!r}.")
+        values.normal_(0.0, self.config.hidden_init_std, generator=generator)
+
+    def reset_parameters(self) -> None:
+        """The learnable sinks (the children initialize themselves)."""
+        with torch.no_grad():
+            nn.init.normal_(self.softmax_offset, mean=0.0, std=self.config.hidden_init_std)
 
     def split_qkv(self, mixed: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """[b, s, (H + 2G) * d] -> q [b, s, H, d], k [b, s, G, d], v [b, s, G, d] (layout above);
@@ -126,6 +152,15 @@ class SelfAttention(nn.Module):
 
     def core_attention(self, q, k, v, attn_mask: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v on [b, heads, s, d]: what selective recompute recomputes."""
+        if self.window_size is not None:
+            attn_mask, is_causal = self._with_window(q.shape[-2], k.shape[-2], attn_mask, is_causal, q.device), False
+        if self.softmax_type != "vanilla":
+            # SDPA has no sink: explicit scores with the sink column, softmax in fp32.
+            sink = self.softmax_offset if self.softmax_type == "learnable" else q.new_zeros(self.num_heads)
+            if is_causal:
+                attn_mask = window_allowed(q.shape[-2], k.shape[-2], (-1, 0), q.device)
+            dropout_p = self.config.attention_dropout if self.training else 0.0
+            return sink_attention(q, k, v, attn_mask, sink, dropout_p)
         out_dtype = v.dtype
         upcast = self.config.attention_softmax_in_fp32 and q.dtype != torch.float32
         if upcast:
@@ -141,6 +176,13 @@ class SelfAttention(nn.Module):
                 enable_gqa=self.num_query_groups != self.num_heads,
             )
         return context.to(out_dtype)
+
+    def _with_window(self, q_len: int, k_len: int, attn_mask: Optional[torch.Tensor], is_causal: bool,
+                     device) -> torch.Tensor:
+        """This layer's sliding window as an explicit band mask (True: attend), combined with
+        the caller's mask or causality (gpt_oss.py)."""
+        band = window_allowed(q_len, k_len, self.window_size, device)
+        return band if attn_mask is None or is_causal else attn_mask & band
 
     def context_parallel_core_attention(self, q, k, v, attn_mask, is_causal, document_start=None) -> torch.Tensor:
         """core_attention when the sequence is split over CP ranks: q, k, v hold this rank's

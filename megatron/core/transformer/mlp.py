@@ -3,12 +3,13 @@
 With ``gated_linear_unit`` (SwiGLU when the activation is silu), ``linear_fc1`` outputs
 ``2 * ffn_hidden_size`` features: rows ``[0, ffn)`` are the gate (Hugging Face Llama's
 ``gate_proj``) and rows ``[ffn, 2 * ffn)`` the up projection (``up_proj``); the result is
-``act(gate) * up``. This is Megatron-LM's order, so converters concatenate gate then up.
+``act(gate) * up`` (GPT-OSS's offset and clamp: gpt_oss.py). This is Megatron-LM's order, so converters concatenate gate then up.
 """
 
 import torch
 import torch.nn as nn
 
+from .gpt_oss import gated_activation
 from .layers import build_parallel_linear, output_init_std
 from .transformer_config import TransformerConfig
 
@@ -33,7 +34,7 @@ class MLP(nn.Module):
         intermediate = self.linear_fc1(hidden_states)
         if self.gated:
             gate, up = intermediate.chunk(2, dim=-1)
-            intermediate = self.activation(gate) * up
+            intermediate = gated_activation(self.config, gate, up)
         else:
             intermediate = self.activation(intermediate)
         return self.linear_fc2(intermediate)

@@ -8,13 +8,14 @@ how to fix it.
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .context_parallel import check_cp_comm_type, check_heads_divisible, check_hierarchical_groups
+from .gpt_oss import SOFTMAX_TYPES, quick_gelu
 from .moe.config import check_moe_config
 from .recompute import check_recompute_modules
 from .rope import YarnScaling
@@ -46,6 +47,7 @@ ACTIVATION_FUNCTIONS = {
     "silu": F.silu,
     "relu": F.relu,
     "squared_relu": _squared_relu,
+    "quick_gelu": quick_gelu,  # GPT-OSS's gate (gpt_oss.py), with a gated unit: --quick-geglu
 }
 
 
@@ -232,6 +234,14 @@ class TransformerConfig:
     # Megatron's --calculate-per-token-loss: the losses are sums over tokens, normalized by
     # the global batch's token count (the schedule); read by multi-token prediction.
     calculate_per_token_loss: bool = False
+    # GPT-OSS's blocks (gpt_oss.py; upstream's fields): attention sinks ("vanilla",
+    # "off-by-one", "learnable"), the sliding window (L, R) and the layers that use it, and
+    # the gated unit's linear-half offset and clamp.
+    softmax_type: str = "vanilla"
+    window_size: Optional[Tuple[int, int]] = None
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = None
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -342,6 +352,7 @@ class TransformerConfig:
         self._check_context_parallel()
         self._check_multi_latent_attention()
         self._check_linear_attention()
+        self._check_gpt_oss()
         check_moe_config(self)
 
         check_recompute_modules(self.recompute_modules, self.recompute_granularity, self.moe_grouped_gemm,
@@ -376,6 +387,39 @@ class TransformerConfig:
         if self.context_parallel_size > 1:
             raise ValueError("--multi-latent-attention with --context-parallel-size > 1 is not supported yet (its "
                              "values are narrower than its queries); use --context-parallel-size 1.")
+
+    def _check_gpt_oss(self) -> None:
+        """GPT-OSS's blocks (gpt_oss.py); ValueError with the fix."""
+        if self.softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"--softmax-type {self.softmax_type!r} is not known; use one of {', '.join(SOFTMAX_TYPES)}.")
+        window, freq = self.window_size, self.window_attn_skip_freq
+        if window is not None:
+            window = self.window_size = tuple(window)  # a list when read back from saved arguments
+            if len(window) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in window):
+                raise ValueError(f"--window-size must be two ints L,R, got {window!r}.")
+            if window[0] < -1 or window[1] != 0:
+                raise ValueError(f"--window-size {window[0]},{window[1]}: GPT attention is causal, so R must be 0 "
+                                 "and L >= 0 (or -1: no left limit); pass e.g. --window-size 127,0.")
+        elif freq is not None:
+            raise ValueError("--window-attn-skip-freq needs --window-size; add it or drop --window-attn-skip-freq.")
+        if isinstance(freq, bool) or (freq is not None and not isinstance(freq, (int, list))):
+            raise ValueError(f"--window-attn-skip-freq must be an int or a list of 0/1, got {freq!r}.")
+        if isinstance(freq, int) and freq < 1:
+            raise ValueError(f"--window-attn-skip-freq must be 1 or more, got {freq}.")
+        if isinstance(freq, list) and (len(freq) != self.num_layers or any(x not in (0, 1) for x in freq)):
+            raise ValueError(f"--window-attn-skip-freq's list needs one 0/1 per layer ({self.num_layers}), got {freq}.")
+        if (window is not None or self.softmax_type != "vanilla") and self.context_parallel_size > 1:
+            raise ValueError("--window-size and --softmax-type off-by-one/learnable are not built with "
+                             "--context-parallel-size > 1; use --context-parallel-size 1.")
+        if (window is not None or self.softmax_type != "vanilla") and self.multi_latent_attention:
+            raise ValueError("--window-size and --softmax-type off-by-one/learnable are not built for "
+                             "--multi-latent-attention; drop one.")
+        if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.gated_linear_unit:
+            raise ValueError("--glu-linear-offset and --activation-func-clamp-value apply to a gated unit; add "
+                             "--quick-geglu (or --swiglu) or drop them.")
+        clamp = self.activation_func_clamp_value
+        if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
+            raise ValueError(f"--activation-func-clamp-value must be finite and above 0, got {clamp}.")
 
     def _check_linear_attention(self) -> None:
         """The gated delta-net checks (upstream's, plus what is not built here); ValueError with the fix."""
