@@ -24,7 +24,10 @@ wall time: the other ranks and gloo's threads share the cores) inside each hook:
   its hooks too (its all-gathers and reduce-scatters are waited for in them on CPU); that
   wait is counted, since it cannot be split off from outside.
 
-Rank 0 writes one JSON file; ``--markdown`` writes the tables generated from it.
+Rank 0 writes one JSON file; ``--markdown`` writes the tables generated from it
+(``--render FILE.json --markdown FILE.md`` regenerates them without running). Also kept:
+the minor page faults of the training thread inside the engine's ranges (first touches of
+memory the allocator had returned to the system, which cost CPU time in the kernel).
 """
 
 from __future__ import annotations
@@ -208,7 +211,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3, help="measured rounds (each contender one step per round)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default cores // N, >= 1)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--out", required=True, help="JSON file written by rank 0")
+    p.add_argument("--out", default=None, help="JSON file written by rank 0")
+    p.add_argument("--render", default=None, metavar="JSON",
+                   help="no run: write --markdown (or print) the tables of a JSON file this script wrote")
     p.add_argument("--markdown", default=None, help="also write the tables as markdown (rank 0)")
     return p.parse_args(argv)
 
@@ -254,7 +259,9 @@ def measure(args) -> dict:
         total = sum(by_range.values()) * 1e3 / args.steps
         results[c.name] = {"kind": c.kind, "units": len(unit_labels(c.model)), "ms_per_step": dict(table),
                            "total_ms_per_step": total,
-                           "page_faults_per_step": getattr(ledgers[c.name], "page_faults", 0) / args.steps, "step_cpu_ms": [1e3 * s for s in steps[c.name]]}
+                           "page_faults_per_step": getattr(ledgers[c.name], "page_faults", 0) / args.steps,
+                           "wait_cpu_ms_per_step": 1e3 * getattr(ledgers[c.name], "wait_cpu_s", 0.0) / args.steps,
+                           "step_cpu_ms": [1e3 * s for s in steps[c.name]]}
     return {"spec": vars(spec), "world": world(), "warmup": args.warmup, "steps": args.steps,
             "torch": torch.__version__, "python": platform.python_version(),
             "load_average": os.getloadavg(), "contenders": results}
@@ -275,8 +282,8 @@ def to_markdown(result: dict) -> str:
     lines = [f"Engine CPU time per step (ms, thread CPU time inside the hooks, rank 0), "
              f"{result['world']} ranks, GPT {result['spec']}, {result['steps']} measured rounds, "
              f"load average {', '.join(f'{x:.1f}' for x in result['load_average'])}.", ""]
-    lines += ["| contender | " + " | ".join(HOOKS) + " | total | step CPU (median) | page faults in the hooks |",
-              "|---|" + "---|" * (len(HOOKS) + 3)]
+    lines += ["| contender | " + " | ".join(HOOKS) + " | total | waits (subtracted) | step CPU (median) | page faults in the hooks |",
+              "|---|" + "---|" * (len(HOOKS) + 4)]
     for name in names:
         r = result["contenders"][name]
         sums = collections.defaultdict(float)
@@ -285,8 +292,9 @@ def to_markdown(result: dict) -> str:
                 sums[hook] += ms
         step = sorted(r["step_cpu_ms"])[len(r["step_cpu_ms"]) // 2]
         lines.append(f"| {name} | " + " | ".join(f"{sums.get(h, 0.0):.1f}" for h in HOOKS)
-                     + f" | **{r['total_ms_per_step']:.1f}** | {step:.0f} | "
-                     + (f"{r['page_faults_per_step']:.0f} |" if r["kind"] == "mfsdp" else "- |"))
+                     + f" | **{r['total_ms_per_step']:.1f}** | "
+                     + (f"{r['wait_cpu_ms_per_step']:.1f} | " if r["kind"] == "mfsdp" else "counted | ")
+                     + f"{step:.0f} | " + (f"{r['page_faults_per_step']:.0f} |" if r["kind"] == "mfsdp" else "- |"))
     lines += ["", "Per unit (ms per step):", ""]
     units = []
     for name in names:
@@ -306,6 +314,16 @@ def to_markdown(result: dict) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            text = to_markdown(json.load(f))
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(text)
+        print(text)
+        return
+    if not args.out:
+        raise SystemExit("engine_cpu_hooks.py: pass --out FILE.json (or --render FILE.json).")
     dist.init_process_group("gloo")
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world()))
     try:
