@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib
 import json
 import os
 import platform
@@ -272,8 +273,6 @@ def _observe(c, ledger) -> None:
     if handle is not None and hasattr(handle, "range_observer"):
         handle.range_observer = None if ledger is None else ledger.measure
     else:  # an engine revision with a process-wide ledger of its own
-        import importlib  # only for snapshot engines
-
         importlib.import_module(c.engine.__name__ + ".profiling").record_cpu_time(ledger)
 
 
