@@ -12,8 +12,8 @@ bytes on the wire as a ring collective and the same contract (the result is vali
   each other rank's shard is received straight into its place. Pure data movement:
   bitwise what ``all_gather_into_tensor`` returns.
 * reduce-scatter: each chunk of the input is sent to the rank that owns it, the N-1
-  chunks for this rank are received into one buffer, and a post-op sums the N chunks in
-  rank order (0, 1, ..., N-1), in the buffer's dtype. At N=2 that is bitwise gloo's
+  chunks for this rank are received (the first of them into the output, the rest into
+  one buffer), and a post-op sums the N chunks in rank order (0, 1, ..., N-1), in the buffer's dtype. At N=2 that is bitwise gloo's
   reduce-scatter (a sum of two is commutative); at N>2 it is rank order, where gloo's own
   follows its all-reduce's chunking of the buffer, so results differ in the last bits.
 
@@ -64,19 +64,31 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group) -> WorkList:
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group):
     """Issue the exchange of the chunks; returns ``(work, combine)``: the post-op
     ``combine`` writes the rank-order sum of the N chunks for this rank into ``output``.
-    A group of one communicates nothing (``combine`` copies)."""
+    A group of one communicates nothing (``combine`` copies).
+
+    The first received chunk of the sum's rank order lands in ``output`` itself (which
+    the sum overwrites anyway):
+    at N=2 no receive buffer is allocated, elsewhere N-2 rows.
+    The fold is the same, ``c0 + c1`` then ``+ c2`` ...: adding into an operand's own
+    memory changes no bit of an elementwise sum."""
     rank, size, n = dist.get_rank(group), dist.get_world_size(group), output.numel()
     if size == 1 or n == 0:
         return WorkList([]), lambda: output.copy_(input.narrow(0, rank * n, n))
-    received = torch.empty((size - 1, n), dtype=input.dtype, device=input.device)  # row k-1: from rank - k
+    if output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
+        raise ValueError("gloo reduce-scatter: the output shares the input's storage (the sum would overwrite "
+                         "chunks it still reads); reduce into a separate tensor.")
+    first = 1 if rank == 0 else 0  # the lowest rank whose chunk is received: into output
+    others = [j for j in range(size) if j not in (rank, first)]
+    received = torch.empty((len(others), n), dtype=input.dtype, device=input.device)
+    into = {first: output, **{j: received[i] for i, j in enumerate(others)}}
     works = []
     for k in range(1, size):
         dst, src = (rank + k) % size, (rank - k) % size
         works.append(dist.isend(input.narrow(0, dst * n, n), group=group, group_dst=dst, tag=REDUCE_SCATTER_TAG))
-        works.append(dist.irecv(received[k - 1], group=group, group_src=src, tag=REDUCE_SCATTER_TAG))
+        works.append(dist.irecv(into[src], group=group, group_src=src, tag=REDUCE_SCATTER_TAG))
 
     def combine() -> None:
-        chunks = [input.narrow(0, rank * n, n) if j == rank else received[(rank - j) % size - 1] for j in range(size)]
+        chunks = [input.narrow(0, rank * n, n) if j == rank else into[j] for j in range(size)]
         # A left fold in the buffer's dtype (torch.sum would accumulate bf16 in fp32).
         torch.add(chunks[0], chunks[1], out=output)
         for chunk in chunks[2:]:

@@ -223,3 +223,17 @@ def test_gloo_wire_on_a_subgroup_uses_group_ranks():
     comm.reduce_scatter(out, full, mine, device=DEVICE, stream=STREAM).wait()
     expected = (torch.arange(4.0) + 10 * base) + (torch.arange(4.0) + 10 * (base + 1))
     assert torch.equal(out, expected.narrow(0, 2 * local, 2))
+
+
+def test_gloo_reduce_scatter_refuses_an_output_inside_its_input():
+    """The wire receives the first other chunk into the output and folds the sum there, so
+    an output inside the input (an in-place reduce-scatter) would lose chunks before they
+    are read: refused before anything is sent."""
+    n, r, k = _world(), _rank(), 4
+    buffer = torch.ones(k * n)
+    with pytest.raises(ValueError, match="shares the input's storage"):
+        _reduce_scatter(buffer.narrow(0, r * k, k), buffer)
+    # The next collective still pairs its messages (nothing of the refused one was sent).
+    output = torch.empty(k)
+    _reduce_scatter(output, buffer.clone()).wait()
+    assert torch.equal(output, torch.full((k,), float(n)))
