@@ -4,9 +4,9 @@ microbatch's backward (``--megatron-fsdp-no-reshard-after-forward``).
 
 Interleaved pipeline (PP=2, two virtual stages per rank) at 2 ranks (DP=1), the trainer's
 model build and schedule. One setting per torchrun launch (its processes' peak RSS to
-itself); the launches alternate the two settings, twice::
+itself); the launches alternate the two settings, four rounds::
 
-    for round in 1 2; do for m in 4 8; do for mode in reshard keep; do
+    for round in 1 2 3 4; do for m in 4 8; do for mode in reshard keep; do
         python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/pp_reshard.py \\
             --mode $mode --microbatches $m --round $round --out /tmp/pp_reshard
     done; done; done
