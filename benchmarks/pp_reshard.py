@@ -13,6 +13,10 @@ itself); the launches alternate the two settings, four rounds::
     python benchmarks/pp_reshard.py --report /tmp/pp_reshard --json benchmarks/results/pp_reshard_n2.json \\
         --md benchmarks/results/pp_reshard.md
 
+The 4-rank figure (PP=2 x DP=2): the same loop with ``--nproc-per-node 4`` (m=8 four rounds,
+m=4 one) into another ``--out``, reported with ``--json .../pp_reshard_n4.json --md`` a
+scratch file whose table is then appended to ``results/pp_reshard.md``.
+
 Per rank: step time (median of the measured steps), all-gathers per step (the engine's
 CollectiveCounter), the peak of gathered parameter bytes (the unsharded storages alive,
 sampled at every unit's forward and every pipeline receive) and the process's peak RSS.
