@@ -235,6 +235,11 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--megatron-fsdp-main-grads-dtype", choices=("auto",) + tuple(_DTYPES), default=None)
     g.add_argument("--megatron-fsdp-grad-comm-dtype", choices=("auto",) + tuple(_DTYPES), default=None)
     g.add_argument("--mfsdp-unify-communication-stream", action="store_true")
+    g.add_argument("--megatron-fsdp-no-reshard-after-forward", action="store_false",
+                   dest="megatron_fsdp_reshard_after_forward",
+                   help="ZeRO-3: keep each model chunk's parameters gathered from its first microbatch's forward "
+                        "to its last microbatch's backward (one all-gather per unit and step; the chunk's whole "
+                        "parameters in memory) instead of gathering them for every forward and backward")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="with --use-mfsdp: accepted (--data-parallel-sharding-strategy decides); without: "
                         "upstream's DDP + distributed optimizer, i.e. MFSDP ZeRO-1 (optim)")
@@ -520,6 +525,8 @@ def _validate_data_parallel(args: argparse.Namespace, world_size: int, cuda_avai
             given.append("use_distributed_optimizer")
         if args.use_torch_fsdp2:  # its MixedPrecisionPolicy reads the dtype flags too
             given = [g for g in given if not g.startswith("megatron_fsdp_")]
+        if not args.megatron_fsdp_reshard_after_forward:
+            given.append("megatron_fsdp_no_reshard_after_forward")
         if given:
             flags = ", ".join("--" + g.replace("_", "-") for g in given)
             raise ValueError(f"{flags} only appl{'ies' if len(given) == 1 else 'y'} to MFSDP; add --use-mfsdp or remove {'it' if len(given) == 1 else 'them'}.")

@@ -108,7 +108,9 @@ def validate_launch_script_args(args: argparse.Namespace, note) -> None:
     if args.fsdp_double_buffer:
         note("--fsdp-double-buffer: MFSDP allocates each unit's gathered parameters at unshard and frees them at "
              "reshard, one unit prefetched, so at most two units' gathers are alive and the allocator reuses "
-             "their blocks; there are no separate fixed buffers.")
+             "their blocks; there are no separate fixed buffers."
+             + (" With --megatron-fsdp-no-reshard-after-forward each chunk's units all stay gathered through the "
+                "step instead." if not getattr(args, "megatron_fsdp_reshard_after_forward", True) else ""))
     registration = [flag for flag, on in (("--use-nccl-ub", args.use_nccl_ub),
                                           ("--fsdp-manual-registration", args.fsdp_manual_registration)) if on]
     if registration:

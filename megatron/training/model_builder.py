@@ -230,6 +230,8 @@ def build_model(model_provider: Callable, args, device: torch.device, replica_re
                 if tied is not None:
                     units.append(fully_shard(tied, mesh, placements, mixed_precision_policy=policy))
                 units.append(fully_shard(chunk, mesh, placements, mixed_precision_policy=policy))
+        for chunk in chunks:  # --megatron-fsdp-no-reshard-after-forward: chunks stay gathered through a step
+            chunk.set_reshard_after_forward(args.megatron_fsdp_reshard_after_forward)
         if meta:
             materialize_units(units, args.seed)
         return BuiltModel(schedule_model, unwrapped, context, mesh, placements)

@@ -77,6 +77,7 @@ def test_warmup_fraction_and_iters():
         ("--data-parallel-sharding-strategy optim", 2, "add --use-mfsdp or remove it"),
         ("--num-distributed-optimizer-instances 2", 2, "add --use-mfsdp"),
         ("--mfsdp-unify-communication-stream", 1, "add --use-mfsdp"),
+        ("--megatron-fsdp-no-reshard-after-forward", 1, "--megatron-fsdp-no-reshard-after-forward only applies to MFSDP; add --use-mfsdp"),
         ("--use-mfsdp --megatron-fsdp-main-params-dtype bf16", 1, "add --bf16"),
         ("--fp16 --bf16", 1, "only one of --fp16 and --bf16"),
         ("--distributed-backend nccl", 1, "use --distributed-backend gloo on CPU"),

@@ -86,7 +86,7 @@ class BackwardCoordinator:
                 units = self._units_in_backward()
                 for unit in units:
                     unit.fsdp_state.reduce_if_pending()  # unused parameters: their gradient counts as zero
-                self._settle(units, lambda group: group.expose_grads())
+                self._settle(units, lambda group: group.expose_grads(), reshard_kept=False)
         finally:
             self.callback_queued = False
             self._roots_in_backward = []
@@ -99,12 +99,13 @@ class BackwardCoordinator:
         """A backward raised before its final callback ran: settle the reductions it
         issued and return every unit to rest."""
         self._deferred_post_backwards.clear()
-        self._settle(self._units, lambda group: group.discard_partial_backward())
+        self._settle(self._units, lambda group: group.discard_partial_backward(), reshard_kept=True)
         self.callback_queued = False
         self._roots_in_backward = []
 
-    def _settle(self, units: Sequence, per_group: Callable) -> None:
-        """Wait for every issued reduction, reshard ``units``, then ``per_group(group)``."""
+    def _settle(self, units: Sequence, per_group: Callable, reshard_kept: bool) -> None:
+        """Wait for every issued reduction, reshard ``units`` (but those kept gathered for
+        their root's next microbatch, unless ``reshard_kept``), then ``per_group(group)``."""
         for batch in self.pending_reductions:
             for work in batch:
                 work.wait()
@@ -112,7 +113,8 @@ class BackwardCoordinator:
         for unit in units:
             state = unit.fsdp_state
             state.wait_pending_unshard()
-            state.reshard()
+            if reshard_kept or not state.keeps_gathered():
+                state.reshard()
             for group in state.groups:
                 per_group(group)
             state.rest()

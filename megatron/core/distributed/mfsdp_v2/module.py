@@ -20,6 +20,10 @@ step (ZeRO-3):
 5. end of backward (backward.py): reduce any unit whose gradients never arrived, wait
    for all reductions, reshard everything, point ``.grad`` at the reduced shards.
 
+A root set to ``set_reshard_after_forward(False)`` (a pipeline chunk under
+``--megatron-fsdp-no-reshard-after-forward``) skips the reshards of steps 2, 4 and 5 for
+all its units until its last microbatch's backward: one gather per unit and step.
+
 The unsharded parameters are persistent ``nn.Parameter`` objects whose storage is
 allocated at unshard and freed at reshard: autograd graphs built in forward (and the
 graphs that non-reentrant checkpointing replays) keep referring to the same objects.
@@ -88,6 +92,9 @@ class UnitState:
         # Read on roots only: whether the microbatch running now is the root's last of the
         # step (microbatch(context, is_last, module=root)); every unit below reads its root's.
         self.is_last_microbatch = True
+        # Read on roots only (FsdpModule.set_reshard_after_forward): False keeps every unit
+        # of the root gathered from its first forward to its last microbatch's backward.
+        self.reshard_after_forward = True
         self.forward_index = -1
         self.backward_index = -1
         self.pending_unshard: List[CollectiveWork] = []
@@ -146,6 +153,10 @@ class UnitState:
         for group in self.groups if groups is None else groups:
             group.reshard()
 
+    def keeps_gathered(self) -> bool:
+        """After a backward: whether this unit stays gathered for its root's next microbatch."""
+        return not self.root.reshard_after_forward and not self.root.is_last_microbatch
+
     # Hooks ------------------------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):
         context = self.context
@@ -177,7 +188,8 @@ class UnitState:
         if not self.trainable_groups and self._phase is not Phase.POST_BACKWARD:
             self.phase = Phase.POST_BACKWARD  # nothing to reduce; keeps prefetch away too
         self.wait_pending_unshard()
-        self.reshard(self.frozen_groups)
+        if not self.keeps_gathered():
+            self.reshard(self.frozen_groups)
 
     def post_forward(self, module, args, kwargs, output):
         recomputing = in_backward()
@@ -193,6 +205,8 @@ class UnitState:
                 if not grad_enabled:
                     self.context.reshard_all()  # no backward will come: release everything
                 return output
+            if grad_enabled and not self.root.reshard_after_forward:
+                return output  # kept until the root's last microbatch's backward
             self.reshard()
         return output
 
@@ -240,7 +254,8 @@ class UnitState:
             # (the gradients are separate tensors): the two never need to coexist. Frozen
             # groups may still be needed by the rest of this unit's backward.
             self.wait_pending_unshard()
-            self.reshard(self.trainable_groups)
+            if not self.keeps_gathered():
+                self.reshard(self.trainable_groups)
             for group in self.trainable_groups:
                 context.backward.add_reductions(group.reduce_grads(self.root.is_last_microbatch))
 
@@ -326,6 +341,18 @@ class FsdpModule:
     def reshard(self) -> None:
         self._fsdp_state.wait_pending_unshard()
         self._fsdp_state.reshard()
+
+    def set_reshard_after_forward(self, value: bool) -> None:
+        """On a root (e.g. one pipeline chunk): True (the default) frees each unit's
+        gathered parameters after its forward and again after its backward, gathering them
+        anew for every microbatch (ZeRO-3). False keeps every unit of this root gathered from
+        its first forward until the backward of the root's last microbatch
+        (``microbatch(ctx, is_last=True, module=root)``; outside a microbatch scope every
+        backward is the last): fewer all-gathers, the whole root's parameters in memory."""
+        if not self._fsdp_state.is_root:
+            raise ValueError(f"set_reshard_after_forward applies to a root of the context (a whole model chunk); "
+                             f"{type(self).__name__} {self.name!r} is inside another unit: call it on that root.")
+        self._fsdp_state.reshard_after_forward = bool(value)
 
     def init_parameters(self, init_fn=None) -> None:
         """Initialize the parameters this unit owns, e.g. after building on ``meta``.

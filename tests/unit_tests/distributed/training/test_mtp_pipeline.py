@@ -1,4 +1,5 @@
-"""Multi-token prediction under pipeline parallelism trains like the unpipelined model.
+"""Multi-token prediction under pipeline parallelism trains like the unpipelined model
+(and, last test, MFSDP's chunks kept gathered through a step train like resharded ones).
 
 The same tiny Llama with two MTP depths (the trainer's flags, model builder, schedule and
 finalize) runs at PP=1 over every rank (data-parallel), then at PP=2 (x DP=2 at 4 ranks),
@@ -101,12 +102,15 @@ def train(flags, per_token):
             optimizer.step()
             mtp = collect_mtp_metrics(built.unwrapped, depths=2)
             history.append((mean_loss(reduce_reports(reports)), mtp, grads))
+        if built.context is not None:
+            ALL_GATHERS.append(built.context.counter.counts().get("all_gather", 0))
         return history
     finally:
         parallel_state.destroy_model_parallel()
 
 
 REFERENCES = module_cache()
+ALL_GATHERS = []  # with MFSDP: the all-gathers of each train() call (the engine's counter)
 # (pipeline, tied output weights, per-token loss, MFSDP ZeRO-3 instead of plain chunks, TP size)
 CASES = [("default", False, False, False, 1), ("default", False, True, False, 1),
          ("layout", True, True, False, 1), ("virtual", False, False, False, 1), ("virtual", True, False, False, 1),
@@ -141,3 +145,20 @@ def test_mtp_under_pipeline_parallelism_equals_one_stage(pipeline, tied, per_tok
         print(f"step {step}: loss {loss:.6f} vs {ref_loss:.6f}, largest relative gradient difference {worst:.1e}")
     if any(name.startswith("mtp.") for name in pipelined[0][2]):  # the last stage: its embedding copy is compared
         assert "embedding.word_embeddings.weight" in pipelined[0][2]
+
+
+def test_chunks_kept_gathered_train_bitwise_like_resharded_chunks():
+    """``--megatron-fsdp-no-reshard-after-forward`` (MFSDP ZeRO-3, interleaved PP=2 x 2
+    virtual stages): the losses and every gradient equal the default's bitwise (which the
+    "virtual-untied-mean-mfsdp" case above compares with the PP=1 run), with fewer all-gathers."""
+    flags = ["--untie-embeddings-and-output-weights", "--use-mfsdp"] + PIPELINES["virtual"]
+    ALL_GATHERS.clear()
+    resharded = train(flags, per_token=False)
+    kept = train(flags + ["--megatron-fsdp-no-reshard-after-forward"], per_token=False)
+    for step, ((loss, mtp, grads), (kept_loss, kept_mtp, kept_grads)) in enumerate(zip(resharded, kept)):
+        assert (kept_loss, kept_mtp) == (loss, mtp), step
+        assert kept_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            assert torch.equal(kept_grads[name], grad), f"step {step}: {name}"
+    # Each unit gathers once per step instead of at every forward and backward of each microbatch.
+    assert ALL_GATHERS[1] < ALL_GATHERS[0] / 2, ALL_GATHERS
