@@ -87,6 +87,8 @@ class MLASelfAttention(SelfAttention):
                                                             config.v_head_dim)
         self.q_head_dim = self.qk_head_dim + self.rope_dim
         self.gated = False
+        # GPT-OSS's window and sinks are refused with MLA (TransformerConfig): full causal softmax.
+        self.window_size, self.softmax_type = None, "vanilla"
         self.q_layernorm = self.kv_layernorm = self.k_layernorm = self.qk_norm_group = None
         std = config.init_method_std
         if config.q_lora_rank is None:
