@@ -7,6 +7,7 @@ global batch), whatever the split into microbatches and data-parallel ranks.
 import contextlib
 import datetime
 import os
+import sys
 import tempfile
 from functools import partial
 
@@ -183,17 +184,22 @@ def _ddp_worker(rank, world_size, store_path, out_dir):
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))  # a stuck peer fails, never hangs
-    try:
-        for micro_batch_size in DDP_MICRO_BATCH_SIZES:
-            torch.manual_seed(0)
-            model = TinyLM().double()
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
-            batch = make_global_batch()
-            batch["loss_mask"] = batch["loss_mask"].double()
-            grads, _ = schedule_grads(ddp, batch, micro_batch_size, rank=rank, dp_size=world_size)
-            torch.save(grads, os.path.join(out_dir, f"grads_{micro_batch_size}_{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    for micro_batch_size in DDP_MICRO_BATCH_SIZES:
+        torch.manual_seed(0)
+        model = TinyLM().double()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        batch = make_global_batch()
+        batch["loss_mask"] = batch["loss_mask"].double()
+        grads, _ = schedule_grads(ddp, batch, micro_batch_size, rank=rank, dp_size=world_size)
+        torch.save(grads, os.path.join(out_dir, f"grads_{micro_batch_size}_{rank}.pt"))
+    dist.barrier()
+    # A finished worker leaves without tearing its gloo group down: the group's destructor
+    # joins gloo's work thread while holding the GIL, and that thread can be waiting for the
+    # GIL to release a finished work's Python objects (a deadlock seen in CI, once in a few
+    # dozen runs). The results are on disk; a failure above still raises through mp.spawn.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_two_data_parallel_ranks_match_full_batch_gradient():
