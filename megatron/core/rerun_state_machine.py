@@ -330,9 +330,7 @@ class RerunStateMachine:
             _say(f"iteration {self.iteration}: re-running the step to check whether the result is reproducible")
         self.reruns += 1
         self.state = RerunState.RERUNNING_IN_PLACE
-        self._restore_state()
-        if data_iterator is not None:
-            data_iterator.rewind()
+        self._back_to_step_start(data_iterator)
         return True
 
     def _after_rerun(self, data_iterator) -> bool:
@@ -349,9 +347,7 @@ class RerunStateMachine:
             self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
         # The job stops: what a checkpoint of the step before holds is the step's start (its
         # RNG, counters, and the batches it will be served again).
-        self._restore_state()
-        if data_iterator is not None:
-            data_iterator.rewind()
+        self._back_to_step_start(data_iterator)
         return False
 
     def _rerun_from_checkpoint(self, data_iterator) -> bool:
@@ -583,6 +579,12 @@ class RerunStateMachine:
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
             "extra": self.extra_state() if self.extra_state else None,
         }
+
+    def _back_to_step_start(self, data_iterator) -> None:
+        """The RNG states and counters saved at the step's start, and its batches served again."""
+        self._restore_state()
+        if data_iterator is not None:
+            data_iterator.rewind()
 
     def _restore_state(self) -> None:
         random.setstate(self.saved["random"])
