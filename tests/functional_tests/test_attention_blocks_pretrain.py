@@ -10,7 +10,7 @@ variant is tested in tests/unit_tests/distributed/tensor_parallel/test_tp_attent
 
 import pytest
 
-from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_torchrun
+from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_ranks
 
 ITERS = 3
 ARGS = list(MODEL_ARGS)
@@ -29,7 +29,7 @@ def runs(tmp_path_factory):
     out = {}
     for name, nproc, flags in (("tp1", 1, []), ("tp2", 2, ["--tensor-model-parallel-size", "2"])):
         log_dir = tmp_path_factory.mktemp(name) / "logs"
-        proc = run_torchrun(ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
+        proc = run_ranks(ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
         out[name] = read_metrics(str(log_dir))[0], proc.stdout
     return out
 
@@ -59,7 +59,7 @@ def mla_runs(tmp_path_factory):
     for name, nproc, flags in (("tp1", 1, []), ("tp2", 2, ["--tensor-model-parallel-size", "2"]),
                                ("tp2-sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
         log_dir = tmp_path_factory.mktemp("mla-" + name) / "logs"
-        proc = run_torchrun(MLA_ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
+        proc = run_ranks(MLA_ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
         out[name] = read_metrics(str(log_dir))[0], proc.stdout
     return out
 
@@ -94,7 +94,7 @@ def gdn_runs(tmp_path_factory):
     for name, nproc, flags in (("tp1", 1, []),
                                ("tp2-sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
         log_dir = tmp_path_factory.mktemp("gdn-" + name) / "logs"
-        proc = run_torchrun(GDN_ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
+        proc = run_ranks(GDN_ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
         out[name] = read_metrics(str(log_dir))[0], proc.stdout
     return out
 

@@ -20,6 +20,7 @@ import time
 
 import pytest
 import torch
+from test_pretrain_gpt import launch_ranks
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -46,13 +47,10 @@ def _command(nproc, *args, model=MODEL):
 
 
 def _train(tmp, name, nproc, *args, expect=0, model=MODEL):
-    log = tmp / f"{name}.log"
-    with open(log, "w") as out:
-        rc = subprocess.run(_command(nproc, "--log-dir", str(tmp / name), *args, model=model), cwd=tmp, env=_env(),
-                            stdout=out, stderr=subprocess.STDOUT, timeout=TIMEOUT).returncode
-    text = log.read_text()
-    assert rc == expect, f"{name}: exit status {rc}\n{text[-4000:]}"
-    return text
+    proc = launch_ranks([*model, "--log-dir", str(tmp / name), *args], nproc=None if nproc == 1 else nproc, cwd=tmp,
+                        timeout=TIMEOUT)
+    assert proc.returncode == expect, f"{name}: exit status {proc.returncode}\n{proc.stdout[-4000:]}"
+    return proc.stdout
 
 
 def _losses(tmp, name):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from test_pretrain_gpt import launch_ranks
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
@@ -22,8 +23,9 @@ def _env(extra=None):
 
 
 def run(argv, extra_env=None):
-    return subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=REPO, env=_env(extra_env),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+    """``python pretrain_gpt.py argv`` (forked from the launch server: the cases are many and
+    each fails in a second; the tensorboard case, with its own PYTHONPATH, runs its own)."""
+    return launch_ranks(argv, nproc=None, env=extra_env, merge_stderr=False, timeout=120)
 
 
 def single_error_line(proc):
@@ -69,8 +71,9 @@ def test_missing_tensorboard_is_a_parse_time_error(tmp_path):
     shadow = tmp_path / "shadow" / "tensorboard"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('No module named tensorboard')\n")
-    proc = run(BASE + NULL + ["--mock-data", "--tensorboard-dir", str(tmp_path / "tb")],
-               {"PYTHONPATH": f"{tmp_path / 'shadow'}{os.pathsep}{REPO}"})
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *BASE, *NULL, "--mock-data", "--tensorboard-dir",
+                           str(tmp_path / "tb")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=_env({"PYTHONPATH": f"{tmp_path / 'shadow'}{os.pathsep}{REPO}"}), timeout=120)
     assert proc.returncode == 2
     assert "install the 'logging' extra with `MEGATRON_EXTRAS=logging source scripts/setup_env.sh`" in \
         single_error_line(proc)
@@ -84,17 +87,15 @@ def test_debug_env_var_restores_the_traceback(tmp_path):
 
 def test_two_ranks_print_one_line(tmp_path):
     """srun-style launch (SLURM variables, no torchrun): one line in all, from rank 0."""
-    procs = [subprocess.Popen([sys.executable, "pretrain_gpt.py", *BASE, *NULL, "--mock-data", "--load",
-                               _corrupt_checkpoint(tmp_path)], cwd=REPO,
-                              env=_env({"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
-                                        "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
-                                        "MASTER_PORT": str(29000 + os.getpid() % 1000)}),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [1, 1]
-    errors = [line for _, err in outs for line in err.splitlines() if "error" in line.lower()]
+    port = str(29000 + os.getpid() % 1000)
+    proc = launch_ranks(BASE + NULL + ["--mock-data", "--load", _corrupt_checkpoint(tmp_path)], nproc=None,
+                        rank_envs=[{"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                                    "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+                                   for rank in range(2)], merge_stderr=False, timeout=120)
+    assert proc.returncodes == [1, 1]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]  # both ranks' stderr
     assert len(errors) == 1 and "--load" in errors[0], errors
-    assert all("Traceback" not in err for _, err in outs)
+    assert "Traceback" not in proc.stderr
 
 
 def test_torchrun_prints_the_line_when_rank_0_is_slowest(tmp_path):

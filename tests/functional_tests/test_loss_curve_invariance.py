@@ -8,7 +8,7 @@ differ only by reduction order.
 
 import pytest
 
-from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_torchrun
+from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_ranks
 
 ITERS = 10  # MODEL_ARGS' run, so the 2-rank MFSDP and DDP curves are the session's shared runs
 assert MODEL_ARGS[MODEL_ARGS.index("--train-iters") + 1] == str(ITERS)
@@ -32,7 +32,7 @@ def curves(tmp_path_factory, mfsdp_run, ddp_run):
     out = {"mfsdp-2": _curve(mfsdp_run[0] / "logs"), "ddp-2": _curve(ddp_run[0] / "logs")}
     for name, (nproc, flags) in RUNS.items():
         log_dir = tmp_path_factory.mktemp(name) / "logs"
-        run_torchrun(MODEL_ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
+        run_ranks(MODEL_ARGS + flags + ["--log-dir", str(log_dir)], nproc=nproc)
         out[name] = _curve(log_dir)
     return out
 

@@ -12,7 +12,7 @@ token. (EP=2 without TP at 4 ranks is covered by the unit tests.)
 import pytest
 import torch
 
-from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_torchrun
+from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_ranks
 
 ITERS = 4
 ARGS = list(MODEL_ARGS)
@@ -23,7 +23,7 @@ MOE = ["--use-mfsdp", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn
 
 def run(tmp_path, name, nproc, *flags):
     log_dir = tmp_path / name
-    proc = run_torchrun(ARGS + MOE + list(flags) + ["--log-dir", str(log_dir)], nproc=nproc)
+    proc = run_ranks(ARGS + MOE + list(flags) + ["--log-dir", str(log_dir)], nproc=nproc)
     train, _ = read_metrics(str(log_dir))
     return train, proc.stdout
 

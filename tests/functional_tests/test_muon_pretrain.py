@@ -10,12 +10,10 @@ same curve up to reduction order.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from test_pretrain_gpt import launch_ranks
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length 16 "
          "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 --lr 1e-2 --lr-decay-iters 6 "
          "--mock-data --tokenizer-type NullTokenizer --vocab-size 100 --log-interval 1 --eval-iters 0 "
@@ -26,12 +24,8 @@ TIMEOUT = 600
 
 
 def _train(tmp, name, *args, nproc=2):
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    command = [sys.executable, *launcher, os.path.join(REPO, "pretrain_gpt.py"), *MODEL, "--log-dir",
-               str(tmp / name), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(command, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, timeout=TIMEOUT)
+    result = launch_ranks([*MODEL, "--log-dir", str(tmp / name), *args], nproc=None if nproc == 1 else nproc, cwd=tmp,
+                          timeout=TIMEOUT)
     assert result.returncode == 0, f"{name}: exit status {result.returncode}\n{result.stdout[-4000:]}"
     losses = {}
     with open(tmp / name / "metrics.jsonl") as f:

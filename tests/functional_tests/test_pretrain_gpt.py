@@ -8,14 +8,16 @@
 * a bad flag combination is rejected before anything starts.
 """
 
+import atexit
 import glob
 import json
 import os
 import socket
-import subprocess
-import sys
+import tempfile
 
 import pytest
+
+from forked_launch import ForkServer
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 TIMEOUT = 300
@@ -38,7 +40,7 @@ def _env(extra=None):
     env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    for key in [k for k in env if k.startswith("SLURM_")]:
+    for key in [k for k in env if k.startswith(("SLURM_", "TORCHELASTIC"))]:
         env.pop(key)
     env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1",
                 "CUDA_VISIBLE_DEVICES": ""})
@@ -54,11 +56,24 @@ def _check(proc):
     return proc
 
 
-def run_torchrun(args, nproc=2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "pretrain_gpt.py", *args]
-    return _check(subprocess.run(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, timeout=TIMEOUT))
+FORKS = ForkServer()
+atexit.register(FORKS.close)
+LAUNCH_LOGS = tempfile.mkdtemp(prefix="functional-launches-")
+
+
+def launch_ranks(args, nproc=2, *, script="pretrain_gpt.py", env=None, rank_envs=None, cwd=REPO, merge_stderr=True,
+                 timeout=TIMEOUT):
+    """``script`` (pretrain_gpt.py, or a tool) at ``nproc`` ranks as torchrun would launch it
+    (None: one plain process; ``rank_envs``: one process per entry, srun-style), forked from a
+    process that imported the trainer once (forked_launch.py says why and what differs),
+    whatever its exit code. Tests of the launch itself run torchrun."""
+    return FORKS.launch(script, args, nproc=nproc, env=_env(env), rank_envs=rank_envs, cwd=cwd, timeout=timeout,
+                        merge_stderr=merge_stderr, log_dir=LAUNCH_LOGS)
+
+
+def run_ranks(args, nproc=2, **kwargs):
+    """:func:`launch_ranks`, which must succeed."""
+    return _check(launch_ranks(args, nproc, **kwargs))
 
 
 SAVE = "{save}"  # in run_layouts' flags: replaced by the checkpoints' directory
@@ -73,7 +88,7 @@ def run_layouts(base_args, runs, tmp_path_factory):
     for name, (nproc, flags) in runs.items():
         log_dir = tmp_path_factory.mktemp(name) / "logs"
         flags = [f.replace(SAVE, save) for f in flags]
-        proc = run_torchrun(base_args + flags + ["--log-dir", str(log_dir)], nproc=nproc)
+        proc = run_ranks(base_args + flags + ["--log-dir", str(log_dir)], nproc=nproc)
         out[name] = read_metrics(str(log_dir)) + (proc.stdout,)
     out["checkpoints"] = save
     return out
@@ -159,24 +174,11 @@ def test_srun_style_launch_without_torchrun(tmp_path):
     port = str(_free_port())
     args = MODEL_ARGS[:]
     args[args.index("--train-iters") + 1] = "3"
-    procs = []
-    for rank in range(2):
-        env = _env({"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
-                    "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "4242", "MASTER_PORT": port})
-        procs.append(subprocess.Popen([sys.executable, "pretrain_gpt.py", *args, "--use-mfsdp"], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=TIMEOUT)[0])
-        finally:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-4000:]
-        assert "terminate called" not in out, out[-3000:]
-    assert "world size 2" in outputs[0]
-    assert "iteration        3/       3" in outputs[0]
+    out = run_ranks(args + ["--use-mfsdp"], nproc=None, rank_envs=[
+        {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+         "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "4242", "MASTER_PORT": port} for rank in range(2)]).stdout
+    assert "world size 2" in out
+    assert "iteration        3/       3" in out
 
 
 def test_exit_duration_saves_and_stops_every_rank_at_the_same_iteration(tmp_path):
@@ -184,26 +186,20 @@ def test_exit_duration_saves_and_stops_every_rank_at_the_same_iteration(tmp_path
     the maximum over ranks, and the run saves and exits 0 (a 0.0001-minute budget is spent
     by the end of iteration 1)."""
     port, save = str(_free_port()), tmp_path / "ckpt"
-    procs = []
-    for rank in range(2):
-        env = _env({"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
-                    "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port})
-        procs.append(subprocess.Popen([sys.executable, "pretrain_gpt.py", *MODEL_ARGS, "--use-mfsdp",
-                                       "--exit-duration-in-mins", "0.0001", "--save", str(save)], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert "(--exit-duration-in-mins 0.0001) at iteration 1" in outputs[0], outputs[0][-3000:]
-    assert "iteration        2/" not in outputs[0]
+    proc = launch_ranks(MODEL_ARGS + ["--use-mfsdp", "--exit-duration-in-mins", "0.0001", "--save", str(save)],
+                        nproc=None, rank_envs=[{"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2",
+                                                "SLURM_LOCALID": str(rank), "SLURM_JOB_NODELIST": "localhost",
+                                                "MASTER_PORT": port} for rank in range(2)])
+    assert proc.returncodes == [0, 0], proc.stdout[-6000:]
+    assert "(--exit-duration-in-mins 0.0001) at iteration 1" in proc.stdout, proc.stdout[-3000:]
+    assert "iteration        2/" not in proc.stdout
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 
 def test_inconsistent_flags_fail_at_parse_time():
     args = MODEL_ARGS[:]
     args[args.index("--global-batch-size") + 1] = "6"
-    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *args, "--use-mfsdp"], cwd=REPO,
-                          env=_env({"RANK": "0", "WORLD_SIZE": "2"}), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=120)
+    proc = launch_ranks(args + ["--use-mfsdp"], nproc=None, env={"RANK": "0", "WORLD_SIZE": "2"}, timeout=120)
     assert proc.returncode == 2
     assert "error: --global-batch-size (6) must be divisible by --micro-batch-size (2) x data-parallel size (2)" in proc.stdout
     assert "Traceback" not in proc.stdout

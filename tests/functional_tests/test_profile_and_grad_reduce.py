@@ -5,7 +5,7 @@ import glob
 import json
 import math
 
-from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_torchrun
+from test_pretrain_gpt import MODEL_ARGS, read_metrics, run_ranks
 
 
 def _set(args, flag, value):
@@ -15,7 +15,7 @@ def _set(args, flag, value):
 
 def test_profile_window_and_bf16_grad_reduce(tmp_path):
     args = _set(_set(MODEL_ARGS, "--train-iters", "3"), "--eval-iters", "0")
-    proc = run_torchrun(args + [
+    proc = run_ranks(args + [
         "--use-mfsdp", "--bf16", "--grad-reduce-in-bf16",
         "--profile", "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "2",
         "--profile-ranks", "0", "--tensorboard-dir", str(tmp_path / "tb"), "--log-dir", str(tmp_path / "logs"),

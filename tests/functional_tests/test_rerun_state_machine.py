@@ -20,13 +20,11 @@ ZeRO-1, 2 micro-batches per rank per step), with injected faults:
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from test_pretrain_gpt import REPO, TIMEOUT, _env, read_metrics, run_torchrun
+from test_pretrain_gpt import launch_ranks, read_metrics, run_ranks
 
 ARGS = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -38,20 +36,12 @@ ARGS = [
 INJECT = ["--rerun-mode", "validate_results", "--error-injection-rate", "1"]
 
 
-def launch(args):
-    """pretrain_gpt.py under torchrun at 2 ranks, whatever its exit code."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "pretrain_gpt.py", *args]
-    return subprocess.run(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=TIMEOUT)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """No injection (--rerun-mode validate_results by default, spikes checked), the weight
     hashes checked every iteration, checkpoints at 2 and 4: (train metrics, stdout, save dir)."""
     root = tmp_path_factory.mktemp("reference")
-    proc = run_torchrun(ARGS + ["--log-dir", str(root / "logs"), "--check-weight-hash-across-dp-replicas-interval", "1",
+    proc = run_ranks(ARGS + ["--log-dir", str(root / "logs"), "--check-weight-hash-across-dp-replicas-interval", "1",
                                 "--check-for-spiky-loss", "--save", str(root / "ckpt"), "--save-interval", "2"])
     return read_metrics(str(root / "logs"))[0], proc.stdout, root / "ckpt"
 
@@ -66,7 +56,7 @@ def rerun_files(checkpoint):
 def test_resumed_run_has_the_losses_and_the_machine_state_of_an_uninterrupted_one(reference, tmp_path):
     train_ref, out, ckpt = reference
     assert "Result validation enabled (--rerun-mode validate_results)" in out  # the default
-    proc = run_torchrun(ARGS + ["--log-dir", str(tmp_path / "logs"), "--check-for-spiky-loss",
+    proc = run_ranks(ARGS + ["--log-dir", str(tmp_path / "logs"), "--check-for-spiky-loss",
                                 "--load", str(ckpt / "iter_0000002"), "--save", str(tmp_path / "ckpt"),
                                 "--save-interval", "2"])
     assert "resumed from" in proc.stdout
@@ -97,7 +87,7 @@ def test_transient_fault_is_rerun_and_training_continues_with_the_right_loss(ref
     log_dir = tmp_path / "logs"
     layout = ARGS[:ARGS.index("--use-mfsdp")] if strategy == "ddp" else ARGS + [
         "--data-parallel-sharding-strategy", strategy]
-    proc = run_torchrun(layout + INJECT + ["--error-injection-type", "transient_error", "--log-dir", str(log_dir),
+    proc = run_ranks(layout + INJECT + ["--error-injection-type", "transient_error", "--log-dir", str(log_dir),
                                            "--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss"])
     assert ("DDP" in proc.stdout) == (strategy == "ddp")
     out = proc.stdout
@@ -118,7 +108,7 @@ def test_persistent_fault_saves_and_stops_with_code_16_and_its_resumption_reruns
     tracker = tmp_path / "rejected.txt"
     flags = ARGS + INJECT + ["--error-injection-type", "persistent_error", "--save", str(tmp_path / "ckpt"),
                              "--result-rejected-tracker-filename", str(tracker)]
-    proc = launch(flags)
+    proc = launch_ranks(flags)
     out = proc.stdout
     assert proc.returncode != 0, out[-3000:]
     assert "exiting with code 16" in out, out[-3000:]
@@ -146,7 +136,7 @@ def test_persistent_fault_saves_and_stops_with_code_16_and_its_resumption_reruns
                 for line in lines) == 1, lines
     # Resumed on the same node and device: the step is re-run from the checkpoint, which
     # asks for another device (exit 16 again, no new checkpoint).
-    out = launch(flags + ["--load", str(tmp_path / "ckpt")]).stdout
+    out = launch_ranks(flags + ["--load", str(tmp_path / "ckpt")]).stdout
     assert "Getting RerunStateMachine state from checkpoint. Will rerun step." in out, out[-3000:]
     assert "iteration 2: re-running the step from the checkpoint to establish a diagnostic" in out
     for rank in (0, 1):
@@ -157,7 +147,7 @@ def test_persistent_fault_saves_and_stops_with_code_16_and_its_resumption_reruns
 
 
 def test_transient_fault_on_a_fatal_check_flags_the_rank_and_stops_with_code_17(tmp_path):
-    proc = launch(ARGS + INJECT + ["--error-injection-type", "transient_error"])
+    proc = launch_ranks(ARGS + INJECT + ["--error-injection-type", "transient_error"])
     out = proc.stdout
     assert proc.returncode != 0, out[-3000:]
     assert "exiting with code 17" in out, out[-3000:]
@@ -170,7 +160,7 @@ def test_transient_fault_on_a_fatal_check_flags_the_rank_and_stops_with_code_17(
 
 def test_report_stats_runs_every_step_twice_and_reports_no_difference(reference, tmp_path):
     log_dir = tmp_path / "logs"
-    out = run_torchrun(ARGS + ["--rerun-mode", "report_stats", "--log-dir", str(log_dir)]).stdout
+    out = run_ranks(ARGS + ["--rerun-mode", "report_stats", "--log-dir", str(log_dir)]).stdout
     for iteration in (2, 4):
         assert f"iteration {iteration}: Stats on computation determinism in validation calls" in out, out[-3000:]
     # Steps 1-2, then 1-4: 2 micro-batches on each of 2 ranks, each run twice; CPU is deterministic.
