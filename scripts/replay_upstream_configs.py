@@ -426,12 +426,13 @@ def _set(argv, flag, value):
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?\| lm loss: (\S+) \|")
 
 
-def run_training(argv, world, tmp, timeout=600):
-    """Runs pretrain_gpt.py on ``world`` CPU ranks (torch.distributed.run, gloo):
-    {"iterations": [(iteration, of), ...] and "losses" [lm loss] of its iteration lines,
-    "model": its "> model:" line, "seconds",
-    "returncode", "output": rank 0's stdout and stderr}. A run past ``timeout`` is killed
-    with its ranks (returncode None)."""
+def run_training(argv, world, tmp, timeout=600, launch=None):
+    """Runs pretrain_gpt.py on ``world`` CPU ranks (torch.distributed.run, gloo; or
+    ``launch(argv, world, env, timeout) -> (returncode, output)``, the test suite's faster
+    launcher): {"iterations": [(iteration, of), ...] and "losses" [lm loss] of its iteration
+    lines, "model": its "> model:" line, "seconds", "returncode", "output": the ranks' stdout
+    and stderr}. A run past ``timeout`` is killed with its ranks (returncode None, or the
+    launcher's)."""
     import signal  # only the training mode kills process groups
 
     argv = _set(argv, "--log-dir", os.path.join(tmp, "logs"))
@@ -442,16 +443,19 @@ def run_training(argv, world, tmp, timeout=600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            "pretrain_gpt.py", *argv]
     start = time.time()
-    # A session of its own: a hung run is killed with every rank it started.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        returncode = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        returncode = None
+    if launch is not None:
+        returncode, output = launch(argv, world, env, timeout)
+    else:
+        # A session of its own: a hung run is killed with every rank it started.
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+            returncode = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            returncode = None
     model = next((line for line in output.splitlines() if line.startswith("> model:")), "")
     iterations = list(ITERATION.finditer(output))
     return {"iterations": [(int(m.group(1)), int(m.group(2))) for m in iterations],
@@ -481,12 +485,12 @@ def load_line(suite, name):
     return configs[name][1]
 
 
-def train(suite, name, timeout=600):
+def train(suite, name, timeout=600, launch=None):
     """run_training's result for one line of the snapshot, with "layout", "world" and "expected"."""
     pairs = load_line(suite, name)
     with tempfile.TemporaryDirectory() as tmp:
         argv, world = train_command(pairs, tmp)
-        result = run_training(argv, world, tmp, timeout)
+        result = run_training(argv, world, tmp, timeout, launch)
     return dict(result, layout=layout(pairs), world=world, expected=expected_layout(pairs, world))
 
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: single-process unit tests, then the distributed tests under
 # torch.distributed.run with gloo at 2 and 4 ranks, then the functional (end-to-end) tests,
-# then a sample of upstream Megatron-LM's functional-test lines trained at their own layouts,
-# then the distributed tests at 2 ranks once more on the newest torch the project runs on
-# (MEGATRON_NEXT_TORCH, default torch==2.14.1, in a venv of its own: .venv-torch214), then the
+# beside the distributed tests at 2 ranks once more on the newest torch the project runs on
+# (MEGATRON_NEXT_TORCH, default torch==2.14.1, in a venv of its own: .venv-torch214), then a
+# sample of upstream Megatron-LM's functional-test lines trained at their own layouts, then the
 # documented commands (scripts/run_doc_commands.py: every command block of README.md, docs/ and
 # examples/README.md, in a fresh copy of the tree, long runs shortened by MEGATRON_MAX_TRAIN_ITERS).
 # Every stage has an outer time limit so a hung rank can never hang CI; each stage's wall
@@ -27,6 +27,36 @@ stage() {
     echo "=== $name ==="
     "$@" || status=1
     times+=("$(printf '%-52s %5d s' "$name" $((SECONDS - start)))")
+}
+
+# beside NAME COMMAND...: the same, in the background, beside the stages that follow, its
+# output kept in a file and shown at `joined`. Why: some stages keep about one of the two
+# cores busy (the single-process tests; the end-to-end launches, whose ranks wait on each
+# other), and the distributed ones leave a quarter idle (a rank waiting in a collective), so
+# a stage beside another finishes in the gaps instead of after it.
+beside_name=""
+beside_pid=""
+beside() {
+    beside_name="$1"
+    shift
+    echo "=== $beside_name (in the background; its output follows when it ends) ==="
+    (
+        start=$SECONDS
+        rc=0
+        "$@" >"$logs/beside.log" 2>&1 || rc=$?
+        echo "$((SECONDS - start))" >"$logs/beside.seconds"
+        exit "$rc"
+    ) &
+    beside_pid=$!
+}
+
+joined() {
+    local rc=0
+    wait "$beside_pid" || rc=1
+    echo "=== $beside_name (ran in the background) ==="
+    cat "$logs/beside.log"
+    [ "$rc" -eq 0 ] || status=1
+    times+=("$(printf '%-52s %5d s (beside the stage above)' "$beside_name" "$(cat "$logs/beside.seconds")")")
 }
 
 # distributed NPROC LOGNAME: the distributed tests at NPROC ranks. Rank 0 is shown on the
@@ -73,26 +103,27 @@ distributed_next_torch() {
     )
 }
 
-stage "unit tests (single process)" \
+beside "unit tests (single process)" \
     timeout 900 python -m pytest -q -p no:cacheprovider tests/unit_tests --ignore=tests/unit_tests/distributed
 stage "distributed tests: gloo, 2 ranks" distributed 2 2
+joined
 stage "distributed tests: gloo, 4 ranks" distributed 4 4
-if [ -d tests/functional_tests ] && ls tests/functional_tests/test_*.py >/dev/null 2>&1; then
-    stage "functional tests" timeout 1800 python -m pytest -q -p no:cacheprovider tests/functional_tests
-fi
+beside "functional tests" timeout 1800 python -m pytest -q -p no:cacheprovider tests/functional_tests
+stage "distributed tests: gloo, 2 ranks, $next_torch" distributed_next_torch
+joined
 # Upstream's command lines (tests/upstream_lines): the parse replay of all its GPT and MoE
 # functional-test lines and examples/ scripts, and 24 of those lines trained 3 iterations
 # each at their own TP/PP/CP/EP on 2-8 ranks. 30 minutes, a hang guard (each line also has
 # its own 300 s): the training took 18 at a load of 20 on this 2-core box, 8.2 CPU-minutes.
 stage "upstream's command lines (replayed, 24 trained at their own layouts)" \
     timeout 1800 python -m pytest -q -p no:cacheprovider --durations=0 tests/upstream_lines
-stage "distributed tests: gloo, 2 ranks, $next_torch" distributed_next_torch
 # 25 minutes, a hang guard (each block also has its own, its marker's timeout=): on this 2-core
 # box the stage took 5 minutes at a load of 7-13 and 10 at 22-26, for 2.4 CPU-minutes.
 stage "documented commands (README, docs/, examples/)" timeout 1500 python scripts/run_doc_commands.py
 
 echo "=== wall time per stage ==="
 printf '%s\n' "${times[@]}"
+printf '%-52s %5d s\n' "all stages, with the set-up" "$SECONDS"
 if [ "$status" -ne 0 ]; then
     echo "Some test stage failed (see above)."
 fi

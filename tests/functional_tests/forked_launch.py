@@ -25,12 +25,14 @@ when the server starts, and ``PYTHONHASHSEED`` is the server's in every rank).
 The protocol is one JSON line per launch on the server's stdin, one JSON line back.
 """
 
+import atexit
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -57,20 +59,20 @@ class ForkServer:
     def __init__(self):
         self._proc = None
         self._pythonpath = None
+        self._logs = tempfile.mkdtemp(prefix="forked-launches-")
 
-    def launch(self, script, argv, *, nproc, env, rank_envs=None, cwd=REPO, timeout=300, merge_stderr=True,
-               log_dir):
+    def launch(self, script, argv, *, nproc, env, rank_envs=None, cwd=REPO, timeout=300, merge_stderr=True):
         """Run ``script`` (a path relative to REPO or absolute) with ``argv`` at ``nproc`` ranks
         (None: one plain process; ``rank_envs``: one plain process per entry) under ``env``
-        (the whole environment); outputs go to files in ``log_dir``."""
+        (the whole environment)."""
         if self._proc is None or self._proc.poll() is not None:
             self._start(env)
         if env.get("PYTHONPATH") != self._pythonpath:
             raise ValueError("forked_launch: PYTHONPATH differs from the server's (it is read once, at its start); "
                              "launch this one with subprocess")
         name = uuid.uuid4().hex[:8]
-        out = os.path.join(log_dir, f"launch-{name}.out")
-        err = out if merge_stderr else os.path.join(log_dir, f"launch-{name}.err")
+        out = os.path.join(self._logs, f"launch-{name}.out")
+        err = out if merge_stderr else os.path.join(self._logs, f"launch-{name}.err")
         request = {"script": os.path.join(REPO, script), "argv": [str(a) for a in argv], "nproc": nproc,
                    "env": env, "rank_envs": rank_envs, "cwd": str(cwd), "stdout": out, "stderr": err, "timeout": timeout}
         self._proc.stdin.write(json.dumps(request) + "\n")
@@ -92,6 +94,18 @@ class ForkServer:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.stdin.close()
             self._proc.wait(timeout=30)
+
+
+_SERVER = None
+
+
+def server():
+    """The test session's one server (started on its first launch, stopped at exit)."""
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = ForkServer()
+        atexit.register(_SERVER.close)
+    return _SERVER
 
 
 def _free_port():

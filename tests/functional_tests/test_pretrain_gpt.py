@@ -8,16 +8,14 @@
 * a bad flag combination is rejected before anything starts.
 """
 
-import atexit
 import glob
 import json
 import os
 import socket
-import tempfile
 
 import pytest
 
-from forked_launch import ForkServer
+import forked_launch
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 TIMEOUT = 300
@@ -56,19 +54,14 @@ def _check(proc):
     return proc
 
 
-FORKS = ForkServer()
-atexit.register(FORKS.close)
-LAUNCH_LOGS = tempfile.mkdtemp(prefix="functional-launches-")
-
-
 def launch_ranks(args, nproc=2, *, script="pretrain_gpt.py", env=None, rank_envs=None, cwd=REPO, merge_stderr=True,
                  timeout=TIMEOUT):
     """``script`` (pretrain_gpt.py, or a tool) at ``nproc`` ranks as torchrun would launch it
     (None: one plain process; ``rank_envs``: one process per entry, srun-style), forked from a
     process that imported the trainer once (forked_launch.py says why and what differs),
     whatever its exit code. Tests of the launch itself run torchrun."""
-    return FORKS.launch(script, args, nproc=nproc, env=_env(env), rank_envs=rank_envs, cwd=cwd, timeout=timeout,
-                        merge_stderr=merge_stderr, log_dir=LAUNCH_LOGS)
+    return forked_launch.server().launch(script, args, nproc=nproc, env=_env(env), rank_envs=rank_envs, cwd=cwd,
+                                         timeout=timeout, merge_stderr=merge_stderr)
 
 
 def run_ranks(args, nproc=2, **kwargs):

@@ -14,7 +14,6 @@ TensorBoard files hold the scalars the logging flags ask for.
 import glob
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,6 +21,8 @@ import pytest
 from megatron.training.arguments import parse_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "functional_tests"))
+import forked_launch  # noqa: E402
 REPO = os.path.abspath(os.path.join(HERE, os.pardir, os.pardir))
 CONFIGS = json.load(open(os.path.join(HERE, "upstream_gpt_configs.json")))["configs"]
 TESTED = (
@@ -118,10 +119,9 @@ def test_upstream_command_line_trains_at_its_pipeline_size(name, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=REPO)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks_for(name)),
-           "pretrain_gpt.py", *command_line(name, tmp_path), "--log-interval", "1"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=240)
+    # Its ranks forked from one process that imported the trainer once (forked_launch.py).
+    proc = forked_launch.server().launch("pretrain_gpt.py", [*command_line(name, tmp_path), "--log-interval", "1"],
+                                         nproc=ranks_for(name), env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-5000:]
     lines = [line for line in proc.stdout.splitlines() if " iteration " in line and "consumed samples" in line]
     assert len(lines) == 3

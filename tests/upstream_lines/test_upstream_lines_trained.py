@@ -19,8 +19,17 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, os.pardir, "scripts"))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "functional_tests"))
 
+import forked_launch  # noqa: E402
 import replay_upstream_configs as replay  # noqa: E402
+
+
+def forked(argv, world, env, timeout):
+    """The ranks forked from one process that imported the trainer once (forked_launch.py):
+    the script's own torchrun launch costs a launcher and N interpreters' imports per line."""
+    proc = forked_launch.server().launch("pretrain_gpt.py", argv, nproc=world, env=env, timeout=timeout)
+    return proc.returncode, proc.stdout
 
 
 def _features(suite, name):
@@ -66,7 +75,7 @@ def test_sample_covers_the_layouts_and_blocks():
 
 @pytest.mark.parametrize("suite,name", replay.TRAINED_SAMPLE, ids=[name for _, name in replay.TRAINED_SAMPLE])
 def test_line_trains_at_its_own_layout(suite, name):
-    row = replay.train(suite, name, timeout=300)
+    row = replay.train(suite, name, timeout=300, launch=forked)
     tail = row["output"][-4000:]
     assert row["returncode"] == 0, tail
     assert row["iterations"] == [(1, 3), (2, 3), (3, 3)], tail
