@@ -195,6 +195,8 @@ def render_one(data: dict) -> str:
              "the rows need not add up to the step).", "",
              "| phase | torchtitan (ms) | ours (ms) | ours - torchtitan (ms) | ours / torchtitan |",
              "|---|---|---|---|---|"]
+    if data.get("note"):  # a remark added to the JSON by hand: what the run's code was
+        lines[2:2] = [f"Note: {data['note']}", ""]
     for phase in PHASES + ["other"]:
         t, o = titan["phases"][phase], ours["phases"][phase]
         ratio = f"{o / t:.2f}" if t > 0.05 else "-"
