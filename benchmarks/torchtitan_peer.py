@@ -346,7 +346,7 @@ def report(results_dir: str) -> str:
     if notes:
         lines += ["Notes:", ""] + notes + [""]
     for path, data in both:
-        lines += ["## The same trainer on both engines: `--use-mfsdp` and `--use-torch-fsdp2`", "",
+        lines += [f"## The same trainer on both engines, `--use-mfsdp` and `--use-torch-fsdp2` ({data['date']})", "",
                   f"From `{os.path.basename(path)}`. One torchtitan run, then ours on MFSDP (ZeRO-3), then ours on "
                   "PyTorch's FSDP2 (`--use-torch-fsdp2`, the same trainer, model, tokens and recipe), in each "
                   "round; ratios are each of ours / torchtitan (per-round: against that round's torchtitan run). "
