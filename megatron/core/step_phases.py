@@ -13,7 +13,9 @@ of a step inside a ``torch.profiler.record_function`` range named ``step/<phase>
 * ``step/logging``: the loss reduction across ranks and the step's log line and metrics.
 
 A phase nested in another (the loss in the forward) counts for itself: a reader subtracts
-nested ranges (``benchmarks/profile_vs_torchtitan.py`` does). Without an active profiler
+nested ranges (``benchmarks/profile_vs_torchtitan.py`` does). The pipelined schedules,
+whose forwards and backwards interleave, open no data/forward/backward ranges; the model's
+loss range and the trainer's ranges are there all the same. Without an active profiler
 nothing is opened (a record_function costs microseconds even when nobody records).
 """
 
