@@ -172,7 +172,7 @@ def main_run(opts) -> None:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                            capture_output=True, text=True).stdout.strip()
     result = dict(label=opts.label, command=" ".join(["python", os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
-                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time=time.time(),
                   commit=commit + (" (with uncommitted changes)" if dirty else ""),
                   load_average=os.getloadavg(), nproc=opts.nproc, shape=opts.shape, engine=opts.engine,
                   steps=opts.steps, profiled_steps=[opts.profile_step_start, opts.profile_step_end],
@@ -229,7 +229,7 @@ def report(results_dir: str) -> str:
     for path in glob.glob(os.path.join(results_dir, "profile_vs_torchtitan_*.json")):
         with open(path) as f:
             runs.append(json.load(f))
-    runs.sort(key=lambda d: d["date"])
+    runs.sort(key=lambda d: d.get("time", 0.0))  # in the order they ran
     lines = ["# One training step, phase by phase: ours against torchtitan 0.3.0", "",
              "Written by `python benchmarks/profile_vs_torchtitan.py --report` from "
              "`profile_vs_torchtitan_*.json`; the method is in that script's docstring (the same model, tokens "
