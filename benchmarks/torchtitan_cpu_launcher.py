@@ -29,6 +29,17 @@ where they allow it:
 Per step the launcher records the wall time of ``train_step`` (barrier before it, as the
 project's benchmarks do) and torchtitan's logged global loss; at the end each rank's peak
 RSS (``ru_maxrss``). Rank 0 writes them to ``--out`` (JSON).
+
+With ``--profile-dir`` (``benchmarks/profile_vs_torchtitan.py``) rank 0 records steps
+``--profile-step-start`` .. ``--profile-step-end - 1`` (0-based, as the project's
+``--profile-step-start/-end``) with the PyTorch profiler, each step one ``iteration <n>``
+range, its phases in the ranges the project's trainer opens (``step/data``,
+``step/forward``, ``step/loss``, ``step/backward``, ``step/optimizer``, ``step/logging``).
+torchtitan opens no profiler ranges of its own, so :class:`PhaseRanges` opens them from
+outside, at the calls between its phases: the batches read from the data iterator, a forward
+pre-hook on the model, the loss function (the trainer's ``loss_fn`` attribute; the backward
+starts when it returns), ``clip_grad_norm_`` (the optimizer phase starts there), and the loss
+all-reduce or the metrics log (the logging phase).
 """
 
 from __future__ import annotations
@@ -154,20 +165,79 @@ def model_config(dim: int, layers: int, heads: int, vocab: int):
 
 
 class CpuTrainer(Trainer):
-    """torchtitan's Trainer, each train_step timed (after a barrier) and its loss kept."""
+    """torchtitan's Trainer, each train_step timed (after a barrier) and its loss kept; with a
+    profile window, those steps recorded by the PyTorch profiler."""
 
     step_seconds: list
     losses: list
+    phases: PhaseRanges
+    profile_window: tuple = None  # (first, end) 0-based step indices, end excluded; rank 0 only
+    profile_dir: str = None
+    _profiler = None
 
     def train_step(self, data_iterator):
         dist.barrier()
+        index = self.step - 1  # torchtitan counts steps from 1
+        if self.profile_window is not None and index == self.profile_window[0]:
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                    record_shapes=True)  # as the project's --profile
+            self._profiler.start()
         start = time.perf_counter()
-        super().train_step(data_iterator)
+        if self._profiler is not None:
+            self.phases.enabled = True
+            with torch.profiler.record_function(f"iteration {self.step}"):
+                super().train_step(self.phases.ranged_batches(data_iterator))
+                self.phases.close()
+        else:
+            super().train_step(data_iterator)
         self.step_seconds.append(time.perf_counter() - start)
+        if self._profiler is not None and index == self.profile_window[1] - 1:
+            self.phases.enabled = False
+            self._profiler.stop()
+            os.makedirs(self.profile_dir, exist_ok=True)
+            self._profiler.export_chrome_trace(os.path.join(self.profile_dir, f"rank{dist.get_rank()}.trace.json"))
+            self._profiler = None
 
 
 def _barrier_only(timeout, parallel_dims):
     dist.barrier()
+
+
+class PhaseRanges:
+    """One open profiler range at a time, ``step/<phase>``: ``switch(phase)`` closes the open
+    one and opens the next; ``close()`` ends the last. A no-op unless ``enabled``."""
+
+    def __init__(self):
+        self.enabled = False
+        self._open = None
+
+    def switch(self, phase: str) -> None:
+        self.close()
+        if self.enabled:
+            self._open = torch.profiler.record_function(f"step/{phase}")
+            self._open.__enter__()
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open = None
+
+    def ranged_batches(self, data_iterator):
+        """The same batches, each read inside a ``step/data`` range (nested in the open one)."""
+        while True:
+            with torch.profiler.record_function("step/data"):
+                batch = next(data_iterator)
+            yield batch
+
+    def switching_to(self, phase: str, fn, then: str = None):
+        """``fn``, switching to ``phase`` when it is called (and to ``then`` when it returns)."""
+        def wrapped(*args, **kwargs):
+            self.switch(phase)
+            result = fn(*args, **kwargs)
+            if then is not None:
+                self.switch(then)
+            return result
+        return wrapped
 
 
 def main() -> None:
@@ -185,6 +255,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torchtitan's --compile.enable (model and loss)")
     parser.add_argument("--dump-folder", default="/tmp/titan_peer_outputs")
     parser.add_argument("--out", required=True, help="JSON result (rank 0)")
+    parser.add_argument("--profile-dir", default=None, help="write rank 0's profiler trace of the window here")
+    parser.add_argument("--profile-step-start", type=int, default=3, help="first profiled step (0-based)")
+    parser.add_argument("--profile-step-end", type=int, default=5, help="the step after the last profiled one")
     opts = parser.parse_args()
 
     config = ConfigManager().parse_args([
@@ -212,8 +285,20 @@ def main() -> None:
     config.debug.seed = 1234  # the same initial weights in every run (torchtitan draws a seed otherwise)
 
     titan_dist_utils.set_pg_timeouts = _barrier_only
+    phases = PhaseRanges()
+    if opts.profile_dir is not None:
+        # torchtitan's calls between its phases (looked up on these modules at call time).
+        titan_dist_utils.clip_grad_norm_ = phases.switching_to("optimizer", titan_dist_utils.clip_grad_norm_)
+        titan_dist_utils.dist_sum = phases.switching_to("logging", titan_dist_utils.dist_sum)
     trainer = CpuTrainer(config)
     trainer.step_seconds = []
+    trainer.phases = phases
+    if opts.profile_dir is not None and dist.get_rank() == 0:
+        trainer.profile_window = (opts.profile_step_start, opts.profile_step_end)
+        trainer.profile_dir = opts.profile_dir
+    if opts.profile_dir is not None:
+        trainer.loss_fn = phases.switching_to("loss", trainer.loss_fn, then="backward")
+        trainer.model_parts[0].register_forward_pre_hook(lambda module, args: phases.switch("forward"))
     for part in trainer.model_parts:
         for module in part.modules():
             if isinstance(module, FSDPModule):
@@ -223,6 +308,7 @@ def main() -> None:
     log = trainer.metrics_processor.log
 
     def keep_loss(step, global_avg_loss, *args, **kwargs):
+        phases.switch("logging")  # already there after the loss all-reduce (dist_sum), unless one rank
         losses.append(float(global_avg_loss))
         return log(step, global_avg_loss, *args, **kwargs)
 

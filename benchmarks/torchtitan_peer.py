@@ -5,6 +5,8 @@
     python benchmarks/torchtitan_peer.py --nproc 4 --shape small --steps 10 --rounds 2
     python benchmarks/torchtitan_peer.py --nproc 2 --shape small --variants eager,compiled
     python benchmarks/torchtitan_peer.py --nproc 2 --shape large --steps 4 --rounds 1
+    python benchmarks/torchtitan_peer.py --nproc 2 --shape small --engines mfsdp,fsdp2 \
+        --out benchmarks/results/torchtitan_peer_n2_small_engines.json
     python benchmarks/torchtitan_peer.py --report          # results/torchtitan_peer.md from the JSON files
 
 Run with the project's environment. torchtitan lives in a virtual environment of its own,
@@ -35,6 +37,10 @@ What is the same on both sides:
   1.0, 2 sequences per rank, no gradient accumulation, no recompute, one data-parallel
   dimension over all ranks (torchtitan: FSDP2 with its defaults; ours: ZeRO-3,
   ``--data-parallel-sharding-strategy optim_grads_params``), loss logged every step.
+* **our engines** (``--engines``): ``mfsdp`` is ``--use-mfsdp`` (the row "ours"), ``fsdp2``
+  is ``--use-torch-fsdp2`` (PyTorch's ``fully_shard`` under the same trainer, the row
+  "ours_fsdp2"; it shards parameters, gradients and optimizer state like ZeRO-3, so it takes
+  no sharding-strategy flag). Each is one more launch in every round, after torchtitan's.
 * **variant** ``compiled``: torchtitan ``--compile.enable`` (each block and the loss) against
   ``--compile-layers inductor`` (each transformer layer).
 
@@ -103,7 +109,16 @@ def shakespeare():
     return prepare_shakespeare_bpe(VOCAB, CACHE)
 
 
-def ours_flags(shape: dict, world: int, steps: int, tokenizer: str, prefix: str, log_dir: str, compiled: bool):
+# Our trainer's sides: the row name in the results and the engine flags that make it.
+ENGINES = {
+    "mfsdp": ("ours", ["--use-mfsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]),
+    "fsdp2": ("ours_fsdp2", ["--use-torch-fsdp2"]),
+}
+LABELS = {"torchtitan": "torchtitan (FSDP2)", "ours": "ours (MFSDP ZeRO-3)", "ours_fsdp2": "ours (torch FSDP2)"}
+
+
+def ours_flags(shape: dict, world: int, steps: int, tokenizer: str, prefix: str, log_dir: str, compiled: bool,
+               engine: str = "mfsdp"):
     flags = (f"--num-layers {shape['layers']} --hidden-size {shape['dim']} --num-attention-heads {shape['heads']} "
              f"--ffn-hidden-size {shape['ffn']} --swiglu --normalization RMSNorm --position-embedding-type rope "
              f"--rotary-base 500000 --untie-embeddings-and-output-weights --disable-bias-linear "
@@ -115,7 +130,7 @@ def ours_flags(shape: dict, world: int, steps: int, tokenizer: str, prefix: str,
              f"--train-iters {steps} --log-interval 1 --eval-iters 0 --eval-interval {steps + 1} "
              f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tokenizer} --data-path {prefix} "
              f"--split 100,0,0 --num-workers 0 --seed 1234 "
-             f"--use-mfsdp --data-parallel-sharding-strategy optim_grads_params --log-dir {log_dir}").split()
+             f"--log-dir {log_dir}").split() + ENGINES[engine][1]
     if compiled:
         flags += ["--compile-layers", "inductor"]
     return flags
@@ -170,10 +185,10 @@ def run_titan(python, opts, shape, tokens, tokenizer, compiled, env, tag):
                 params=record["params"], wall_s=wall)
 
 
-def run_ours(opts, shape, tokenizer, prefix, compiled, env, tag):
+def run_ours(opts, shape, tokenizer, prefix, compiled, env, tag, engine="mfsdp"):
     log_dir = os.path.join(opts.work, tag)
     shutil.rmtree(log_dir, ignore_errors=True)  # metrics.jsonl is appended to
-    flags = ours_flags(shape, opts.nproc, opts.steps, tokenizer, prefix, log_dir, compiled)
+    flags = ours_flags(shape, opts.nproc, opts.steps, tokenizer, prefix, log_dir, compiled, engine)
     wall = torchrun(sys.executable, opts.nproc, ["pretrain_gpt.py"] + flags, env, os.path.join(opts.work, f"{tag}.log"))
     records = [json.loads(line) for line in open(os.path.join(log_dir, "metrics.jsonl"))]
     train = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["iteration"])
@@ -209,7 +224,9 @@ def main_run(opts) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=REPO)
     titan_env = {k: v for k, v in env.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     variants = opts.variants.split(",")
-    runs = {f"{side}_{v}": [] for v in variants for side in ("torchtitan", "ours")}
+    engines = opts.engines.split(",")
+    ours_sides = [ENGINES[e][0] for e in engines]
+    runs = {f"{side}_{v}": [] for v in variants for side in ["torchtitan"] + ours_sides}
     for r in range(opts.rounds):
         for v in variants:
             compiled = v == "compiled"
@@ -218,8 +235,11 @@ def main_run(opts) -> None:
             if result["params"] != shape["params"]:
                 raise RuntimeError(f"torchtitan builds {result['params']:,} parameters, expected {shape['params']:,}")
             runs[tag].append(result)
-            runs[f"ours_{v}"].append(run_ours(opts, shape, tokenizer, prefix, compiled, env, f"ours_{v}_r{r}"))
-            for name in (tag, f"ours_{v}"):
+            for engine in engines:
+                side = ENGINES[engine][0]
+                runs[f"{side}_{v}"].append(run_ours(opts, shape, tokenizer, prefix, compiled, env,
+                                                    f"{side}_{v}_r{r}", engine))
+            for name in [tag] + [f"{side}_{v}" for side in ours_sides]:
                 last = runs[name][-1]
                 print(f"round {r} {name}: median step {statistics.median(last['step_s'][opts.warmup:]):.3f} s, "
                       f"final loss {last['losses'][-1]:.4f}, peak RSS {last['peak_rss_mb']:.0f} MB, "
@@ -227,19 +247,23 @@ def main_run(opts) -> None:
     tokens_per_step = MICRO_BATCH * opts.nproc * shape["seq"]
     summary = {name: summarize(rs, opts.warmup, tokens_per_step) for name, rs in runs.items()}
     ratios = {}
-    for v in variants:
-        ours, titan = summary[f"ours_{v}"], summary[f"torchtitan_{v}"]
-        # Each round's ours against the torchtitan run just before it: robust to drifting load.
+    for v, side in [(v, side) for v in variants for side in ours_sides]:
+        ours, titan = summary[f"{side}_{v}"], summary[f"torchtitan_{v}"]
+        # Each round's ours against the torchtitan run of the same round: robust to drifting load.
         pairs = [statistics.median(o["step_s"][opts.warmup:]) / statistics.median(t["step_s"][opts.warmup:])
-                 for o, t in zip(runs[f"ours_{v}"], runs[f"torchtitan_{v}"])]
-        ratios[v] = dict(step_ours_over_torchtitan=ours["median_step_s"] / titan["median_step_s"],
+                 for o, t in zip(runs[f"{side}_{v}"], runs[f"torchtitan_{v}"])]
+        # Keyed by the variant for "ours" (the MFSDP side, as the JSON files before --engines), else side_variant.
+        ratios[v if side == "ours" else f"{side}_{v}"] = dict(
+                         step_ours_over_torchtitan=ours["median_step_s"] / titan["median_step_s"],
                          per_round_step_ratios=pairs,
                          rss_ours_over_torchtitan=ours["peak_rss_mb"] / titan["peak_rss_mb"],
                          final_loss_rel_diff=(ours["final_loss"] - titan["final_loss"]) / titan["final_loss"],
                          final_loss_last3_rel_diff=(ours["final_loss_mean_last3"] - titan["final_loss_mean_last3"])
                          / titan["final_loss_mean_last3"])
     result = dict(command=" ".join(["python", os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]), nproc=opts.nproc,
-                  shape=opts.shape, shape_config=shape, steps=opts.steps, warmup=opts.warmup, rounds=opts.rounds,
+                  commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                        text=True).stdout.strip(), engines=engines, shape=opts.shape, shape_config=shape,
+                  steps=opts.steps, warmup=opts.warmup, rounds=opts.rounds,
                   tokens_per_step=tokens_per_step, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   load_average=os.getloadavg(), summary=summary, ratios=ratios, runs=runs)
     out = opts.out or os.path.join(RESULTS, f"torchtitan_peer_n{opts.nproc}_{opts.shape}.json")
@@ -249,39 +273,59 @@ def main_run(opts) -> None:
     print(f"-> {out}; python benchmarks/torchtitan_peer.py --report")
 
 
+TABLE_HEAD = ["| ranks | shape | steps (warm-up) x rounds | variant | trainer | median step (s) | tokens/s | "
+              "peak RSS per rank (MB) | final loss | launch, whole run (s) | step ratio (per-round ratios) | "
+              "RSS ratio | final loss rel. diff |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def table_rows(data: dict) -> list:
+    """The table's rows of one JSON file: torchtitan, then each of our sides, per variant."""
+    lines = []
+    variants = [k[len("torchtitan_"):] for k in data["summary"] if k.startswith("torchtitan_")]
+    for variant in variants:
+        for side in [side for side in LABELS if f"{side}_{variant}" in data["summary"]]:
+            ratio = data["ratios"].get(variant if side == "ours" else f"{side}_{variant}")
+            s = data["summary"][f"{side}_{variant}"]
+            lo, hi = s["p25_p75_step_s"]
+            extra = ["", "", ""]
+            if side != "torchtitan":
+                per_round = ", ".join(f"{x:.2f}" for x in ratio["per_round_step_ratios"])
+                extra = [f"**{ratio['step_ours_over_torchtitan']:.2f}** ({per_round})",
+                         f"{ratio['rss_ours_over_torchtitan']:.2f}", f"{100 * ratio['final_loss_rel_diff']:+.2f}%"]
+            walls = [run["wall_s"] for run in data["runs"][f"{side}_{variant}"]]
+            launch = sum(walls) / len(walls)
+            lines.append(f"| {data['nproc']} | {data['shape']} | {data['steps']} ({data['warmup']}) x "
+                         f"{data['rounds']} | {variant} | {LABELS[side]} | {s['median_step_s']:.3f} "
+                         f"[{lo:.3f}-{hi:.3f}] | {s['tokens_per_s']:.0f} | {s['peak_rss_mb']:.0f} | "
+                         f"{s['final_loss']:.4f} | {launch:.0f} | " + " | ".join(extra) + " |")
+    return lines
+
+
+def _command_line(data: dict) -> str:
+    commit = f", commit {data['commit']}" if data.get("commit") else ""
+    return f"{data['command']}   # {data['date']}{commit}, load average {data['load_average'][0]:.1f}"
+
+
 def report(results_dir: str) -> str:
+    files = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "torchtitan_peer_n*_*.json"))):
+        with open(path) as f:
+            files.append((path, json.load(f)))
+    # Runs with our trainer on both engines (--engines mfsdp,fsdp2) get a section of their own.
+    both = [(p, d) for p, d in files if "fsdp2" in d.get("engines", ["mfsdp"])]
+    files = [(p, d) for p, d in files if (p, d) not in both]
     lines = ["# torchtitan 0.3.0 (FSDP2) against `pretrain_gpt.py --use-mfsdp` (ZeRO-3), CPU, gloo", "",
              "Written by `python benchmarks/torchtitan_peer.py --report` from `torchtitan_peer_n*_*.json`; "
              "the method is in the docstring of `benchmarks/torchtitan_peer.py`. A step's time is the "
              "median over all measured steps of all rounds (p25-p75 in brackets); ratios are ours / torchtitan. "
              "Final loss: the global loss of the last step (both sides see the same sequences at every step).", ""]
-    lines += ["| ranks | shape | steps (warm-up) x rounds | variant | trainer | median step (s) | tokens/s | "
-              "peak RSS per rank (MB) | "
-              "final loss | launch, whole run (s) | step ratio (per-round ratios) | RSS ratio | final loss rel. diff |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += TABLE_HEAD
     commands, notes = [], []
-    for path in sorted(glob.glob(os.path.join(results_dir, "torchtitan_peer_n*_*.json"))):
-        with open(path) as f:
-            data = json.load(f)
-        commands.append(f"{data['command']}   # {data['date']}, load average {data['load_average'][0]:.1f}")
+    for path, data in files:
+        commands.append(_command_line(data))
         if data.get("note"):  # a remark added to the JSON by hand, e.g. what differed in that run
             notes.append(f"* {os.path.basename(path)}: {data['note']}")
-        for variant, ratio in data["ratios"].items():
-            for side in ("torchtitan", "ours"):
-                s = data["summary"][f"{side}_{variant}"]
-                lo, hi = s["p25_p75_step_s"]
-                extra = ["", "", ""]
-                if side == "ours":
-                    per_round = ", ".join(f"{x:.2f}" for x in ratio["per_round_step_ratios"])
-                    extra = [f"**{ratio['step_ours_over_torchtitan']:.2f}** ({per_round})",
-                             f"{ratio['rss_ours_over_torchtitan']:.2f}", f"{100 * ratio['final_loss_rel_diff']:+.2f}%"]
-                label = "torchtitan (FSDP2)" if side == "torchtitan" else "ours (MFSDP ZeRO-3)"
-                walls = [run["wall_s"] for run in data["runs"][f"{side}_{variant}"]]
-                launch = sum(walls) / len(walls)
-                lines.append(f"| {data['nproc']} | {data['shape']} | {data['steps']} ({data['warmup']}) x "
-                             f"{data['rounds']} | {variant} | {label} | {s['median_step_s']:.3f} "
-                             f"[{lo:.3f}-{hi:.3f}] | {s['tokens_per_s']:.0f} | {s['peak_rss_mb']:.0f} | "
-                             f"{s['final_loss']:.4f} | {launch:.0f} | " + " | ".join(extra) + " |")
+        lines += table_rows(data)
     lines += ["", "Read with care: these runs shared a 2-core box with other jobs (the load average of each "
               "run is with its command below), so absolute times are several times an idle box's; the ratio "
               "of one interleaved run is the figure to quote. Both trainers see the same sequences at every "
@@ -294,15 +338,25 @@ def report(results_dir: str) -> str:
               "step times leave out). torchtitan's `--compile.enable` works on CPU; inductor warns that it "
               "does not generate code for complex operators, so torchtitan's complex-number RoPE stays "
               "eager inside its compiled blocks.", "", "Loss curves (global loss per step, last round):", ""]
-    for path in sorted(glob.glob(os.path.join(results_dir, "torchtitan_peer_n*_*.json"))):
-        with open(path) as f:
-            data = json.load(f)
+    for path, data in files:
         for name, s in data["summary"].items():
             lines.append(f"* {data['nproc']} ranks, {data['shape']}, {name}: "
                          + " ".join(f"{x:.3f}" for x in s["losses"]))
     lines += ["", "Commands:", "", "```bash"] + commands + ["```", ""]
     if notes:
         lines += ["Notes:", ""] + notes + [""]
+    for path, data in both:
+        lines += [f"## The same trainer on both engines, `--use-mfsdp` and `--use-torch-fsdp2` ({data['date']})", "",
+                  f"From `{os.path.basename(path)}`. One torchtitan run, then ours on MFSDP (ZeRO-3), then ours on "
+                  "PyTorch's FSDP2 (`--use-torch-fsdp2`, the same trainer, model, tokens and recipe), in each "
+                  "round; ratios are each of ours / torchtitan (per-round: against that round's torchtitan run). "
+                  "Both of ours start from the same initial weights, hence the same losses.", ""]
+        lines += TABLE_HEAD + table_rows(data) + [""]
+        lines += ["Loss curves (last round): "] + [""] + [
+            f"* {name}: " + " ".join(f"{x:.3f}" for x in s["losses"]) for name, s in data["summary"].items()]
+        lines += ["", "```bash", _command_line(data), "```", ""]
+        if data.get("note"):
+            lines += [f"Note: {data['note']}", ""]
     text = "\n".join(lines)
     with open(os.path.join(results_dir, "torchtitan_peer.md"), "w") as f:
         f.write(text)
@@ -317,6 +371,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the timing")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (torchtitan, ours) per variant")
     parser.add_argument("--variants", default="eager", help="comma list of eager, compiled")
+    parser.add_argument("--engines", default="mfsdp", help="our trainer's engines, comma list of mfsdp "
+                        "(--use-mfsdp, ZeRO-3), fsdp2 (--use-torch-fsdp2); each runs after torchtitan in every round")
     parser.add_argument("--work", default="/tmp/torchtitan_peer", help="logs and per-run outputs")
     parser.add_argument("--out", default=None, help="JSON (default results/torchtitan_peer_n<N>_<shape>.json)")
     parser.add_argument("--setup-venv", action="store_true", help="only create .venv-titan")

@@ -33,6 +33,7 @@ from megatron.core.global_slices import global_slices_by_name
 from megatron.core.optimizer import ConstantGradScaler, DynamicGradScaler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.rerun_state_machine import SPIKY_LOSS_FACTOR, RerunDataIterator, rerun_state_machine_from_args
+from megatron.core.step_phases import phase_range
 from megatron.core.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.core.transformer.attention import cpu_fast_path_note
 from megatron.core.transformer.moe.expert_bias import update_expert_biases
@@ -424,7 +425,8 @@ class _Trainer:
                 context=self.built.context, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                 timers=self.timers, dp_group=parallel_state.get_parallel_state().dp_cp_group, **extra,
             )
-            finalize_model_grads(args, self.built)
+            with phase_range("grad-finalize"):
+                finalize_model_grads(args, self.built)
         return reports
 
     def train_step(self, data_iterator):
@@ -437,8 +439,9 @@ class _Trainer:
         while self.rerun.should_run_forward_backward(data_iterator if self.rerun.enabled else None):
             reports = self._forward_backward(data_iterator)
         self._stop_if_rerun_says_so()
-        loss = mean_loss(reduce_reports(reports))
-        with timers("optimizer", 1):
+        with phase_range("logging"):
+            loss = mean_loss(reduce_reports(reports))
+        with timers("optimizer", 1), phase_range("optimizer"):
             if self.grad_scaler is not None:
                 with timers("optimizer-unscale-and-check-inf", 1):
                     _scale_grads(self.params, 1.0 / self.grad_scaler.scale)
@@ -535,7 +538,8 @@ class _Trainer:
         iteration = self.iteration
         self._check_weight_hashes(iteration)
         self.consumed += args.global_batch_size
-        self.log.record_step(iteration, loss, grad_norm, skipped, self.consumed)
+        with phase_range("logging"):
+            self.log.record_step(iteration, loss, grad_norm, skipped, self.consumed)
         if not self.memory_reported:  # upstream's first memory report; rank 0's bytes, as the planner's
             print_rank_0(memory_line(self.built, self.optimizer, self.device, iteration))
             self.memory_reported = True

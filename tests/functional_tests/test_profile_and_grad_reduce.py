@@ -1,5 +1,6 @@
 """--profile with --use-pytorch-profiler on 2 ranks (a trace of the chosen steps, from the
-chosen rank only) and --grad-reduce-in-bf16 under MFSDP with --bf16, in one run."""
+chosen rank only, with the step's phase ranges) and --grad-reduce-in-bf16 under MFSDP with
+--bf16, in one run."""
 
 import glob
 import json
@@ -28,3 +29,8 @@ def test_profile_window_and_bf16_grad_reduce(tmp_path):
         names = {event.get("name") for event in json.load(f)["traceEvents"]}
     # Step 1 (0-based) is the second iteration: only it is in the window.
     assert "iteration 2" in names and "iteration 1" not in names and "iteration 3" not in names
+    # Each phase of the step is a range (megatron/core/step_phases.py), read back by
+    # benchmarks/profile_vs_torchtitan.py.
+    phases = {"step/data", "step/forward", "step/loss", "step/backward", "step/grad-finalize", "step/optimizer",
+              "step/logging"}
+    assert phases <= names, phases - names

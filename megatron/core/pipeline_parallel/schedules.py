@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from megatron.core import parallel_state
 from megatron.core.distributed.comm_device import comm_device
 from megatron.core.distributed.ranks import world_size
+from megatron.core.step_phases import phase_range
 
 from .p2p_communication import ACTIVATION, GRADIENT, PipelineP2P
 
@@ -140,10 +141,12 @@ def forward_backward_no_pipelining(
     for i, batch in enumerate(batches):
         with _microbatch_context(model, context, i, num_microbatches, forward_only):
             with timers("forward-compute", 2):
-                output_tensor, loss_func = forward_step_func(iter([batch]), model)
-                loss_for_backward, report = _loss_of(loss_func(output_tensor), scale, num_microbatches)
+                with phase_range("forward"):
+                    output_tensor, loss_func = forward_step_func(iter([batch]), model)
+                with phase_range("loss"):
+                    loss_for_backward, report = _loss_of(loss_func(output_tensor), scale, num_microbatches)
             if not forward_only:
-                with timers("backward-compute", 2):
+                with timers("backward-compute", 2), phase_range("backward"):
                     loss_for_backward.backward()
         reports.append(report)
     return reports
@@ -155,7 +158,7 @@ def _read_microbatches(data_iterator, num_microbatches: int, forward_only: bool,
 
     All are read first: the global token count is needed before the first backward.
     Microbatches are small (token ids), so holding them is cheap."""
-    with timers("batch-generator", 2):
+    with timers("batch-generator", 2), phase_range("data"):
         batches = [next(data_iterator) for _ in range(num_microbatches)]
     if forward_only:
         return batches, None

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron.core.models.common.language_model_embedding import LanguageModelEmbedding
+from megatron.core.step_phases import phase_range
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     gather_from_tensor_model_parallel_region,
@@ -261,8 +262,9 @@ class GPTModel(nn.Module):
         if padded:
             logits = logits[..., :self.unpadded_vocab_size]
         # Softmax over a large vocabulary in bf16 loses too much; upcast for the loss.
-        loss = F.cross_entropy(logits.float().reshape(-1, self.unpadded_vocab_size), labels.reshape(-1).long(),
-                               reduction="none")
+        with phase_range("loss"):
+            loss = F.cross_entropy(logits.float().reshape(-1, self.unpadded_vocab_size), labels.reshape(-1).long(),
+                                   reduction="none")
         return loss.view(labels.shape)
 
     def _vocab_parallel_output(self, logits: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
@@ -276,7 +278,8 @@ class GPTModel(nn.Module):
             logits = logits.masked_fill(ids >= self.unpadded_vocab_size, float("-inf"))
         if labels is None:
             return gather_from_tensor_model_parallel_region(logits, group)
-        return vocab_parallel_cross_entropy(logits, labels, group, vocab_start)
+        with phase_range("loss"):
+            return vocab_parallel_cross_entropy(logits, labels, group, vocab_start)
 
 
 def _output_projection(config: TransformerConfig, vocab_size: int, tied: bool) -> nn.Module:
