@@ -3,7 +3,7 @@
 # torch.distributed.run with gloo at 2 and 4 ranks, then the functional (end-to-end) tests,
 # beside the distributed tests at 2 ranks once more on the newest torch the project runs on
 # (MEGATRON_NEXT_TORCH, default torch==2.14.1, in a venv of its own: .venv-torch214), then a
-# sample of upstream Megatron-LM's functional-test lines trained at their own layouts, then the
+# sample of upstream Megatron-LM's functional-test lines trained at their own layouts beside the
 # documented commands (scripts/run_doc_commands.py: every command block of README.md, docs/ and
 # examples/README.md, in a fresh copy of the tree, long runs shortened by MEGATRON_MAX_TRAIN_ITERS).
 # Every stage has an outer time limit so a hung rank can never hang CI; each stage's wall
@@ -115,11 +115,12 @@ joined
 # functional-test lines and examples/ scripts, and 24 of those lines trained 3 iterations
 # each at their own TP/PP/CP/EP on 2-8 ranks. 30 minutes, a hang guard (each line also has
 # its own 300 s): the training took 18 at a load of 20 on this 2-core box, 8.2 CPU-minutes.
-stage "upstream's command lines (replayed, 24 trained at their own layouts)" \
+beside "upstream's command lines (replayed, 24 trained at their own layouts)" \
     timeout 1800 python -m pytest -q -p no:cacheprovider --durations=0 tests/upstream_lines
 # 25 minutes, a hang guard (each block also has its own, its marker's timeout=): on this 2-core
 # box the stage took 5 minutes at a load of 7-13 and 10 at 22-26, for 2.4 CPU-minutes.
 stage "documented commands (README, docs/, examples/)" timeout 1500 python scripts/run_doc_commands.py
+joined
 
 echo "=== wall time per stage ==="
 printf '%s\n' "${times[@]}"
