@@ -14,6 +14,7 @@ import functools
 from typing import Dict, List, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .clip_grads import clip_grad_norm, count_zeros, get_grad_norm, get_params_norm
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -77,6 +78,16 @@ class OptimizerConfig:
             raise ValueError("lr and weight_decay must be non-negative.")
 
 
+# AdamW's foreach path holds one temporary as large as the group it steps: up to 2^26 elements
+# (256 MiB in fp32) a rank's group takes it, past that the per-parameter loop (the same bits).
+FOREACH_MAX_ELEMENTS = 2**26
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    """The elements this rank holds of ``param`` (a DTensor's local shard)."""
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+
+
 def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     mup = None
     if config.mup_width_mult != 1.0:
@@ -96,14 +107,17 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> t
         # is its per-parameter loop, which on sharded (DTensor) parameters pays the subclass
         # dispatch once per parameter and operator (3x torchtitan's optimizer time in
         # benchmarks/results/profile_vs_torchtitan.md); the multi-tensor path computes the same
-        # bits on CPU and dispatches once per operator.
+        # bits on CPU and dispatches once per operator, but its temporaries are a copy of the
+        # group (4 bytes a parameter beside the 16 of weights, gradients and moments), so a
+        # group past FOREACH_MAX_ELEMENTS on this rank stays on the loop.
+        for g in groups:
+            g["foreach"] = sum(_local_numel(p) for p in g["params"]) <= FOREACH_MAX_ELEMENTS
         return torch.optim.AdamW(
             groups,
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
-            foreach=True,
         )
     return torch.optim.SGD(
         groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay

@@ -1,8 +1,11 @@
 """--optimizer adam is torch's AdamW on its multi-tensor (foreach) path, chosen for speed on
 CPU (benchmarks/results/profile_vs_torchtitan.md): the same bits as torch's per-parameter
-loop, which torch would pick off CUDA."""
+loop, which torch would pick off CUDA; a group too large for foreach's temporaries stays on
+the loop."""
 
 import torch
+
+import megatron.core.optimizer as optimizer_module
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -35,3 +38,15 @@ def test_adamw_takes_the_foreach_path_with_the_loops_bits():
         loop.zero_grad()
     for a, b in zip(ours_model.parameters(), loop_model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_group_past_the_limit_stays_on_the_loop(monkeypatch):
+    """foreach's temporaries are a copy of the group: past FOREACH_MAX_ELEMENTS, the loop."""
+    model = _model()
+    groups = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1), model).param_groups
+    sizes = sorted(sum(p.numel() for p in g["params"]) for g in groups)
+    assert len(sizes) == 2 and sizes[0] < sizes[1]
+    monkeypatch.setattr(optimizer_module, "FOREACH_MAX_ELEMENTS", sizes[0])
+    groups = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1), model).param_groups
+    chosen = {sum(p.numel() for p in g["params"]): g["foreach"] for g in groups}
+    assert chosen == {sizes[0]: True, sizes[1]: False}
