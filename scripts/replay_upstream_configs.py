@@ -440,12 +440,12 @@ def run_training(argv, world, tmp, timeout=600, launch=None):
         argv = _set(argv, "--tensorboard-dir", os.path.join(tmp, "tb"))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           "pretrain_gpt.py", *argv]
     start = time.time()
     if launch is not None:
         returncode, output = launch(argv, world, env, timeout)
     else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+               "pretrain_gpt.py", *argv]
         # A session of its own: a hung run is killed with every rank it started.
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)

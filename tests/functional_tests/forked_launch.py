@@ -19,7 +19,7 @@ a launch past its timeout is killed.
 
 Two things differ, so tests *of the launch* keep the real one: torchrun's own behaviour
 (its error file, restarts, rendezvous, its exit code, which is 1 for any failure; here it is
-the first failing rank's own code) and the interpreter's start (``PYTHONPATH`` is read once,
+the lowest failing rank's own code, or the signal that ended it) and the interpreter's start (``PYTHONPATH`` is read once,
 when the server starts, and ``PYTHONHASHSEED`` is the server's in every rank).
 
 The protocol is one JSON line per launch on the server's stdin, one JSON line back.
@@ -81,7 +81,8 @@ class ForkServer:
         if not reply:
             raise RuntimeError(f"forked_launch: the server died (exit code {self._proc.wait()})")
         codes = json.loads(reply)["returncodes"]
-        failed = [c for c in codes if c != 0]
+        # A rank's own failure before the signals the fast-fail sent the others (negative codes).
+        failed = [c for c in codes if c > 0] + [c for c in codes if c < 0]
         read = lambda path: open(path).read() if os.path.exists(path) else ""  # noqa: E731
         return Launch(failed[0] if failed else 0, codes, read(out), "" if merge_stderr else read(err))
 

@@ -110,7 +110,7 @@ def test_persistent_fault_saves_and_stops_with_code_16_and_its_resumption_reruns
                              "--result-rejected-tracker-filename", str(tracker)]
     proc = launch_ranks(flags)
     out = proc.stdout
-    assert proc.returncode != 0, out[-3000:]
+    assert proc.returncode == 16, out[-3000:]
     assert "exiting with code 16" in out, out[-3000:]
     assert "Result validation enabled (--rerun-mode validate_results)" in out
     assert "Injecting error type Persistent error" in out
@@ -149,7 +149,7 @@ def test_persistent_fault_saves_and_stops_with_code_16_and_its_resumption_reruns
 def test_transient_fault_on_a_fatal_check_flags_the_rank_and_stops_with_code_17(tmp_path):
     proc = launch_ranks(ARGS + INJECT + ["--error-injection-type", "transient_error"])
     out = proc.stdout
-    assert proc.returncode != 0, out[-3000:]
+    assert proc.returncode == 17, out[-3000:]
     assert "exiting with code 17" in out, out[-3000:]
     assert "message='found NaN in local forward loss calculation'" in out
     for rank in (0, 1):

@@ -51,7 +51,7 @@ def _imports_frozen():
     """What the session imported (torch, megatron, every test module: about 250,000
     objects) is moved out of the garbage collector's sight before the first test. Each
     test that destroys groups collects garbage (``_dist_helpers.destroy_groups`` says why),
-    and a full collection walked all of them: about 80 ms a test on each rank. Nothing
+    and a full collection walked all of them: about 0.1 s a test on each rank. Nothing
     frozen is a process group or holds one (only the world exists yet)."""
     gc.freeze()
     yield
