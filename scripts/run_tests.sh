@@ -63,7 +63,7 @@ joined() {
 # console; every rank's full log lands in $logs/LOGNAME, and a failure shows the others' tails.
 distributed() {
     local nproc="$1" name="$2"
-    # 50 minutes, a hang guard: the 4-rank stage takes ~5.5 on this 2-core box (it took 50 while
+    # 50 minutes, a hang guard: the 4-rank stage takes 4-6.5 on this 2-core box (it took 50 while
     # the tests left their gloo groups alive: see tests/unit_tests/distributed/conftest.py).
     if ! timeout 3000 python -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
         --log-dir "$logs/$name" --redirects 3 --tee 3 --local-ranks-filter 0 \
@@ -114,7 +114,8 @@ joined
 # Upstream's command lines (tests/upstream_lines): the parse replay of all its GPT and MoE
 # functional-test lines and examples/ scripts, and 24 of those lines trained 3 iterations
 # each at their own TP/PP/CP/EP on 2-8 ranks. 30 minutes, a hang guard (each line also has
-# its own 300 s): the training took 18 at a load of 20 on this 2-core box, 8.2 CPU-minutes.
+# its own 300 s): the stage takes 2-3 on this 2-core box (the lines' ranks forked from one
+# process that imported the trainer once: tests/functional_tests/forked_launch.py).
 beside "upstream's command lines (replayed, 24 trained at their own layouts)" \
     timeout 1800 python -m pytest -q -p no:cacheprovider --durations=0 tests/upstream_lines
 # 25 minutes, a hang guard (each block also has its own, its marker's timeout=): on this 2-core

@@ -1,5 +1,5 @@
-"""Runs more than one test file reads: each launch costs about 10 s of process start-up on
-2 cores, so the reference DDP and MFSDP runs of MODEL_ARGS are made once per session."""
+"""Runs more than one test file reads: the reference DDP and MFSDP runs of MODEL_ARGS are
+made once per session."""
 
 import pytest
 

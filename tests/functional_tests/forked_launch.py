@@ -109,7 +109,8 @@ def server():
     return _SERVER
 
 
-def _free_port():
+def free_port() -> int:
+    """A TCP port nobody listens on now (for MASTER_PORT)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -185,7 +186,7 @@ def serve():
     replies = sys.stdout
     for line in sys.stdin:
         request = json.loads(line)
-        port, run_id = _free_port(), uuid.uuid4().hex
+        port, run_id = free_port(), uuid.uuid4().hex
         pids = []
         processes = len(request["rank_envs"]) if request["rank_envs"] is not None else request["nproc"] or 1
         for rank in range(processes):

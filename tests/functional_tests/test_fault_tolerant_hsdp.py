@@ -32,7 +32,8 @@ import pytest
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side (the lighthouse in this process): no per-quorum lines
 from torchft.coordination import LighthouseServer  # noqa: E402
 
-from test_pretrain_gpt import MODEL_ARGS, REPO, _env, _free_port, read_metrics
+from forked_launch import free_port  # noqa: E402
+from test_pretrain_gpt import MODEL_ARGS, REPO, _env, read_metrics  # noqa: E402
 
 HASH = re.compile(r"^ft: step (\d+), quorum (\d+) of (\d+), weights sha256 ([0-9a-f]{64})$", re.M)
 RNG = re.compile(r"^ft: step (\d+), rng sha256 ([0-9a-f]{64})$", re.M)
@@ -265,7 +266,7 @@ def test_sbatch_tp_groups_train_like_one_job_and_a_lone_group_waits(tmp_path, li
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\n")  # show hostnames NODELIST
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
-    port = _free_port()
+    port = free_port()
     model = MODEL_ARGS[:MODEL_ARGS.index("--micro-batch-size")] + MODEL_ARGS[MODEL_ARGS.index("--lr"):]
     model = model[:model.index("--train-iters")] + model[model.index("--train-iters") + 2:]
     model += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]

@@ -11,7 +11,6 @@
 import glob
 import json
 import os
-import socket
 
 import pytest
 
@@ -156,15 +155,9 @@ def test_tensorboard_and_wandb_offline_files_are_written(mfsdp_run):
     assert "lm-loss validation" in acc.Tags()["scalars"]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_srun_style_launch_without_torchrun(tmp_path):
     """What `srun --ntasks 2 python pretrain_gpt.py ...` gives each task: SLURM variables only."""
-    port = str(_free_port())
+    port = str(forked_launch.free_port())
     args = MODEL_ARGS[:]
     args[args.index("--train-iters") + 1] = "3"
     out = run_ranks(args + ["--use-mfsdp"], nproc=None, rank_envs=[
@@ -178,7 +171,7 @@ def test_exit_duration_saves_and_stops_every_rank_at_the_same_iteration(tmp_path
     """--exit-duration-in-mins as Megatron: checked after every iteration, the decision is
     the maximum over ranks, and the run saves and exits 0 (a 0.0001-minute budget is spent
     by the end of iteration 1)."""
-    port, save = str(_free_port()), tmp_path / "ckpt"
+    port, save = str(forked_launch.free_port()), tmp_path / "ckpt"
     proc = launch_ranks(MODEL_ARGS + ["--use-mfsdp", "--exit-duration-in-mins", "0.0001", "--save", str(save)],
                         nproc=None, rank_envs=[{"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2",
                                                 "SLURM_LOCALID": str(rank), "SLURM_JOB_NODELIST": "localhost",

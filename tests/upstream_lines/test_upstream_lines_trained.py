@@ -7,8 +7,10 @@ with the replay's CPU substitutions and tiny model, at the line's own TP/PP/CP/E
 the fewest CPU ranks that hold them (the data-parallel size shrinks). Each must exit 0,
 print 3 iteration lines with finite losses, and report its layout in the "> model:" line.
 
-About 15-40 s a line on 2 cores: scripts/run_tests.sh runs this directory as a stage of its
-own (upstream's command lines), not with tests/functional_tests.
+Each line's ranks are forked from one process that imported the trainer once
+(tests/functional_tests/forked_launch.py): about 2-15 s a line on 2 cores.
+scripts/run_tests.sh runs this directory as a stage of its own (upstream's command lines),
+not with tests/functional_tests.
 """
 
 import math
