@@ -9,8 +9,8 @@ With ``gated_linear_unit`` (SwiGLU when the activation is silu), ``linear_fc1`` 
 import torch
 import torch.nn as nn
 
-from .gpt_oss import gated_activation
 from .layers import build_parallel_linear, output_init_std
+from .swiglu import gated_linear_unit
 from .transformer_config import TransformerConfig
 
 
@@ -33,8 +33,7 @@ class MLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         intermediate = self.linear_fc1(hidden_states)
         if self.gated:
-            gate, up = intermediate.chunk(2, dim=-1)
-            intermediate = gated_activation(self.config, gate, up)
+            intermediate = gated_linear_unit(self.config, intermediate)
         else:
             intermediate = self.activation(intermediate)
         return self.linear_fc2(intermediate)

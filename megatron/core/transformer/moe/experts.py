@@ -48,9 +48,9 @@ from megatron.core.global_slices import partition
 from megatron.core.tensor_parallel.layers import divide, tp_rank_and_size
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-from ..gpt_oss import gated_activation
 from ..layers import normal_weight_zero_bias_, output_init_std
 from ..recompute import recompute_saved, recomputes
+from ..swiglu import gated_linear_unit
 
 
 class ExpertLinear(nn.Module):
@@ -185,8 +185,7 @@ class GroupedMLP(nn.Module):
 
     def _activation_times_probs(self, intermediate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            gate, up = intermediate.chunk(2, dim=-1)
-            intermediate = gated_activation(self.config, gate, up)
+            intermediate = gated_linear_unit(self.config, intermediate)
         else:
             intermediate = self.activation(intermediate)
         return intermediate * weight
