@@ -18,6 +18,15 @@ Reported per launch: parameters (the trainer's "> model:" line), each rank's pea
 iteration's time and the two losses. The environment (e.g. ``MALLOC_MMAP_THRESHOLD_``,
 glibc's: allocations past it are mapped and returned on free, not kept in the heap) is
 recorded with the result.
+
+``--trainer torchtitan`` runs the same search on torchtitan 0.3.0 (``.venv-titan``, through
+``benchmarks/torchtitan_cpu_launcher.py``, as the peer benchmark): its Llama-3 of the same
+hidden size, heads and vocabulary (SwiGLU 4096 at hidden 1536: the same parameters per layer
+as the trainer's GELU 4 x 1536), FSDP2 over all ranks (its launcher has no pipeline), full
+activation checkpointing, fp32 AdamW, random tokens; ``--pipeline`` does not apply.
+
+    MALLOC_MMAP_THRESHOLD_=65536 python benchmarks/largest_trainer_model.py --trainer torchtitan \
+        --layers 28 30 --out benchmarks/results/largest_torchtitan_model.json
 """
 
 from __future__ import annotations
@@ -70,6 +79,24 @@ def command(opts, layers: int, log_dir: str) -> list:
             "pretrain_gpt.py", *flags]
 
 
+def titan_command(opts, layers: int, tmp: str) -> list:
+    """torchtitan's launch of 2 steps at this size, on random tokens written to ``tmp``."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import numpy as np
+    import torchtitan_peer as peer  # its venv and tokenizer; imported here: it loads the trainer
+
+    tokens = os.path.join(tmp, "tokens.npy")
+    rows = np.random.default_rng(0).integers(0, peer.VOCAB, (2 * opts.nproc, opts.seq_length + 1))
+    np.save(tokens, rows.astype(np.int32))
+    tokenizer, _ = peer.shakespeare()
+    return [peer.setup_venv(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(opts.nproc),
+            os.path.join(REPO, "benchmarks", "torchtitan_cpu_launcher.py"), "--tokens", tokens, "--tokenizer", tokenizer,
+            "--dim", str(opts.hidden), "--layers", str(layers), "--heads", str(opts.hidden // 128),
+            "--vocab", str(opts.vocab), "--seq-len", str(opts.seq_length), "--local-batch-size", "1",
+            "--steps", "2", "--lr", "1e-4", "--full-recompute", "--dump-folder", os.path.join(tmp, "dump"),
+            "--out", os.path.join(tmp, "titan.json")]
+
+
 def _vmhwm(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
@@ -77,8 +104,11 @@ def _vmhwm(pid: int) -> int:
 
 def launch(opts, layers: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="largest_trainer_") as tmp:
-        cmd = command(opts, layers, os.path.join(tmp, "logs"))
+        titan = opts.trainer == "torchtitan"
+        cmd = titan_command(opts, layers, tmp) if titan else command(opts, layers, os.path.join(tmp, "logs"))
         env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        if titan:  # its own venv: none of the project's paths
+            env = {k: v for k, v in env.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
         out_path = os.path.join(tmp, "out.log")
         with open(out_path, "w") as out:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -103,13 +133,18 @@ def launch(opts, layers: int) -> dict:
         output = open(out_path).read()
         result = {"layers": layers, "command": cmd[3:], "wall_s": time.perf_counter() - start,
                   "returncode": proc.returncode, "killed": killed}
-        model = re.search(r"> model: ([\d,]+) parameters", output)
-        iterations = re.findall(r"elapsed time per iteration \(ms\): ([\d.]+).*?lm loss: (\S+) \|", output)
         rank_peaks = sorted(peaks.values(), reverse=True)[:opts.nproc]  # the ranks, not the launcher
-        result.update(params=int(model.group(1).replace(",", "")) if model else None,
-                      peak_rss_per_rank=rank_peaks, summed_peak_rss=sum(rank_peaks),
-                      iteration_s=[float(ms) / 1000 for ms, _ in iterations],
-                      losses=[float(loss) for _, loss in iterations])
+        if titan:
+            done = os.path.exists(os.path.join(tmp, "titan.json"))
+            report = json.load(open(os.path.join(tmp, "titan.json"))) if done else {}
+            params, iterations = report.get("params"), list(zip(report.get("step_s", []), report.get("losses", [])))
+        else:
+            model = re.search(r"> model: ([\d,]+) parameters", output)
+            params = int(model.group(1).replace(",", "")) if model else None
+            iterations = [(float(ms) / 1000, float(loss)) for ms, loss in
+                          re.findall(r"elapsed time per iteration \(ms\): ([\d.]+).*?lm loss: (\S+) \|", output)]
+        result.update(params=params, peak_rss_per_rank=rank_peaks, summed_peak_rss=sum(rank_peaks),
+                      iteration_s=[t for t, _ in iterations], losses=[loss for _, loss in iterations])
         result["fits"] = (proc.returncode == 0 and killed is None and len(iterations) == 2
                           and result["summed_peak_rss"] <= opts.memory_budget_gib * GIB)
         if proc.returncode != 0:
@@ -119,8 +154,10 @@ def launch(opts, layers: int) -> dict:
 
 def table(opts, runs) -> str:
     env = {k: os.environ[k] for k in sorted(os.environ) if k.startswith("MALLOC_")}
-    lines = [f"Largest GPT `pretrain_gpt.py` trains 2 iterations: {opts.nproc} CPU ranks, pipeline parallel "
-             f"{opts.pipeline}, budget {opts.memory_budget_gib} GiB (summed per-rank peak RSS), hidden {opts.hidden}, "
+    who = ("torchtitan 0.3.0 (FSDP2, no pipeline)" if opts.trainer == "torchtitan"
+           else f"`pretrain_gpt.py`, pipeline parallel {opts.pipeline}")
+    lines = [f"Largest GPT {who} trains 2 iterations: {opts.nproc} CPU ranks, budget {opts.memory_budget_gib} GiB "
+             f"(summed per-rank peak RSS), hidden {opts.hidden}, "
              f"vocab {opts.vocab} (untied), seq {opts.seq_length}, fp32 Adam, full recompute; environment {env or '{}'}",
              "",
              "| layers | params | per-rank peak RSS (GiB) | summed (GiB) | fits | time/iteration (s) | losses |",
@@ -138,6 +175,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, nargs="+", required=True)
     p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--trainer", choices=["ours", "torchtitan"], default="ours")
     p.add_argument("--pipeline", type=int, default=4)
     p.add_argument("--hidden", type=int, default=1536)
     p.add_argument("--vocab", type=int, default=32000)

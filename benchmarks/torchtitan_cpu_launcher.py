@@ -107,6 +107,7 @@ import torchtitan.distributed.utils as titan_dist_utils  # noqa: E402
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.distributed.activation_checkpoint import FullAC  # noqa: E402
 from torchtitan.models import llama3  # noqa: E402
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
@@ -253,6 +254,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=8e-4)
     parser.add_argument("--compile", action="store_true", help="torchtitan's --compile.enable (model and loss)")
+    parser.add_argument("--full-recompute", action="store_true",
+                        help="torchtitan's full activation checkpointing (every block recomputed in backward)")
     parser.add_argument("--dump-folder", default="/tmp/titan_peer_outputs")
     parser.add_argument("--out", required=True, help="JSON result (rank 0)")
     parser.add_argument("--profile-dir", default=None, help="write rank 0's profiler trace of the window here")
@@ -277,7 +280,7 @@ def main() -> None:
     config.training.max_norm = 1.0
     config.optimizer = default_adamw(lr=opts.lr)  # betas (0.9, 0.95), eps 1e-8, weight decay 0.1
     config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0)  # constant LR
-    config.activation_checkpoint = None
+    config.activation_checkpoint = FullAC.Config() if opts.full_recompute else None
     config.checkpoint.enable = False
     config.validator.enable = False
     config.metrics.log_freq = 1

@@ -163,8 +163,9 @@ def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, invers
 
 class _RotateHalves(torch.autograd.Function):
     """RoPE in the rotate-half layout without the composition's temporaries (the partner's
-    ``cat``, its negation, the zero-filled slice gradients): about half the memory traffic of
-    the composed form on CPU, the same bits (tests/unit_tests/transformer/test_rope_halves.py)."""
+    ``cat``, its negation, the zero-filled slice gradients): three full-size passes over the
+    tensor where the composition writes five or six, the same bits
+    (tests/unit_tests/transformer/test_rope_halves.py)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
