@@ -28,6 +28,7 @@ The protocol is one JSON line per launch on the server's stdin, one JSON line ba
 import atexit
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -109,11 +110,31 @@ def server():
     return _SERVER
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on now (for MASTER_PORT)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port nobody listens on now (for MASTER_PORT), below the kernel's ephemeral range.
+    gloo's pair listeners bind port 0, so they take ephemeral ports: a store port from that
+    range, once released here, can be handed to another run's gloo listener before this
+    launch's rank 0 binds it, and the launch's other ranks then connect into that listener
+    (seen as an abort or a segfault in a distributed test beside the functional stage)."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()  # never the tests' seeded sequence (two servers run side by side)
+    for _ in range(200):
+        port = draw.randrange(10000, low) if low > 11000 else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise RuntimeError("no free TCP port below the ephemeral range after 200 tries")
 
 
 def _rank_env(request, rank, port, run_id):
