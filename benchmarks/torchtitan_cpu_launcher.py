@@ -101,6 +101,7 @@ titan_utils.device_module = CpuDeviceModule
 import numpy as np  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 from torch.utils.data import IterableDataset  # noqa: E402
 
 import torchtitan.distributed.utils as titan_dist_utils  # noqa: E402
@@ -110,7 +111,8 @@ from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.distributed.activation_checkpoint import FullAC  # noqa: E402
 from torchtitan.models import llama3  # noqa: E402
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim  # noqa: E402
-from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.common.attention import FusedQKVLinear, ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 
@@ -163,6 +165,63 @@ def model_config(dim: int, layers: int, heads: int, vocab: int):
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return config
+
+
+def hf_config(opts) -> dict:
+    """The Hugging Face ``LlamaForCausalLM`` config of the launcher's model (what the
+    project's converter reads to import the weights)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": opts.dim,
+            "intermediate_size": compute_ffn_hidden_dim(opts.dim, multiple_of=256),
+            "num_hidden_layers": opts.layers, "num_attention_heads": opts.heads,
+            "num_key_value_heads": opts.heads, "head_dim": opts.dim // opts.heads, "vocab_size": opts.vocab,
+            "max_position_embeddings": opts.seq_len, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+            "torch_dtype": "float32"}
+
+
+def save_initial_hf(trainer, opts) -> None:
+    """Write torchtitan's initial weights as a Hugging Face Llama directory (rank 0), through
+    torchtitan's own state-dict adapter (which undoes its complex-RoPE row order)."""
+    from safetensors.torch import save_file
+
+    state = {}
+    for part in trainer.model_parts:
+        for name, tensor in part.state_dict().items():  # the fused wqkv comes out as wq / wk / wv
+            state[name] = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if dist.get_rank() == 0:
+        adapter = Llama3StateDictAdapter(trainer.model_config, None)
+        hf = {k: v.detach().contiguous().clone() for k, v in adapter.to_hf(state).items()}
+        os.makedirs(opts.save_initial_hf, exist_ok=True)
+        save_file(hf, os.path.join(opts.save_initial_hf, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(opts.save_initial_hf, "config.json"), "w") as f:
+            json.dump(hf_config(opts), f, indent=1)
+    dist.barrier()
+
+
+def load_initial_hf(trainer, directory: str) -> None:
+    """Replace torchtitan's initial weights by a Hugging Face Llama directory's (every rank
+    reads the file and keeps its own shard of each parameter)."""
+    from safetensors.torch import load_file
+
+    adapter = Llama3StateDictAdapter(trainer.model_config, None)
+    state = adapter.from_hf(load_file(os.path.join(directory, "model.safetensors")))
+    for part in trainer.model_parts:
+        for prefix, module in part.named_modules():
+            if isinstance(module, FusedQKVLinear):  # wq / wk / wv -> wqkv, torchtitan's own merge
+                FusedQKVLinear._merge_qkv_on_load(module, state, f"{prefix}.")
+        names = dict(part.named_parameters())
+        missing = sorted(set(names) - set(state))
+        if missing:
+            raise RuntimeError(f"{directory} lacks {missing[:3]}...: not this launcher's model")
+        with torch.no_grad():
+            for name, param in names.items():
+                full = state[name].to(param.dtype)
+                if tuple(full.shape) != tuple(param.shape):
+                    raise RuntimeError(f"{name}: {tuple(full.shape)} in {directory}, {tuple(param.shape)} here")
+                if isinstance(param, DTensor):
+                    param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
+                else:
+                    param.copy_(full)
 
 
 class CpuTrainer(Trainer):
@@ -256,6 +315,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torchtitan's --compile.enable (model and loss)")
     parser.add_argument("--full-recompute", action="store_true",
                         help="torchtitan's full activation checkpointing (every block recomputed in backward)")
+    parser.add_argument("--save-initial-hf", default=None,
+                        help="write the initial weights as a Hugging Face Llama directory, then exit (no step)")
+    parser.add_argument("--load-initial-hf", default=None,
+                        help="start from a Hugging Face Llama directory's weights instead of torchtitan's init")
     parser.add_argument("--dump-folder", default="/tmp/titan_peer_outputs")
     parser.add_argument("--out", required=True, help="JSON result (rank 0)")
     parser.add_argument("--profile-dir", default=None, help="write rank 0's profiler trace of the window here")
@@ -294,6 +357,13 @@ def main() -> None:
         titan_dist_utils.clip_grad_norm_ = phases.switching_to("optimizer", titan_dist_utils.clip_grad_norm_)
         titan_dist_utils.dist_sum = phases.switching_to("logging", titan_dist_utils.dist_sum)
     trainer = CpuTrainer(config)
+    if opts.save_initial_hf is not None:
+        save_initial_hf(trainer, opts)
+        trainer.close()
+        dist.destroy_process_group()
+        return
+    if opts.load_initial_hf is not None:
+        load_initial_hf(trainer, opts.load_initial_hf)
     trainer.step_seconds = []
     trainer.phases = phases
     if opts.profile_dir is not None and dist.get_rank() == 0:

@@ -33,10 +33,20 @@ What is the same on both sides:
   split), written to a ``.npy`` file that torchtitan's launcher reads in Megatron's sampler
   order: every step both trainers see the same sequences on the same ranks.
 * **recipe**: fp32, AdamW (lr 8e-4 constant, betas 0.9/0.95, eps 1e-8, weight decay 0.1;
-  Megatron exempts the norm weights from decay, torchtitan does not), gradient clipping at
+  Megatron exempts the norm weights from decay, torchtitan does not; torch's fused kernel on
+  both sides: torchtitan's default, ours ``--optimizer-implementation fused``, or ``foreach``
+  with ``--optimizer-implementation foreach``, as every result before 2026-12-06 19:00 UTC), gradient clipping at
   1.0, 2 sequences per rank, no gradient accumulation, no recompute, one data-parallel
   dimension over all ranks (torchtitan: FSDP2 with its defaults; ours: ZeRO-3,
   ``--data-parallel-sharding-strategy optim_grads_params``), loss logged every step.
+* **initial weights** (``--init``): ``own`` (the default) lets each trainer initialize by its
+  own recipe (torchtitan's Llama-3: embedding std 1, output layer std dim^-1/2, depth-scaled
+  projections; Megatron's: std 0.02, output projections 0.02/sqrt(2 layers)); ``torchtitan``
+  starts both from torchtitan's initial weights: its launcher writes them once as a Hugging
+  Face Llama directory (``--save-initial-hf``), torchtitan's runs load it back
+  (``--load-initial-hf``), ours start from the project's import of it
+  (``tools/checkpoint/convert.py --to mfsdp``, then ``--load DIR --finetune``). Then the two
+  loss curves differ only by the trainers' arithmetic.
 * **our engines** (``--engines``): ``mfsdp`` is ``--use-mfsdp`` (the row "ours"), ``fsdp2``
   is ``--use-torch-fsdp2`` (PyTorch's ``fully_shard`` under the same trainer, the row
   "ours_fsdp2"; it shards parameters, gradients and optimizer state like ZeRO-3, so it takes
@@ -118,7 +128,7 @@ LABELS = {"torchtitan": "torchtitan (FSDP2)", "ours": "ours (MFSDP ZeRO-3)", "ou
 
 
 def ours_flags(shape: dict, world: int, steps: int, tokenizer: str, prefix: str, log_dir: str, compiled: bool,
-               engine: str = "mfsdp"):
+               engine: str = "mfsdp", adam: str = "fused"):
     flags = (f"--num-layers {shape['layers']} --hidden-size {shape['dim']} --num-attention-heads {shape['heads']} "
              f"--ffn-hidden-size {shape['ffn']} --swiglu --normalization RMSNorm --position-embedding-type rope "
              f"--rotary-base 500000 --untie-embeddings-and-output-weights --disable-bias-linear "
@@ -126,7 +136,7 @@ def ours_flags(shape: dict, world: int, steps: int, tokenizer: str, prefix: str,
              f"--micro-batch-size {MICRO_BATCH} --global-batch-size {MICRO_BATCH * world} "
              f"--hidden-dropout 0 --attention-dropout 0 "
              f"--optimizer adam --lr {LR} --lr-decay-style constant --lr-warmup-iters 0 --weight-decay 0.1 "
-             f"--adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 "
+             f"--adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 --optimizer-implementation {adam} "
              f"--train-iters {steps} --log-interval 1 --eval-iters 0 --eval-interval {steps + 1} "
              f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tokenizer} --data-path {prefix} "
              f"--split 100,0,0 --num-workers 0 --seed 1234 "
@@ -170,14 +180,44 @@ def torchrun(python: str, nproc: int, script_and_args: list, env: dict, log: str
     return time.time() - start
 
 
-def run_titan(python, opts, shape, tokens, tokenizer, compiled, env, tag):
-    out = os.path.join(opts.work, f"{tag}.json")
-    args = [os.path.join(HERE, "torchtitan_cpu_launcher.py"), "--tokens", tokens, "--tokenizer", tokenizer,
+def titan_args(opts, shape, tokens, tokenizer, tag) -> list:
+    return [os.path.join(HERE, "torchtitan_cpu_launcher.py"), "--tokens", tokens, "--tokenizer", tokenizer,
             "--dim", str(shape["dim"]), "--layers", str(shape["layers"]), "--heads", str(shape["heads"]),
             "--vocab", str(shape["vocab"]), "--seq-len", str(shape["seq"]), "--local-batch-size", str(MICRO_BATCH),
-            "--steps", str(opts.steps), "--lr", str(LR), "--dump-folder", os.path.join(opts.work, tag), "--out", out]
+            "--steps", str(opts.steps), "--lr", str(LR), "--dump-folder", os.path.join(opts.work, tag),
+            "--out", os.path.join(opts.work, f"{tag}.json")]
+
+
+def shared_initial_weights(python, opts, shape, tokens, tokenizer, env) -> tuple:
+    """``--init torchtitan``: torchtitan's initial weights written once as a Hugging Face Llama
+    directory by its launcher, and imported by the project's converter into a checkpoint that
+    ``pretrain_gpt.py --load ... --finetune`` starts from. Returns (HF directory, checkpoint)."""
+    hf_dir, ckpt = os.path.join(opts.work, "initial_hf"), os.path.join(opts.work, "initial_mfsdp")
+    for path in (hf_dir, ckpt):
+        shutil.rmtree(path, ignore_errors=True)
+    torchrun(python, opts.nproc, titan_args(opts, shape, tokens, tokenizer, "initial") + ["--save-initial-hf", hf_dir],
+             env, os.path.join(opts.work, "initial.log"))
+    subprocess.run([sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert.py"), "--input", hf_dir,
+                    "--to", "mfsdp", "--output", ckpt, "--quiet"], check=True, stdout=subprocess.DEVNULL)
+    return hf_dir, ckpt
+
+
+def step_floor(opts, out: str) -> float:
+    """benchmarks/step_floor.py at this shape and rank count: seconds a step's matrix products
+    and attention take alone (the slowest of the copies run at once)."""
+    subprocess.run([sys.executable, os.path.join(HERE, "step_floor.py"), "--shape", opts.shape, "--procs",
+                    str(opts.nproc), "--reps", "5", "--out", out], check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        return json.load(f)["slowest"]["floor_s"]
+
+
+def run_titan(python, opts, shape, tokens, tokenizer, compiled, env, tag):
+    out = os.path.join(opts.work, f"{tag}.json")
+    args = titan_args(opts, shape, tokens, tokenizer, tag)
     if compiled:
         args.append("--compile")
+    if opts.initial_hf is not None:
+        args += ["--load-initial-hf", opts.initial_hf]
     wall = torchrun(python, opts.nproc, args, env, os.path.join(opts.work, f"{tag}.log"))
     with open(out) as f:
         record = json.load(f)
@@ -188,7 +228,10 @@ def run_titan(python, opts, shape, tokens, tokenizer, compiled, env, tag):
 def run_ours(opts, shape, tokenizer, prefix, compiled, env, tag, engine="mfsdp"):
     log_dir = os.path.join(opts.work, tag)
     shutil.rmtree(log_dir, ignore_errors=True)  # metrics.jsonl is appended to
-    flags = ours_flags(shape, opts.nproc, opts.steps, tokenizer, prefix, log_dir, compiled, engine)
+    flags = ours_flags(shape, opts.nproc, opts.steps, tokenizer, prefix, log_dir, compiled, engine,
+                       opts.optimizer_implementation)
+    if opts.initial_checkpoint is not None:
+        flags += ["--load", opts.initial_checkpoint, "--finetune"]
     wall = torchrun(sys.executable, opts.nproc, ["pretrain_gpt.py"] + flags, env, os.path.join(opts.work, f"{tag}.log"))
     records = [json.loads(line) for line in open(os.path.join(log_dir, "metrics.jsonl"))]
     train = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["iteration"])
@@ -223,11 +266,19 @@ def main_run(opts) -> None:
     os.makedirs(opts.work, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=REPO)
     titan_env = {k: v for k, v in env.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    opts.initial_hf = opts.initial_checkpoint = None
+    if opts.init == "torchtitan":
+        opts.initial_hf, opts.initial_checkpoint = shared_initial_weights(python, opts, shape, tokens, tokenizer,
+                                                                          titan_env)
     variants = opts.variants.split(",")
     engines = opts.engines.split(",")
     ours_sides = [ENGINES[e][0] for e in engines]
     runs = {f"{side}_{v}": [] for v in variants for side in ["torchtitan"] + ours_sides}
+    floors = []
     for r in range(opts.rounds):
+        if opts.floor:
+            floors.append(step_floor(opts, os.path.join(opts.work, f"floor_r{r}.json")))
+            print(f"round {r} floor (products alone, benchmarks/step_floor.py): {floors[-1]:.3f} s", flush=True)
         for v in variants:
             compiled = v == "compiled"
             tag = f"torchtitan_{v}"
@@ -247,6 +298,10 @@ def main_run(opts) -> None:
     tokens_per_step = MICRO_BATCH * opts.nproc * shape["seq"]
     summary = {name: summarize(rs, opts.warmup, tokens_per_step) for name, rs in runs.items()}
     ratios = {}
+    if floors:  # each round's floor against that round's eager torchtitan step
+        titan_runs = runs.get("torchtitan_eager") or runs[f"torchtitan_{variants[0]}"]
+        ratios["floor"] = dict(floor_s=floors, per_round_floor_over_torchtitan=[
+            f / statistics.median(t["step_s"][opts.warmup:]) for f, t in zip(floors, titan_runs)])
     for v, side in [(v, side) for v in variants for side in ours_sides]:
         ours, titan = summary[f"{side}_{v}"], summary[f"torchtitan_{v}"]
         # Each round's ours against the torchtitan run of the same round: robust to drifting load.
@@ -263,7 +318,8 @@ def main_run(opts) -> None:
     result = dict(command=" ".join(["python", os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]), nproc=opts.nproc,
                   commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                         text=True).stdout.strip(), engines=engines, shape=opts.shape, shape_config=shape,
-                  steps=opts.steps, warmup=opts.warmup, rounds=opts.rounds,
+                  steps=opts.steps, warmup=opts.warmup, rounds=opts.rounds, init=opts.init,
+                  optimizer_implementation=opts.optimizer_implementation,
                   tokens_per_step=tokens_per_step, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   load_average=os.getloadavg(), summary=summary, ratios=ratios, runs=runs)
     out = opts.out or os.path.join(RESULTS, f"torchtitan_peer_n{opts.nproc}_{opts.shape}.json")
@@ -273,9 +329,10 @@ def main_run(opts) -> None:
     print(f"-> {out}; python benchmarks/torchtitan_peer.py --report")
 
 
-TABLE_HEAD = ["| ranks | shape | steps (warm-up) x rounds | variant | trainer | median step (s) | tokens/s | "
-              "peak RSS per rank (MB) | final loss | launch, whole run (s) | step ratio (per-round ratios) | "
-              "RSS ratio | final loss rel. diff |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+TABLE_HEAD = ["| ranks | shape | steps (warm-up) x rounds | initial weights | our AdamW | variant | trainer | "
+              "median step (s) | tokens/s | peak RSS per rank (MB) | final loss | launch, whole run (s) | "
+              "step ratio (per-round ratios) | RSS ratio | final loss rel. diff |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def table_rows(data: dict) -> list:
@@ -295,10 +352,19 @@ def table_rows(data: dict) -> list:
             walls = [run["wall_s"] for run in data["runs"][f"{side}_{variant}"]]
             launch = sum(walls) / len(walls)
             lines.append(f"| {data['nproc']} | {data['shape']} | {data['steps']} ({data['warmup']}) x "
-                         f"{data['rounds']} | {variant} | {LABELS[side]} | {s['median_step_s']:.3f} "
+                         f"{data['rounds']} | {data.get('init', 'own')} | "
+                         f"{data.get('optimizer_implementation', 'foreach')} | {variant} | {LABELS[side]} | {s['median_step_s']:.3f} "
                          f"[{lo:.3f}-{hi:.3f}] | {s['tokens_per_s']:.0f} | {s['peak_rss_mb']:.0f} | "
                          f"{s['final_loss']:.4f} | {launch:.0f} | " + " | ".join(extra) + " |")
     return lines
+
+
+def floor_text(data: dict) -> str:
+    floor = data["ratios"]["floor"]
+    return ("the step's matrix products and attention alone (`benchmarks/step_floor.py`, before each round): "
+            + ", ".join(f"{x:.3f}" for x in floor["floor_s"]) + " s, i.e. "
+            + ", ".join(f"{x:.2f}" for x in floor["per_round_floor_over_torchtitan"])
+            + " of that round's torchtitan step")
 
 
 def _command_line(data: dict) -> str:
@@ -325,15 +391,17 @@ def report(results_dir: str) -> str:
         commands.append(_command_line(data))
         if data.get("note"):  # a remark added to the JSON by hand, e.g. what differed in that run
             notes.append(f"* {os.path.basename(path)}: {data['note']}")
+        if "floor" in data["ratios"]:
+            notes.append(f"* {os.path.basename(path)}: {floor_text(data)}")
         lines += table_rows(data)
     lines += ["", "Read with care: these runs shared a 2-core box with other jobs (the load average of each "
               "run is with its command below), so absolute times are several times an idle box's; the ratio "
               "of one interleaved run is the figure to quote. Both trainers see the same sequences at every "
-              "step, but they start from different initial weights (each trainer's own init: torchtitan "
+              "step. With initial weights 'own' they start from each trainer's own init (torchtitan "
               "draws its embeddings with std 1.0, Megatron with 0.02, so torchtitan's first loss is ~8.1 "
-              "against ~7.7): over a few steps the final-loss difference is that head start, not a "
-              "difference in what the trainers compute; the same-loss check needs a run of a few hundred "
-              "steps (`--steps 300 --rounds 1`). Launch: the whole `torch.distributed.run` launch, start-up "
+              "against ~7.7), and the final-loss difference is the two recipes' as much as the trainers'; "
+              "with 'torchtitan' (`--init torchtitan`) both start from torchtitan's initial weights, and the "
+              "losses differ only by the trainers' arithmetic. Launch: the whole `torch.distributed.run` launch, start-up "
               "and compilation included (the compiled variants compile in their first steps, which the "
               "step times leave out). torchtitan's `--compile.enable` works on CPU; inductor warns that it "
               "does not generate code for complex operators, so torchtitan's complex-number RoPE stays "
@@ -357,6 +425,8 @@ def report(results_dir: str) -> str:
         lines += ["", "```bash", _command_line(data), "```", ""]
         if data.get("note"):
             lines += [f"Note: {data['note']}", ""]
+        if "floor" in data["ratios"]:
+            lines += [f"Floor: {floor_text(data)}.", ""]
     text = "\n".join(lines)
     with open(os.path.join(results_dir, "torchtitan_peer.md"), "w") as f:
         f.write(text)
@@ -373,6 +443,15 @@ def main() -> None:
     parser.add_argument("--variants", default="eager", help="comma list of eager, compiled")
     parser.add_argument("--engines", default="mfsdp", help="our trainer's engines, comma list of mfsdp "
                         "(--use-mfsdp, ZeRO-3), fsdp2 (--use-torch-fsdp2); each runs after torchtitan in every round")
+    parser.add_argument("--init", choices=("own", "torchtitan"), default="own",
+                        help="own: each trainer its own initialization recipe (torchtitan's Llama-3, Megatron's "
+                             "normal 0.02); torchtitan: both start from torchtitan's initial weights")
+    parser.add_argument("--optimizer-implementation", choices=("foreach", "fused"), default="fused",
+                        help="our AdamW's implementation (torchtitan's is fused; foreach: the results before "
+                             "2026-12-06 19:00 UTC)")
+    parser.add_argument("--floor", action="store_true",
+                        help="each round also times the step's matrix products and attention alone "
+                             "(benchmarks/step_floor.py): what no trainer of this model gets below")
     parser.add_argument("--work", default="/tmp/torchtitan_peer", help="logs and per-run outputs")
     parser.add_argument("--out", default=None, help="JSON (default results/torchtitan_peer_n<N>_<shape>.json)")
     parser.add_argument("--setup-venv", action="store_true", help="only create .venv-titan")

@@ -141,6 +141,11 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--optimizer-implementation", dest="adam_implementation", choices=("foreach", "for-loop", "fused"),
+                   default="foreach",
+                   help="AdamW's torch implementation: foreach (default; the per-parameter loop's bits, one dispatch "
+                        "per operator), for-loop, or fused (one kernel per group, no temporaries, other rounding: "
+                        "torchtitan's default, Megatron's FusedAdam on GPU)")
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
 
@@ -645,6 +650,9 @@ def _validate_schedule(args: argparse.Namespace) -> None:
         raise ValueError("--adam-eps must be positive.")
     if args.clip_grad < 0:
         raise ValueError("--clip-grad must be non-negative (0 disables clipping).")
+    if args.adam_implementation != "foreach" and args.optimizer != "adam":
+        raise ValueError(f"--optimizer-implementation {args.adam_implementation} chooses AdamW's implementation; "
+                         f"--optimizer {args.optimizer} takes none (drop the flag).")
 
 
 def _validate_data(args: argparse.Namespace) -> None:

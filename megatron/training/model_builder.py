@@ -420,6 +420,7 @@ def build_optimizer(args, built: BuiltModel):
         adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum,
         clip_grad=args.clip_grad,
+        adam_implementation=getattr(args, "adam_implementation", "foreach"),
         decoupled_lr=getattr(args, "decoupled_lr", None),
         decoupled_min_lr=getattr(args, "decoupled_min_lr", None),
         apply_wd_to_qk_layernorm=getattr(args, "apply_wd_to_qk_layernorm", False),

@@ -39,6 +39,8 @@ __all__ = [
 ]
 
 _OPTIMIZERS = ("adam", "sgd", "muon")
+# AdamW's implementations (torch.optim.AdamW's foreach / fused; torchtitan's --optimizer.implementation).
+ADAM_IMPLEMENTATIONS = ("foreach", "for-loop", "fused")
 
 
 @dataclasses.dataclass
@@ -52,6 +54,9 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
     clip_grad: float = 1.0
+    # foreach: torch's multi-tensor path (the loop's bits); fused: one kernel per group, no
+    # temporaries, rounded differently from the loop (the kernel Megatron's FusedAdam stands for).
+    adam_implementation: str = "foreach"
     # Upstream's Qwen3-Next option: decay the q/k norm weights (q_layernorm, k_layernorm)
     # although they are 1-D.
     apply_wd_to_qk_layernorm: bool = False
@@ -74,6 +79,12 @@ class OptimizerConfig:
     def __post_init__(self):
         if self.optimizer not in _OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {_OPTIMIZERS}, got {self.optimizer!r}.")
+        if self.adam_implementation not in ADAM_IMPLEMENTATIONS:
+            raise ValueError(f"adam_implementation must be one of {ADAM_IMPLEMENTATIONS}, "
+                             f"got {self.adam_implementation!r}.")
+        if self.adam_implementation != "foreach" and self.optimizer != "adam":
+            raise ValueError(f"--optimizer-implementation {self.adam_implementation} is AdamW's; "
+                             f"--optimizer {self.optimizer} takes none (drop the flag).")
         if self.lr < 0 or self.weight_decay < 0:
             raise ValueError("lr and weight_decay must be non-negative.")
 
@@ -109,9 +120,14 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> t
         # benchmarks/results/profile_vs_torchtitan.md); the multi-tensor path computes the same
         # bits on CPU and dispatches once per operator, but its temporaries are a copy of the
         # group (4 bytes a parameter beside the 16 of weights, gradients and moments), so a
-        # group past FOREACH_MAX_ELEMENTS on this rank stays on the loop.
+        # group past FOREACH_MAX_ELEMENTS on this rank stays on the loop. fused (chosen) has no
+        # temporaries and one kernel per group: torchtitan's default, and Megatron's on GPU.
         for g in groups:
-            g["foreach"] = sum(_local_numel(p) for p in g["params"]) <= FOREACH_MAX_ELEMENTS
+            if config.adam_implementation == "fused":
+                g["fused"] = True
+            else:
+                g["foreach"] = (config.adam_implementation == "foreach"
+                                and sum(_local_numel(p) for p in g["params"]) <= FOREACH_MAX_ELEMENTS)
         return torch.optim.AdamW(
             groups,
             lr=config.lr,

@@ -176,8 +176,10 @@ def make_optimizer(kind: str, params):
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=0.02, weight_decay=0.1)
-    if kind in ("adamw_foreach", "adamw_loop"):  # torch's two implementations, chosen explicitly
+    if kind in ("adamw_foreach", "adamw_loop"):  # torch's implementations, chosen explicitly
         return torch.optim.AdamW(params, lr=0.02, weight_decay=0.1, foreach=kind == "adamw_foreach")
+    if kind == "adamw_fused":
+        return torch.optim.AdamW(params, lr=0.02, weight_decay=0.1, fused=True)
     raise ValueError(kind)
 
 

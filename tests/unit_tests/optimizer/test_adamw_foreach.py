@@ -1,8 +1,9 @@
 """--optimizer adam is torch's AdamW on its multi-tensor (foreach) path, chosen for speed on
 CPU (benchmarks/results/profile_vs_torchtitan.md): the same bits as torch's per-parameter
 loop, which torch would pick off CUDA; a group too large for foreach's temporaries stays on
-the loop."""
+the loop. --optimizer-implementation picks the loop or torch's fused kernel instead."""
 
+import pytest
 import torch
 
 import megatron.core.optimizer as optimizer_module
@@ -19,15 +20,17 @@ def _model():
     return GPTModel(config, 64, 8, share_embeddings_and_output_weights=False)
 
 
-def test_adamw_takes_the_foreach_path_with_the_loops_bits():
+def _step_both(implementation, reference_kwargs):
+    """Three steps of ours (--optimizer-implementation ``implementation``) and of torch's AdamW
+    over the same groups with ``reference_kwargs``; returns (ours, both models)."""
     ours_model, loop_model = _model(), _model()
-    ours = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1), ours_model)
-    assert all(g["foreach"] is True for g in ours.param_groups)
-    # The same groups (decay / no decay) on torch's per-parameter loop.
+    ours = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1,
+                                                  adam_implementation=implementation), ours_model)
+    # The same groups (decay / no decay) on torch's implementation chosen explicitly.
     by_id = dict(zip(map(id, ours_model.parameters()), loop_model.parameters()))
-    loop_groups = [{**{k: v for k, v in g.items() if k not in ("params", "foreach")},
+    loop_groups = [{**{k: v for k, v in g.items() if k not in ("params", "foreach", "fused")},
                     "params": [by_id[id(p)] for p in g["params"]]} for g in ours.param_groups]
-    loop = torch.optim.AdamW(loop_groups, lr=1e-2, weight_decay=0.1, foreach=False)
+    loop = torch.optim.AdamW(loop_groups, lr=1e-2, weight_decay=0.1, **reference_kwargs)
     for step in range(3):
         for model in (ours_model, loop_model):
             torch.manual_seed(step)
@@ -36,8 +39,34 @@ def test_adamw_takes_the_foreach_path_with_the_loops_bits():
         loop.step()
         ours.zero_grad()
         loop.zero_grad()
+    return ours, ours_model, loop_model
+
+
+def test_adamw_takes_the_foreach_path_with_the_loops_bits():
+    ours, ours_model, loop_model = _step_both("foreach", dict(foreach=False))
+    assert all(g["foreach"] is True for g in ours.param_groups)
     for a, b in zip(ours_model.parameters(), loop_model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("implementation, reference", [("fused", dict(fused=True)), ("for-loop", dict(foreach=False))])
+def test_the_implementation_flag_picks_torchs_kernel(implementation, reference):
+    ours, ours_model, loop_model = _step_both(implementation, reference)
+    assert all(bool(g.get("fused")) == (implementation == "fused") for g in ours.param_groups)
+    assert all(g.get("foreach") in (None, False) for g in ours.param_groups)
+    for a, b in zip(ours_model.parameters(), loop_model.parameters()):
+        assert torch.equal(a, b)
+    if implementation == "fused":
+        # Not the loop's bits: the kernel rounds differently, and Adam's g / (sqrt(v) + eps)
+        # magnifies that where a gradient is near eps; still well inside one step (lr 1e-2).
+        _, _, plain = _step_both("foreach", dict(foreach=False))
+        diffs = [(a - b).abs().max().item() for a, b in zip(ours_model.parameters(), plain.parameters())]
+        assert 0 < max(diffs) < 1e-3
+
+
+def test_the_implementation_flag_is_adams_only():
+    with pytest.raises(ValueError, match="--optimizer-implementation fused"):
+        OptimizerConfig(optimizer="sgd", adam_implementation="fused")
 
 
 def test_a_group_past_the_limit_stays_on_the_loop(monkeypatch):

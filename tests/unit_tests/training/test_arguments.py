@@ -361,3 +361,11 @@ def test_disable_gloo_process_groups(capsys):
 def test_modelopt_and_dsa_families_are_refused_in_one_line(flags, reason):
     with pytest.raises(ValueError, match=re.escape(f"{flags.split()[0]} is not supported: {reason}")):
         parse(flags)
+
+
+def test_optimizer_implementation_is_adams():
+    assert parse("").adam_implementation == "foreach"
+    assert parse("--optimizer-implementation fused").adam_implementation == "fused"
+    with pytest.raises(ValueError, match="--optimizer-implementation fused chooses AdamW's implementation; "
+                                         "--optimizer sgd takes none"):
+        parse("--optimizer sgd --optimizer-implementation fused")

@@ -94,7 +94,7 @@ MFSDP_ARGV = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-len
               "--hidden-dropout 0 --attention-dropout 0 --use-mfsdp").split()
 
 
-def _mfsdp_model(save_dir):
+def _mfsdp_model(save_dir, extra=()):
     import sys
 
     from megatron.training.arguments import parse_args
@@ -103,7 +103,7 @@ def _mfsdp_model(save_dir):
     sys.path.insert(0, ".")
     from pretrain_gpt import model_provider
 
-    args = parse_args(MFSDP_ARGV + ["--save", str(save_dir), "--load", str(save_dir)],
+    args = parse_args(MFSDP_ARGV + ["--save", str(save_dir), "--load", str(save_dir)] + list(extra),
                       world_size=1, cuda_available=False)
     args.padded_vocab_size = 64
     built = build_model(model_provider, args, torch.device("cpu"))
@@ -125,9 +125,12 @@ def _full(p):
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def test_mfsdp_save_load_resumes_exactly_and_loads_into_a_plain_model(tmp_path, world_of_one):
+@pytest.mark.parametrize("adam", ["foreach", "fused"])
+def test_mfsdp_save_load_resumes_exactly_and_loads_into_a_plain_model(tmp_path, world_of_one, adam):
     torch.manual_seed(0)
-    args, built, opt, sched, provider = _mfsdp_model(tmp_path)
+    flags = ["--optimizer-implementation", adam]
+    args, built, opt, sched, provider = _mfsdp_model(tmp_path, flags)
+    assert all(bool(g.get("fused")) == (adam == "fused") for g in opt.param_groups)
     _mfsdp_steps(built, opt, sched, 2, seed=0)
     save_checkpoint(2, built.model, opt, sched, args, consumed_train_samples=4)
     at_save = {name: _full(p).detach().clone() for name, p in built.model.named_parameters()}
@@ -136,7 +139,7 @@ def test_mfsdp_save_load_resumes_exactly_and_loads_into_a_plain_model(tmp_path, 
     _mfsdp_steps(built, opt, sched, 2, seed=1)
 
     torch.manual_seed(123)  # a different initialization, overwritten by the load
-    _, built2, opt2, sched2, _ = _mfsdp_model(tmp_path)
+    _, built2, opt2, sched2, _ = _mfsdp_model(tmp_path, flags)
     assert load_checkpoint(built2.model, opt2, sched2, args) == (2, 4)
     _mfsdp_steps(built2, opt2, sched2, 2, seed=1)
     for (name, a), (_, b) in zip(built.model.named_parameters(), built2.model.named_parameters()):
