@@ -26,6 +26,13 @@ where they allow it:
   which is Megatron's pretraining sampler. Positions are ``0 .. seq - 1`` (no per-document
   reset: the project's default).
 
+Initial weights: ``--save-initial-hf DIR`` writes torchtitan's initial weights (its seeded
+init) as a Hugging Face Llama directory through torchtitan's own ``Llama3StateDictAdapter``
+(which turns its complex-RoPE row order into Hugging Face's) and exits; ``--load-initial-hf
+DIR`` starts from such a directory instead (torchtitan's adapter back, its own merge of
+``wq``/``wk``/``wv`` into the fused ``wqkv``, each rank keeping its shard). The peer
+benchmark's ``--init torchtitan`` starts both trainers from the one directory.
+
 Per step the launcher records the wall time of ``train_step`` (barrier before it, as the
 project's benchmarks do) and torchtitan's logged global loss; at the end each rank's peak
 RSS (``ru_maxrss``). Rank 0 writes them to ``--out`` (JSON).
