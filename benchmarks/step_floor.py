@@ -15,8 +15,11 @@ Nothing else is timed: no norms, activations, RoPE, loss, collectives, optimizer
 ``--procs N`` runs N copies at once, one thread each (``OMP_NUM_THREADS=1``), as the peer
 benchmark's N ranks share the box; each copy reports the median of ``--reps`` repetitions,
 the floor is the slowest copy's. With ``--peer`` the floor is set beside that JSON's median
-steps: ``floor / torchtitan`` is the smallest step ratio any trainer doing this arithmetic
-in fp32 on this box could reach against torchtitan.
+steps: ``floor / torchtitan`` approximates the smallest step ratio a trainer doing this
+arithmetic in fp32 on this box could reach against torchtitan. Approximates: the products
+run here back to back, not between a step's other work, and this box's speed drifts by
+tens of percent from minute to minute, so set the floor beside steps timed in the same
+minutes (``torchtitan_peer.py --floor`` does, once per round).
 """
 
 from __future__ import annotations

@@ -366,8 +366,7 @@ def main() -> None:
     trainer = CpuTrainer(config)
     if opts.save_initial_hf is not None:
         save_initial_hf(trainer, opts)
-        trainer.close()
-        dist.destroy_process_group()
+        shut_down(trainer)
         return
     if opts.load_initial_hf is not None:
         load_initial_hf(trainer, opts.load_initial_hf)
@@ -404,7 +403,16 @@ def main() -> None:
         with open(opts.out, "w") as f:
             json.dump({"params": params, "step_s": seconds.tolist(), "losses": losses,
                        "peak_rss_mb_per_rank": [float(x) for x in gathered]}, f, indent=1)
+    shut_down(trainer)
+
+
+def shut_down(trainer) -> None:
+    """torchtitan's close, then the process group's, every rank in step: a rank that tore down
+    while the other was still closing aborted in C++ at exit ("terminate called without an
+    active exception", after its results were written) on the idle box."""
+    dist.barrier()
     trainer.close()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -451,7 +451,7 @@ def main() -> None:
                              "2026-12-06 19:00 UTC)")
     parser.add_argument("--floor", action="store_true",
                         help="each round also times the step's matrix products and attention alone "
-                             "(benchmarks/step_floor.py): what no trainer of this model gets below")
+                             "(benchmarks/step_floor.py), beside that round's torchtitan step")
     parser.add_argument("--work", default="/tmp/torchtitan_peer", help="logs and per-run outputs")
     parser.add_argument("--out", default=None, help="JSON (default results/torchtitan_peer_n<N>_<shape>.json)")
     parser.add_argument("--setup-venv", action="store_true", help="only create .venv-titan")
