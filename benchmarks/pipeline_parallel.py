@@ -62,6 +62,8 @@ def model_flags(hidden: int) -> str:
     the loss, about 2048 / (12 * hidden) of a layer's work per token: at hidden 128 over a
     layer, at 512 a third of one (the bubble formulas assume equal stages)."""
     return MODEL.format(hidden=hidden, heads=hidden // 32)
+
+
 WARMUP, STEPS = 2, 4
 TWO_RANK = ("dp2", "pp2", "pp2_vp2")
 

@@ -34,7 +34,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# torchtitan_peer.SHAPES (kept here so that this file imports nothing of the trainer).
+# The peer benchmark's two Llama shapes (torchtitan_peer.py takes them from here; this file
+# imports nothing of the trainer, so its copies run without loading it).
 SHAPES = {
     "small": dict(dim=256, layers=6, heads=16, ffn=768, vocab=2048, seq=512),
     "large": dict(dim=512, layers=8, heads=8, ffn=1536, vocab=2048, seq=1024),

@@ -85,6 +85,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
 import pretrain_gpt  # noqa: E402
+import step_floor  # noqa: E402  (benchmarks/, on sys.path as this script's directory)
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.batch_size_schedule import train_samples_needed  # noqa: E402
 from megatron.training.training import build_tokenizer_from_args  # noqa: E402
@@ -94,11 +95,10 @@ VENV = os.path.join(REPO, ".venv-titan")
 RESULTS = os.path.join(HERE, "results")
 CACHE = os.path.join(REPO, "data", "cache")
 
-SHAPES = {
-    "small": dict(dim=256, layers=6, heads=16, ffn=768, vocab=2048, seq=512, params=6_163_712),
-    "large": dict(dim=512, layers=8, heads=8, ffn=1536, vocab=2048, seq=1024, params=29_368_832),
-}
-MICRO_BATCH = 2
+# step_floor.py's shapes, with the parameter count both trainers must build.
+PARAMS = {"small": 6_163_712, "large": 29_368_832}
+SHAPES = {name: dict(shape, params=PARAMS[name]) for name, shape in step_floor.SHAPES.items()}
+MICRO_BATCH = step_floor.MICRO_BATCH
 LR = 8e-4
 VOCAB = 2048
 

@@ -18,6 +18,7 @@ import torch
 
 from megatron.core.datasets.utils import parse_split
 from megatron.core.extras import MissingExtra, require
+from megatron.core.optimizer import ADAM_IMPLEMENTATIONS
 from megatron.core.tokenizer import default_gpt2_vocab_files
 from megatron.core.tokenizer.factory import TOKENIZER_TYPES
 from megatron.core.transformer.transformer_config import check_recompute
@@ -141,7 +142,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--optimizer-implementation", dest="adam_implementation", choices=("foreach", "for-loop", "fused"),
+    g.add_argument("--optimizer-implementation", dest="adam_implementation", choices=ADAM_IMPLEMENTATIONS,
                    default="foreach",
                    help="AdamW's torch implementation: foreach (default; the per-parameter loop's bits, one dispatch "
                         "per operator), for-loop, or fused (one kernel per group, no temporaries, other rounding: "
