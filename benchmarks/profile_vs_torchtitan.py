@@ -136,7 +136,7 @@ def run_torchtitan(python, opts, shape, tokens, tokenizer, env, work) -> str:
             str(peer.MICRO_BATCH), "--steps", str(opts.steps), "--lr", str(peer.LR),
             "--dump-folder", os.path.join(work, "torchtitan"), "--out", os.path.join(work, "torchtitan.json"),
             "--profile-dir", trace_dir, "--profile-step-start", str(opts.profile_step_start),
-            "--profile-step-end", str(opts.profile_step_end)]
+            "--profile-step-end", str(opts.profile_step_end)] + (["--compile"] if opts.compiled else [])
     peer.torchrun(python, opts.nproc, args, env, os.path.join(work, "torchtitan.log"))
     return os.path.join(trace_dir, "rank0.trace.json")
 
@@ -145,7 +145,7 @@ def run_ours(opts, shape, tokenizer, prefix, env, work) -> str:
     log_dir, trace_dir = os.path.join(work, "ours_logs"), os.path.join(work, "ours_trace")
     for d in (log_dir, trace_dir):
         shutil.rmtree(d, ignore_errors=True)
-    flags = peer.ours_flags(shape, opts.nproc, opts.steps, tokenizer, prefix, log_dir, False, opts.engine)
+    flags = peer.ours_flags(shape, opts.nproc, opts.steps, tokenizer, prefix, log_dir, opts.compiled, opts.engine)
     flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(opts.profile_step_start),
               "--profile-step-end", str(opts.profile_step_end), "--profile-ranks", "0",
               "--tensorboard-dir", trace_dir]
@@ -175,6 +175,7 @@ def main_run(opts) -> None:
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time=time.time(),
                   commit=commit + (" (with uncommitted changes)" if dirty else ""),
                   load_average=os.getloadavg(), nproc=opts.nproc, shape=opts.shape, engine=opts.engine,
+                  variant="compiled" if opts.compiled else "eager",
                   steps=opts.steps, profiled_steps=[opts.profile_step_start, opts.profile_step_end],
                   ops_threshold=opts.ops_threshold, torchtitan=titan, ours=ours)
     out = os.path.join(RESULTS, f"profile_vs_torchtitan_{opts.label}.json")
@@ -188,7 +189,8 @@ def main_run(opts) -> None:
 def render_one(data: dict) -> str:
     titan, ours = data["torchtitan"], data["ours"]
     engine = {"mfsdp": "MFSDP ZeRO-3", "fsdp2": "torch FSDP2"}[data["engine"]]
-    lines = [f"## {data['label']}: {data['nproc']} ranks, {data['shape']} shape, ours on {engine}", "",
+    compiled = ", both compiled" if data.get("variant") == "compiled" else ""
+    lines = [f"## {data['label']}: {data['nproc']} ranks, {data['shape']} shape, ours on {engine}{compiled}", "",
              f"`{data['command']}`; {data['date']}, commit {data['commit']}, load average "
              f"{data['load_average'][0]:.1f}; rank 0, steps {data['profiled_steps'][0]}..{data['profiled_steps'][1] - 1} "
              f"(0-based) of {data['steps']}, ms per step (median over {ours['steps']} steps, each row on its own: "
@@ -251,6 +253,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=peer.SHAPES, default="small")
     parser.add_argument("--engine", choices=peer.ENGINES, default="mfsdp", help="our trainer's engine")
     parser.add_argument("--steps", type=int, default=7, help="training steps per run")
+    parser.add_argument("--compiled", action="store_true", help="both compiled: torchtitan --compile.enable, "
+                        "ours --compile-layers inductor (the peer benchmark's variant 'compiled')")
     parser.add_argument("--profile-step-start", type=int, default=3, help="first profiled step (0-based)")
     parser.add_argument("--profile-step-end", type=int, default=6, help="the step after the last profiled one")
     parser.add_argument("--ops-threshold", type=float, default=1.2,

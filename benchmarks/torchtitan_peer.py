@@ -52,7 +52,9 @@ What is the same on both sides:
   "ours_fsdp2"; it shards parameters, gradients and optimizer state like ZeRO-3, so it takes
   no sharding-strategy flag). Each is one more launch in every round, after torchtitan's.
 * **variant** ``compiled``: torchtitan ``--compile.enable`` (each block and the loss) against
-  ``--compile-layers inductor`` (each transformer layer).
+  ``--compile-layers inductor`` (each transformer layer). With both variants the JSON also
+  holds the issue's goal ratio, each trainer at its best settings (``ratios["best"]``): the
+  faster variant's pooled median on each side, and per round each side's faster variant.
 
 Each run is one ``torch.distributed.run`` launch; runs are interleaved
 (torchtitan, ours, torchtitan, ours, ... per variant, ``--rounds`` times), so drift of
@@ -315,6 +317,10 @@ def main_run(opts) -> None:
                          final_loss_rel_diff=(ours["final_loss"] - titan["final_loss"]) / titan["final_loss"],
                          final_loss_last3_rel_diff=(ours["final_loss_mean_last3"] - titan["final_loss_mean_last3"])
                          / titan["final_loss_mean_last3"])
+    if len(variants) > 1:
+        for side in ours_sides:
+            ratios["best" if side == "ours" else f"{side}_best"] = best_settings_ratio(runs, summary, side, variants,
+                                                                                       opts.warmup)
     result = dict(command=" ".join(["python", os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]), nproc=opts.nproc,
                   commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                         text=True).stdout.strip(), engines=engines, shape=opts.shape, shape_config=shape,
@@ -327,6 +333,31 @@ def main_run(opts) -> None:
         json.dump(result, f, indent=1)
     print(json.dumps(ratios, indent=1))
     print(f"-> {out}; python benchmarks/torchtitan_peer.py --report")
+
+
+def best_settings_ratio(runs: dict, summary: dict, side: str, variants: list, warmup: int) -> dict:
+    """The issue's goal ratio: each trainer at its best variant (eager or compiled), ours over
+    torchtitan's; pooled (the faster variant's pooled median on each side) and per round (each
+    side's faster variant in that round)."""
+    def fastest(name):
+        return min(variants, key=lambda v: summary[f"{name}_{v}"]["median_step_s"])
+
+    ours_v, titan_v = fastest(side), fastest("torchtitan")
+    per_round = []
+    for r in range(len(runs[f"torchtitan_{variants[0]}"])):
+        def best(name):
+            return min(statistics.median(runs[f"{name}_{v}"][r]["step_s"][warmup:]) for v in variants)
+        per_round.append(best(side) / best("torchtitan"))
+    return dict(step_ours_over_torchtitan=summary[f"{side}_{ours_v}"]["median_step_s"]
+                / summary[f"torchtitan_{titan_v}"]["median_step_s"],
+                per_round_step_ratios=per_round, ours_variant=ours_v, torchtitan_variant=titan_v)
+
+
+def best_text(data: dict) -> str:
+    best = data["ratios"]["best"]
+    return (f"each trainer at its faster variant (ours {best['ours_variant']}, torchtitan {best['torchtitan_variant']}):"
+            f" step ratio **{best['step_ours_over_torchtitan']:.2f}**; per round, each side's faster variant of "
+            "that round: " + ", ".join(f"{x:.2f}" for x in best["per_round_step_ratios"]))
 
 
 TABLE_HEAD = ["| ranks | shape | steps (warm-up) x rounds | initial weights | our AdamW | variant | trainer | "
@@ -393,6 +424,8 @@ def report(results_dir: str) -> str:
             notes.append(f"* {os.path.basename(path)}: {data['note']}")
         if "floor" in data["ratios"]:
             notes.append(f"* {os.path.basename(path)}: {floor_text(data)}")
+        if "best" in data["ratios"]:
+            notes.append(f"* {os.path.basename(path)}: {best_text(data)}")
         lines += table_rows(data)
     lines += ["", "Read with care: these runs shared a 2-core box with other jobs (the load average of each "
               "run is with its command below), so absolute times are several times an idle box's; the ratio "
