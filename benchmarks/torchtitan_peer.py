@@ -342,12 +342,12 @@ def best_settings_ratio(runs: dict, summary: dict, side: str, variants: list, wa
     def fastest(name):
         return min(variants, key=lambda v: summary[f"{name}_{v}"]["median_step_s"])
 
+    def fastest_in_round(name, r):
+        return min(statistics.median(runs[f"{name}_{v}"][r]["step_s"][warmup:]) for v in variants)
+
     ours_v, titan_v = fastest(side), fastest("torchtitan")
-    per_round = []
-    for r in range(len(runs[f"torchtitan_{variants[0]}"])):
-        def best(name):
-            return min(statistics.median(runs[f"{name}_{v}"][r]["step_s"][warmup:]) for v in variants)
-        per_round.append(best(side) / best("torchtitan"))
+    per_round = [fastest_in_round(side, r) / fastest_in_round("torchtitan", r)
+                 for r in range(len(runs[f"torchtitan_{variants[0]}"]))]
     return dict(step_ours_over_torchtitan=summary[f"{side}_{ours_v}"]["median_step_s"]
                 / summary[f"torchtitan_{titan_v}"]["median_step_s"],
                 per_round_step_ratios=per_round, ours_variant=ours_v, torchtitan_variant=titan_v)
