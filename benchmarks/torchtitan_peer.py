@@ -353,11 +353,13 @@ def best_settings_ratio(runs: dict, summary: dict, side: str, variants: list, wa
                 per_round_step_ratios=per_round, ours_variant=ours_v, torchtitan_variant=titan_v)
 
 
-def best_text(data: dict) -> str:
-    best = data["ratios"]["best"]
-    return (f"each trainer at its faster variant (ours {best['ours_variant']}, torchtitan {best['torchtitan_variant']}):"
-            f" step ratio **{best['step_ours_over_torchtitan']:.2f}**; per round, each side's faster variant of "
-            "that round: " + ", ".join(f"{x:.2f}" for x in best["per_round_step_ratios"]))
+def best_text(data: dict, key: str = "best") -> str:
+    """``ratios[key]`` (``best``, or ``<side>_best`` for another of our engines) in words."""
+    best = data["ratios"][key]
+    side = "ours" if key == "best" else key[:-len("_best")]
+    return (f"each trainer at its faster variant ({side} {best['ours_variant']}, torchtitan "
+            f"{best['torchtitan_variant']}): step ratio **{best['step_ours_over_torchtitan']:.2f}**; per round, each "
+            "side's faster variant of that round: " + ", ".join(f"{x:.2f}" for x in best["per_round_step_ratios"]))
 
 
 TABLE_HEAD = ["| ranks | shape | steps (warm-up) x rounds | initial weights | our AdamW | variant | trainer | "
@@ -460,6 +462,8 @@ def report(results_dir: str) -> str:
             lines += [f"Note: {data['note']}", ""]
         if "floor" in data["ratios"]:
             lines += [f"Floor: {floor_text(data)}.", ""]
+        lines += [f"Best settings: {best_text(data, key)}.\n" for key in data["ratios"]
+                  if key == "best" or key.endswith("_best")]
     text = "\n".join(lines)
     with open(os.path.join(results_dir, "torchtitan_peer.md"), "w") as f:
         f.write(text)
