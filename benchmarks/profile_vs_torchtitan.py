@@ -24,7 +24,12 @@ torchtitan's default loss (``ChunkedLossWrapper``) runs the output projection, t
 cross-entropy and both of their backwards chunk by chunk inside its loss call, so its "loss"
 holds work that ours counts as forward and backward: compare "forward + loss + backward";
 "other" is the rest of the step (zeroing gradients, moving the batch, the global token count,
-the trainer's bookkeeping). Under each table, for every phase where ours takes more than
+the trainer's bookkeeping). Under each table, the kernels both trainers run on the same
+shapes (matrix products and attention, ``PRODUCT_OPS``) are summed per side, with the ratio
+ours would reach against torchtitan's step if nothing but those kernels were left: a bound
+on what removing overhead can buy (at one rank, where neither trainer shards or waits on a
+peer, it is the bound; at two ranks on two cores a kernel also slows by what shares its
+core). Then, for every phase where ours takes more than
 ``--ops-threshold`` times torchtitan's and at least 2 ms more, the operators with the most
 self time in that phase on each side (self time: the operator's wall time less the
 operators and ranges it calls; the phase's time outside any operator, the trainers' and the
@@ -56,13 +61,23 @@ import torchtitan_peer as peer  # noqa: E402  (the shapes, flags, token file and
 
 RESULTS = peer.RESULTS
 PHASES = ["data", "forward", "loss", "backward", "grad-finalize", "optimizer", "logging"]
+# The kernels both trainers run on the same shapes (step_floor.py's "products"): matrix
+# products and the attention kernel, forward and backward. Their self time is the kernel.
+PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+               "aten::_scaled_dot_product_flash_attention_for_cpu",
+               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 # Reading a trace -------------------------------------------------------------------------
 def _complete_events(path: str) -> list:
+    """The trace's complete events, less gloo's ``gloo:<collective>`` spans: each runs from
+    the issue of an asynchronous collective to its completion on the caller's thread, so
+    it overlaps the operators after it without enclosing them, and would otherwise take
+    them from their true parent (whose self time would then hold their time)."""
     with open(path) as f:
         trace = json.load(f)
-    return [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    return [e for e in trace["traceEvents"]
+            if e.get("ph") == "X" and "dur" in e and not e.get("name", "").startswith("gloo:")]
 
 
 def _contains(outer: dict, inner: dict) -> bool:
@@ -186,6 +201,26 @@ def main_run(opts) -> None:
 
 
 # The report ------------------------------------------------------------------------------
+# Runs recorded before this time (2026-12-07 00:20 UTC) were read with gloo's spans kept.
+GLOO_SPANS_DROPPED_SINCE = 1796602800
+def products_ms(side: dict) -> float:
+    """Self ms per step of PRODUCT_OPS over all phases (each a median over the steps)."""
+    return sum(ops.get(name, 0.0) for ops in side["ops"].values() for name in PRODUCT_OPS)
+
+
+def products_text(titan: dict, ours: dict) -> str:
+    """The share of each step in the kernels both trainers share, and the lowest step ratio
+    ours could reach against this torchtitan step with everything else removed: the same
+    kernels timed in torchtitan's run (its own share; no drift of the box between the two
+    runs enters it) and as timed in ours."""
+    pt, po = products_ms(titan), products_ms(ours)
+    t, o = titan["total_ms"], ours["total_ms"]
+    return (f"Matrix products and attention kernels (self time, all phases): torchtitan {pt:.1f} ms "
+            f"({pt / t:.0%} of its step), ours {po:.1f} ms ({po / o:.0%}); the rest of the step: torchtitan "
+            f"{t - pt:.1f} ms, ours {o - po:.1f} ms. With nothing but these kernels left, ours would take "
+            f"**{pt / t:.2f}** of torchtitan's step at torchtitan's kernel times ({po / t:.2f} at ours').")
+
+
 def render_one(data: dict) -> str:
     titan, ours = data["torchtitan"], data["ours"]
     engine = {"mfsdp": "MFSDP ZeRO-3", "fsdp2": "torch FSDP2"}[data["engine"]]
@@ -199,6 +234,10 @@ def render_one(data: dict) -> str:
              "|---|---|---|---|---|"]
     if data.get("note"):  # a remark added to the JSON by hand: what the run's code was
         lines[2:2] = [f"Note: {data['note']}", ""]
+    if data.get("time", 0.0) < GLOO_SPANS_DROPPED_SINCE:
+        lines[2:2] = ["Read before the reader dropped gloo's asynchronous spans (`_complete_events`): the phases, "
+                      "the step and the products stand; in the operator tables an autograd node may hold the "
+                      "time of operators that ran under it.", ""]
     for phase in PHASES + ["other"]:
         t, o = titan["phases"][phase], ours["phases"][phase]
         ratio = f"{o / t:.2f}" if t > 0.05 else "-"
@@ -208,7 +247,7 @@ def render_one(data: dict) -> str:
     t, o = titan["total_ms"], ours["total_ms"]
     lines += [f"| **step** | **{t:.1f}** | **{o:.1f}** | **{o - t:+.1f}** | **{o / t:.2f}** |", "",
               "Steps (ms): torchtitan " + ", ".join(f"{x:.0f}" for x in titan["step_ms"]) + "; ours "
-              + ", ".join(f"{x:.0f}" for x in ours["step_ms"]) + ".", ""]
+              + ", ".join(f"{x:.0f}" for x in ours["step_ms"]) + ".", "", products_text(titan, ours), ""]
     for phase in PHASES + ["other"]:
         t, o = titan["phases"][phase], ours["phases"][phase]
         if o - t < 2.0 or (t > 0 and o / t < data["ops_threshold"]):
