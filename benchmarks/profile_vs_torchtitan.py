@@ -203,6 +203,8 @@ def main_run(opts) -> None:
 # The report ------------------------------------------------------------------------------
 # Runs recorded before this time (2026-12-07 00:20 UTC) were read with gloo's spans kept.
 GLOO_SPANS_DROPPED_SINCE = 1796602800
+
+
 def products_ms(side: dict) -> float:
     """Self ms per step of PRODUCT_OPS over all phases (each a median over the steps)."""
     return sum(ops.get(name, 0.0) for ops in side["ops"].values() for name in PRODUCT_OPS)
