@@ -145,13 +145,9 @@ def step_breakdown(path: str) -> dict:
 def run_torchtitan(python, opts, shape, tokens, tokenizer, env, work) -> str:
     trace_dir = os.path.join(work, "torchtitan_trace")
     shutil.rmtree(trace_dir, ignore_errors=True)
-    args = [os.path.join(HERE, "torchtitan_cpu_launcher.py"), "--tokens", tokens, "--tokenizer", tokenizer,
-            "--dim", str(shape["dim"]), "--layers", str(shape["layers"]), "--heads", str(shape["heads"]),
-            "--vocab", str(shape["vocab"]), "--seq-len", str(shape["seq"]), "--local-batch-size",
-            str(peer.MICRO_BATCH), "--steps", str(opts.steps), "--lr", str(peer.LR),
-            "--dump-folder", os.path.join(work, "torchtitan"), "--out", os.path.join(work, "torchtitan.json"),
-            "--profile-dir", trace_dir, "--profile-step-start", str(opts.profile_step_start),
-            "--profile-step-end", str(opts.profile_step_end)] + (["--compile"] if opts.compiled else [])
+    args = peer.titan_args(opts.steps, work, shape, tokens, tokenizer, "torchtitan") + [
+        "--profile-dir", trace_dir, "--profile-step-start", str(opts.profile_step_start),
+        "--profile-step-end", str(opts.profile_step_end)] + (["--compile"] if opts.compiled else [])
     peer.torchrun(python, opts.nproc, args, env, os.path.join(work, "torchtitan.log"))
     return os.path.join(trace_dir, "rank0.trace.json")
 

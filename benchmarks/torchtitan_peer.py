@@ -182,12 +182,14 @@ def torchrun(python: str, nproc: int, script_and_args: list, env: dict, log: str
     return time.time() - start
 
 
-def titan_args(opts, shape, tokens, tokenizer, tag) -> list:
+def titan_args(steps: int, work: str, shape, tokens, tokenizer, tag) -> list:
+    """torchtitan's launcher arguments for this model, tokens and recipe; its dump folder
+    and result file are ``<work>/<tag>`` and ``<work>/<tag>.json``."""
     return [os.path.join(HERE, "torchtitan_cpu_launcher.py"), "--tokens", tokens, "--tokenizer", tokenizer,
             "--dim", str(shape["dim"]), "--layers", str(shape["layers"]), "--heads", str(shape["heads"]),
             "--vocab", str(shape["vocab"]), "--seq-len", str(shape["seq"]), "--local-batch-size", str(MICRO_BATCH),
-            "--steps", str(opts.steps), "--lr", str(LR), "--dump-folder", os.path.join(opts.work, tag),
-            "--out", os.path.join(opts.work, f"{tag}.json")]
+            "--steps", str(steps), "--lr", str(LR), "--dump-folder", os.path.join(work, tag),
+            "--out", os.path.join(work, f"{tag}.json")]
 
 
 def shared_initial_weights(python, opts, shape, tokens, tokenizer, env) -> tuple:
@@ -197,7 +199,8 @@ def shared_initial_weights(python, opts, shape, tokens, tokenizer, env) -> tuple
     hf_dir, ckpt = os.path.join(opts.work, "initial_hf"), os.path.join(opts.work, "initial_mfsdp")
     for path in (hf_dir, ckpt):
         shutil.rmtree(path, ignore_errors=True)
-    torchrun(python, opts.nproc, titan_args(opts, shape, tokens, tokenizer, "initial") + ["--save-initial-hf", hf_dir],
+    torchrun(python, opts.nproc,
+             titan_args(opts.steps, opts.work, shape, tokens, tokenizer, "initial") + ["--save-initial-hf", hf_dir],
              env, os.path.join(opts.work, "initial.log"))
     subprocess.run([sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert.py"), "--input", hf_dir,
                     "--to", "mfsdp", "--output", ckpt, "--quiet"], check=True, stdout=subprocess.DEVNULL)
@@ -215,7 +218,7 @@ def step_floor(opts, out: str) -> float:
 
 def run_titan(python, opts, shape, tokens, tokenizer, compiled, env, tag):
     out = os.path.join(opts.work, f"{tag}.json")
-    args = titan_args(opts, shape, tokens, tokenizer, tag)
+    args = titan_args(opts.steps, opts.work, shape, tokens, tokenizer, tag)
     if compiled:
         args.append("--compile")
     if opts.initial_hf is not None:
